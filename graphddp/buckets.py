@@ -1,0 +1,112 @@
+"""A bucket's flat gradient buffer, its lifecycle, and the view of it that comm hooks get.
+
+Lifecycle of one bucket in one iteration (Note [Bucket lifecycle]):
+
+    reset() ──► mark_ready(slot) × len(params) ──► start(future) ──► finish() -> reduced buffer
+      ▲                                                                              │
+      └──────────────────────────────────── next iteration ◄────────────────────────┘
+
+``mark_ready`` returns True when the last slot arrives; the Reducer then *starts* the bucket, but only when all
+buckets with a smaller index have started, so every rank launches collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .passes import Bucket
+
+
+class FlatBucket:
+    """One bucket of the plan: a flat buffer holding its gradients and the per-parameter views into it."""
+
+    def __init__(self, spec: Bucket, params: list[torch.nn.Parameter], param_indices: list[int]) -> None:
+        assert len(params) == len(spec.params) == len(param_indices)
+        self.spec = spec
+        self.index = spec.index
+        self.params = params
+        self.param_indices = param_indices
+        # [numel]: the gradients of `params`, back to back, in plan order.
+        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in spec.params:
+            self.views.append(self.buffer[offset : offset + p.numel].view(p.shape))
+            offset += p.numel
+        self._ready = [False] * len(params)
+        self._pending = len(params)
+        self.future: torch.futures.Future | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = len(self.params)
+        self.future = None
+
+    def is_ready(self, slot: int) -> bool:
+        return self._ready[slot]
+
+    def mark_ready(self, slot: int) -> bool:
+        """Record that the gradient in ``slot`` is in the buffer; True when it was the last one missing."""
+        assert not self._ready[slot], "the Reducer checks double readiness before calling mark_ready"
+        self._ready[slot] = True
+        self._pending -= 1
+        return self._pending == 0
+
+    @property
+    def complete(self) -> bool:
+        return self._pending == 0
+
+    def missing_slots(self) -> list[int]:
+        return [i for i, ready in enumerate(self._ready) if not ready]
+
+    def start(self, future: torch.futures.Future) -> None:
+        assert self.future is None, f"bucket {self.index} started twice"
+        self.future = future
+
+    @property
+    def started(self) -> bool:
+        return self.future is not None
+
+
+class GradBucket:
+    """What a communication hook receives: behaves like ``torch.distributed.GradBucket``.
+
+    PyTorch's hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``) only
+    use the methods below, so they run unchanged on graphddp's buckets. ``gradients()`` returns views into the
+    current buffer: PowerSGD writes through them and returns the buffer.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list[torch.nn.Parameter], is_last: bool) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._params = params
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    # The name older PyTorch hooks use.
+    is_the_last_bucket_to_allreduce = is_last
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return views
+
+    def __repr__(self) -> str:
+        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, params={len(self._params)})"

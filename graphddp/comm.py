@@ -1,0 +1,164 @@
+"""Collectives graphddp needs around the Reducer: coalesced broadcast, the cross-rank parameter check, the
+default averaging hook, and where collectives run (a dedicated CUDA stream, or nowhere special on CPU).
+
+Everything goes through ``torch.distributed`` process groups; graphddp has no transport of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .passes import MiB, ParamSpec
+
+BROADCAST_CAP_BYTES = 250 * MiB
+"""Tensors are broadcast in flat chunks of at most this size (PyTorch's DDP uses the same figure)."""
+
+
+# -- coalesced broadcast ------------------------------------------------------------------------------------
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor],
+    *,
+    src: int,
+    group: dist.ProcessGroup,
+    cap_bytes: int = BROADCAST_CAP_BYTES,
+) -> int:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values (``src`` is a rank in ``group``).
+
+    Tensors are grouped by dtype and device and flattened into chunks of at most ``cap_bytes``, so a model
+    costs a few large collectives, not one per tensor. Returns the number of collectives issued.
+    """
+    chunks = _chunk_by_dtype_device([t for t in tensors if t.numel() > 0], cap_bytes)
+    receiving = dist.get_rank(group) != src
+    pending = []
+    with torch.no_grad():
+        for chunk in chunks:
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if len(chunk) > 1 else chunk[0].detach().reshape(-1).clone()
+            work = dist.broadcast(flat, group=group, group_src=src, async_op=True)
+            pending.append((work, flat, chunk))
+        for work, flat, chunk in pending:
+            work.wait()
+            if receiving:
+                offset = 0
+                for t in chunk:
+                    t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+    return len(chunks)
+
+
+def _chunk_by_dtype_device(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        chunks = groups.setdefault(key, [[]])
+        nbytes = t.numel() * t.element_size()
+        if chunks[-1] and sizes[key] + nbytes > cap_bytes:
+            chunks.append([])
+            sizes[key] = 0
+        chunks[-1].append(t)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+# -- all ranks hold the same parameters ---------------------------------------------------------------------
+class ModelMismatchError(ValueError):
+    """Ranks wrapped different models; raised on every rank."""
+
+
+def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) -> None:
+    """Check on every rank that all ranks hold the same parameters (count, names, shapes, dtypes, order).
+
+    Two small collectives when the models agree (a digest each); on a mismatch, every rank gathers the full
+    lists and raises the same ``ModelMismatchError`` naming the first differing entry and the ranks involved.
+    """
+    rows = [f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" for s in specs]
+    digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
+    world = dist.get_world_size(group)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest, group=group)
+    if all(d == digests[0] for d in digests):
+        return
+    all_rows: list[Any] = [None] * world
+    dist.all_gather_object(all_rows, rows, group=group)
+    raise ModelMismatchError(_describe_mismatch(all_rows, dist.get_rank(group)))
+
+
+def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
+    longest = max(len(r) for r in all_rows)
+    for i in range(longest):
+        entries = [rows[i] if i < len(rows) else "<missing>" for rows in all_rows]
+        if any(e != entries[0] for e in entries):
+            differing = [r for r, e in enumerate(entries) if e != entries[0]]
+            counts = ", ".join(f"rank {r}: {len(rows)}" for r, rows in enumerate(all_rows))
+            return (
+                f"[rank {rank}] graphddp.DDP: the ranks wrapped different models. First difference at entry #{i}: "
+                f"rank 0 has {entries[0]!r}, "
+                + "; ".join(f"rank {r} has {entries[r]!r}" for r in differing)
+                + f" (parameters and buffers per rank: {counts}). Build the same model on every rank (same "
+                "parameters and buffers, same order, shapes and dtypes) before wrapping it in graphddp.DDP."
+            )
+    raise AssertionError("digests differ but the rows are equal")
+
+
+# -- the default communication hook -------------------------------------------------------------------------
+class AverageState:
+    """State of graphddp's default hook: the group, and what to divide the sum by in this iteration."""
+
+    def __init__(self, process_group: dist.ProcessGroup) -> None:
+        self.process_group = process_group
+        self.divisor: int = dist.get_world_size(process_group)
+
+
+def average_allreduce_hook(state: AverageState, bucket: Any) -> torch.futures.Future:
+    """Sum the bucket over ranks and divide by ``state.divisor`` (the world size, or the non-joined ranks)."""
+    buffer = bucket.buffer()
+    buffer.div_(state.divisor)  # before the sum, as PyTorch does, so low precision sums do not overflow
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# -- where collectives run ----------------------------------------------------------------------------------
+class HostComm:
+    """Collectives issued from the calling thread; gloo's own threads overlap them with compute."""
+
+    def launch(self, fn):
+        return fn()
+
+    def wait(self, future: torch.futures.Future):
+        return future.wait()
+
+    def join_compute(self) -> None:
+        pass
+
+
+class CudaCommStream:
+    """Collectives on a dedicated CUDA stream, ordered against the compute stream with events.
+
+    The comm stream waits for the compute stream before a bucket is launched (its gradients are complete),
+    and the compute stream waits for the comm stream before averaged gradients are written back.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def launch(self, fn):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            return fn()
+
+    def wait(self, future: torch.futures.Future):
+        with torch.cuda.stream(self.stream):
+            return future.wait()
+
+    def join_compute(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def comm_for(device: torch.device) -> HostComm | CudaCommStream:
+    return CudaCommStream(device) if device.type == "cuda" else HostComm()

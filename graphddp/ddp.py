@@ -1,0 +1,367 @@
+"""``graphddp.DistributedDataParallel``: the module users wrap, with PyTorch's DDP API on graphddp's Reducer.
+
+The wrapper owns what happens around the user's forward (buffer broadcast, join bookkeeping, arming the
+Reducer); the Reducer (``graphddp.reducer``) owns everything that happens during backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from .comm import broadcast_coalesced, comm_for, verify_same_params
+from .passes import ParamSpec, caps_from_mb, plan_buckets
+from .reducer import Reducer
+from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """How a ``DistributedDataParallel`` synchronises; validated once, never mutated."""
+
+    bucket_cap_mb: float = 25
+    """Cap of every bucket but the first, in MiB."""
+    first_bucket_cap_mb: float = 1
+    """Cap of the first bucket, in MiB: small, so the first all-reduce starts early in backward."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward."""
+    find_unused_parameters: bool = False
+    """Search the autograd graph after each forward for parameters that will get no gradient."""
+    gradient_as_bucket_view: bool = False
+    """Make ``param.grad`` a view into its bucket's flat buffer, saving one gradient-sized copy."""
+    static_graph: bool = False
+    """Promise that the set of used parameters never changes: search once, then skip the search."""
+
+    def __post_init__(self) -> None:
+        for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+            value = getattr(self, field)
+            if not isinstance(value, bool):
+                raise TypeError(f"graphddp.DDP: {field} must be True or False, got {value!r}")
+        caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb)
+
+    @property
+    def caps_bytes(self) -> tuple[int, int]:
+        """``(bucket_cap_bytes, first_bucket_cap_bytes)``."""
+        return caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb)
+
+    def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
+        if self.static_graph:
+            return StaticGraph()
+        if self.find_unused_parameters:
+            return SearchEveryIteration()
+        return ExpectAllUsed()
+
+
+class DistributedDataParallel(nn.Module, Joinable):
+    """Data-parallel training with bucketed, overlapped gradient all-reduce; a drop-in for PyTorch's DDP.
+
+    Construction is collective: every rank checks that all ranks hold the same parameters and buffers, then rank
+    0's values are broadcast. See ``docs/`` and Note [Reducer] in ``graphddp.reducer`` for how backward works.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = 25,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        first_bucket_cap_mb: float = 1,
+        *,
+        dim: int = 0,
+    ) -> None:
+        super().__init__()
+        Joinable.__init__(self)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"graphddp.DDP wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            raise ValueError("graphddp.DDP: the module is already wrapped in a DistributedDataParallel; wrap the inner module")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "graphddp.DDP needs a process group: call torch.distributed.init_process_group() first "
+                "(launch with torchrun, or spawn ranks and pass rank/world_size)"
+            )
+        if dim != 0:
+            raise ValueError(f"graphddp.DDP does not scatter inputs; dim must be 0, got {dim}")
+        self.options = DDPOptions(
+            bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                f"[rank {self.rank}] graphddp.DDP: the module has no parameter that requires a gradient, so there "
+                "is nothing to synchronise; do not wrap it."
+            )
+        self.device = _single_device([p for _, p in module.named_parameters()], self.rank)
+        self.device_ids = _check_device_ids(device_ids, output_device, self.device, self.rank)
+
+        verify_same_params(
+            [ParamSpec.of(f"parameter {n}", p) for n, p in module.named_parameters()]
+            + [ParamSpec.of(f"buffer {n}", b) for n, b in module.named_buffers()],
+            group=self.process_group,
+        )
+        if self.world_size > 1:
+            state = [p.detach() for p in module.parameters()]
+            state += [b.detach() for b in module.buffers()] if broadcast_buffers else []
+            broadcast_coalesced(state, src=0, group=self.process_group)
+
+        bucket_cap, first_cap = self.options.caps_bytes
+        plan = plan_buckets(
+            [ParamSpec.of(n, p) for n, p in reversed(named)],
+            bucket_cap_bytes=bucket_cap,
+            first_bucket_cap_bytes=first_cap,
+            source="registration",
+        )
+        self.reducer = Reducer(
+            named,
+            plan,
+            process_group=self.process_group,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            usage=self.options.usage_policy(),
+            comm=comm_for(self.device),
+        )
+        self.require_backward_grad_sync = True
+        self._sync_buffers_next_forward = True
+        logger.info(
+            "[rank %d] graphddp.DDP: %d trainable parameters in %d buckets (bytes %s), world size %d",
+            self.rank,
+            len(named),
+            len(plan.buckets),
+            [b.nbytes for b in plan.buckets],
+            self.world_size,
+        )
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._pre_forward()
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
+        output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    def _pre_forward(self) -> None:
+        work = Join.notify_join_context(self)
+        if work is not None:
+            self.reducer.active.set_join_work(work)
+        self.reducer.prepare_for_forward()
+        if torch.is_grad_enabled() and self.reducer.rebuild_pending:
+            self.reducer.rebuild_from_ready_order()
+        if self._will_sync_buffers():
+            src = self._find_common_rank(True) if self._join_config.enable else 0
+            self._broadcast_buffers(src)
+        if self._join_config.enable:
+            self._agree_on_backward_sync(joined=False)
+
+    def _post_forward(self, output: Any) -> Any:
+        synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synchronise:
+            self.reducer.prepare_for_backward(output)
+        # As in PyTorch: buffers are broadcast before a forward only if the previous one was synchronised.
+        self._sync_buffers_next_forward = synchronise
+        return output
+
+    # -- buffers and state -------------------------------------------------------------------------------------
+    def _will_sync_buffers(self) -> bool:
+        return (
+            self.world_size > 1
+            and self.options.broadcast_buffers
+            and self._sync_buffers_next_forward
+            and any(True for _ in self.module.buffers())
+        )
+
+    def _broadcast_buffers(self, src: int) -> None:
+        # Buffers may have been replaced since construction: look them up each time.
+        broadcast_coalesced([b.detach() for b in self.module.buffers()], src=src, group=self.process_group)
+
+    def _find_common_rank(self, candidate: bool) -> int:
+        """The largest rank among those with ``candidate`` True (a collective)."""
+        rank = torch.tensor([self.rank if candidate else -1], device=self.join_device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        assert rank.item() >= 0, "no rank volunteered as the authoritative copy"
+        return int(rank.item())
+
+    # -- user API ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside the context synchronises the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+        """Replace the averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``, as in PyTorch.
+
+        ``bucket`` behaves like ``torch.distributed.GradBucket``, so PyTorch's own hooks
+        (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+        ``powerSGD_hook.powerSGD_hook``) work unchanged.
+        """
+        if not callable(hook):
+            raise TypeError(f"graphddp.DDP.register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        params = [
+            p
+            for p in inspect.signature(hook).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        if len(params) != 2:
+            raise TypeError(
+                "graphddp.DDP.register_comm_hook: a hook takes exactly two arguments (state, bucket), "
+                f"got {inspect.signature(hook)}"
+            )
+        if self.reducer.has_custom_comm_hook:
+            raise RuntimeError("graphddp.DDP.register_comm_hook can only be called once")
+        self.reducer.set_comm_hook(state, hook)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs: ranks that run out of data shadow the others' collectives.
+
+        Built on ``torch.distributed.algorithms.Join``; the arguments mean what they mean for PyTorch's DDP.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer._coll_device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    @property
+    def bucket_plan(self):
+        """The ``BucketPlan`` the Reducer runs on now."""
+        return self.reducer.plan
+
+    # -- join internals ----------------------------------------------------------------------------------------
+    def _agree_on_backward_sync(self, joined: bool) -> bool | None:
+        """Tell joined ranks whether this iteration synchronises gradients (they then shadow the backward)."""
+        flag = torch.zeros(1, device=self.join_device)
+        if not joined and self.require_backward_grad_sync:
+            flag += 1
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        if not joined:
+            return None
+        work.wait()
+        return bool(flag.item() != 0)
+
+    def _shadow_iteration(self) -> None:
+        """What a joined rank does while others still train: mirror their forward and backward collectives."""
+        if self.reducer.rebuild_pending:
+            self.reducer.rebuild_from_ready_order()
+        if self._will_sync_buffers():
+            self._broadcast_buffers(self._find_common_rank(False))
+        should_sync = self._agree_on_backward_sync(joined=True)
+        self._sync_buffers_next_forward = bool(should_sync)
+        if should_sync:
+            self.reducer.shadow_backward()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After all ranks joined, the last joiner's parameters (and buffers) become everyone's."""
+        src = self._find_common_rank(is_last_joiner)
+        state = [p.detach() for p in self.module.parameters()]
+        state += [b.detach() for b in self.module.buffers()] if self.options.broadcast_buffers else []
+        broadcast_coalesced(state, src=src, group=self.process_group)
+
+
+DDP = DistributedDataParallel
+
+
+class _DDPJoinHook(JoinHook):
+    """Join hook: shadow one iteration per main_hook call, then agree on the final model."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp.reducer.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
+
+
+def _single_device(params: list[nn.Parameter], rank: int) -> torch.device:
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) != 1:
+        raise ValueError(
+            f"[rank {rank}] graphddp.DDP: the module's parameters live on several devices {devices}; "
+            "graphddp.DDP supports single-device modules: one rank per device."
+        )
+    return params[0].device
+
+
+def _check_device_ids(
+    device_ids: list[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    device: torch.device,
+    rank: int,
+) -> list[int] | None:
+    if device_ids is None:
+        return None
+    if device.type == "cpu":
+        raise ValueError(
+            f"[rank {rank}] graphddp.DDP: device_ids must be None for a module on the CPU, got {device_ids}"
+        )
+    if len(device_ids) != 1:
+        raise ValueError(
+            f"[rank {rank}] graphddp.DDP: device_ids must name the single device of this rank, got {device_ids}"
+        )
+    wanted = torch.device(device.type, device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+    if wanted != device:
+        raise ValueError(
+            f"[rank {rank}] graphddp.DDP: device_ids={device_ids} but the module is on {device}; move the "
+            "module to its device before wrapping it."
+        )
+    return [wanted.index]
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_move_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_move_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_to(v, device) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,49 @@
+"""How ``param.grad`` relates to its bucket slice: two small policies, chosen once at construction."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CopiedGrads:
+    """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
+
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:  # unused here: contribute zeros
+            view.zero_()
+        else:
+            view.copy_(grad)
+
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        if param.grad is None:
+            param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(view)
+        else:
+            param.grad.copy_(view)
+
+    def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
+        """Buckets were re-planned; nothing points into the old buffers."""
+
+
+class BucketViewGrads:
+    """``gradient_as_bucket_view=True``: ``param.grad`` *is* the bucket slice, so no gradient-sized copy lives
+    next to the bucket. After ``zero_grad(set_to_none=True)`` autograd hands us a fresh tensor once; it is
+    copied into the slice and ``param.grad`` re-pointed, and later accumulation happens in place."""
+
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        if param.grad is None:  # unused on this rank, used on another: the average is its gradient
+            param.grad = view
+
+    def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
+        """Buckets were re-planned: keep the gradient's value, now in its new slice."""
+        if param.grad is not None:
+            new_view.copy_(param.grad)
+            param.grad = new_view

@@ -1,0 +1,456 @@
+"""The Reducer: turns per-parameter "gradient ready" signals into one collective per bucket, during backward.
+
+Note [Reducer]
+~~~~~~~~~~~~~~
+One iteration, on every rank:
+
+1. ``prepare_for_backward(outputs)`` (end of the DDP forward): arm, reset every bucket, ask the usage policy
+   which parameters will get no gradient (``graphddp.unused``) and mark those ready at once.
+2. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final. The gradient goes
+   into its bucket slice (``graphddp.grad_layout``); when a bucket is complete, every complete bucket from
+   ``next_to_launch`` on is handed to the comm hook, asynchronously, in index order. A bucket that is ready
+   early waits for its predecessors, so all ranks issue collectives in the same order. The first hook queues
+   ``_finalize`` as an autograd engine callback.
+3. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current
+   ``.grad``) so every bucket is launched on every rank (never a hang), launch the usage all-reduce, wait on
+   the futures in bucket order, write the averages back (parameters unused on *every* rank keep ``.grad`` as it
+   was), and turn a missing gradient into an error for the next forward when the policy forbids it.
+
+Custom comm hooks may chain further collectives in future callbacks (PowerSGD does, from gloo's threads). If
+bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
+a collective mismatch (PyTorch's DDP hangs this way with PowerSGD on gloo and several buckets). So with a
+custom hook, bucket k+1 starts only once bucket k's future has completed (``ChainedLaunch``); collectives of
+one group run one at a time anyway, so little overlap is lost. graphddp's own hook chains nothing and
+launches every ready bucket at once (``EagerLaunch``).
+
+After the first synchronised iteration the buckets are re-planned once in the order gradients really became
+ready (rank 0's order, broadcast), as PyTorch does. ``adopt(plan)`` installs any plan, including one made from
+a compiled graph: the Reducer does not care where its plan came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+from .buckets import FlatBucket, GradBucket
+from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook
+from .grad_layout import BucketViewGrads, CopiedGrads
+from .passes import BucketPlan, ParamSpec, plan_buckets
+from .trace import NullEvents
+from .unused import ExpectAllUsed, find_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class EagerLaunch:
+    """Launch a complete bucket at once: the hook issues one collective and chains none."""
+
+    @staticmethod
+    def may_launch(previous: FlatBucket | None) -> bool:
+        return True
+
+
+class ChainedLaunch:
+    """Launch a bucket only after its predecessor's future completed (see Note [Reducer])."""
+
+    @staticmethod
+    def may_launch(previous: FlatBucket | None) -> bool:
+        return previous is None or (previous.future is not None and previous.future.done())
+
+
+class ActiveRanks:
+    """How many ranks take part in this iteration: the world, or (under ``join``) the non-joined ranks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._work: Any = None
+        self._tensor: torch.Tensor | None = None
+
+    def set_join_work(self, work: Any) -> None:
+        """The all-reduce of ones that ``Join.notify_join_context`` issued this iteration."""
+        self._work = work
+
+    def count(self) -> int:
+        if self._work is None:
+            return self.world_size
+        self._work.wait()
+        return int(self._work.result()[0].item())
+
+    def clear(self) -> None:
+        self._work = None
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for a list of parameters (see Note [Reducer])."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        plan: BucketPlan,
+        *,
+        process_group: dist.ProcessGroup,
+        gradient_as_bucket_view: bool = False,
+        usage: Any = None,
+        comm: HostComm | CudaCommStream | None = None,
+        divide_by_initial_world_size: bool = True,
+    ) -> None:
+        self._names = [n for n, _ in named_params]
+        self._params = [p for _, p in named_params]
+        self._index_of_name = {n: i for i, n in enumerate(self._names)}
+        self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
+        self._group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._layout = BucketViewGrads() if gradient_as_bucket_view else CopiedGrads()
+        self.usage_policy = usage if usage is not None else ExpectAllUsed()
+        self._comm = comm if comm is not None else HostComm()
+        self._coll_device = _collective_device(process_group, self._params[0].device)
+        self._usage_group = _side_group(process_group) if self.world_size > 1 else None
+        self.events: Any = NullEvents()
+        self.active = ActiveRanks(self.world_size)
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
+        self._hook: Any = average_allreduce_hook
+        self._hook_state: Any = AverageState(process_group)
+        self.has_custom_comm_hook = False
+        self._launch_policy: EagerLaunch | ChainedLaunch = EagerLaunch()
+
+        self.plan: BucketPlan | None = None
+        self._buckets: list[FlatBucket] = []
+        self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)
+        self.adopt(plan)
+
+        # Per-iteration state.
+        self._armed = False
+        self._finalize_queued = False
+        self._next_launch = 0
+        self._used = [False] * len(self._params)
+        self._local_unused: list[int] = []
+        self._usage_work: Any = None
+        self._usage_tensor: torch.Tensor | None = None
+        self._pending_error: str | None = None
+        # Ready order of the first synchronised backward, for the one-time rebuild.
+        self._ready_order: list[int] | None = []
+        self._rebuild_order: list[int] | None = None
+        self.iterations = 0
+
+        me = weakref.ref(self)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_trampoline, me, i))
+            for i, p in enumerate(self._params)
+        ]
+
+    # -- plan ------------------------------------------------------------------------------------------------
+    def adopt(self, plan: BucketPlan) -> None:
+        """Install ``plan``: new flat buffers, gradients moved into their new slices (bucket views follow)."""
+        if getattr(self, "_armed", False):
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp: cannot change the bucket plan while a backward is in flight; "
+                "adopt a plan between iterations."
+            )
+        planned = plan.param_names
+        if sorted(planned) != sorted(self._names):
+            missing = sorted(set(self._names) - set(planned))
+            extra = sorted(set(planned) - set(self._names))
+            raise ValueError(
+                f"[rank {self.rank}] graphddp: bucket plan does not cover the trainable parameters exactly: "
+                f"missing {missing[:5]}, unknown {extra[:5]}. A plan must hold every trainable parameter once."
+            )
+        buckets = []
+        for spec in plan.buckets:
+            indices = [self._index_of_name[p.name] for p in spec.params]
+            buckets.append(FlatBucket(spec, [self._params[i] for i in indices], indices))
+        for bucket in buckets:
+            for slot, i in enumerate(bucket.param_indices):
+                self._slot[i] = (bucket.index, slot)
+                self._layout.move(self._params[i], bucket.views[slot])
+        self._buckets = buckets
+        self.plan = plan
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "[rank %d] bucket plan (%s, fingerprint %s):\n%s",
+                self.rank,
+                plan.source,
+                plan.fingerprint,
+                tabulate(plan.table_rows(), headers=plan.TABLE_HEADERS),
+            )
+
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        return self._buckets
+
+    @property
+    def rebuild_pending(self) -> bool:
+        return self._rebuild_order is not None
+
+    def rebuild_from_ready_order(self) -> bool:
+        """Re-plan once in the order gradients became ready in the first backward (rank 0's order wins).
+
+        Collective: every rank calls it at the same point (the next forward, or a joined rank's shadow).
+        Returns True when the plan changed.
+        """
+        assert self._rebuild_order is not None and self.plan is not None
+        order = torch.tensor(self._rebuild_order, dtype=torch.int64, device=self._coll_device)
+        if self.world_size > 1:
+            dist.broadcast(order, group=self._group, group_src=0)
+        self._rebuild_order = None
+        specs = [ParamSpec.of(self._names[i], self._params[i]) for i in order.tolist()]
+        plan = plan_buckets(
+            specs,
+            bucket_cap_bytes=self.plan.bucket_cap_bytes,
+            first_bucket_cap_bytes=self.plan.first_bucket_cap_bytes,
+            source="ready-order",
+        )
+        if plan.fingerprint == self.plan.fingerprint:
+            return False
+        self.adopt(plan)
+        logger.info(
+            "[rank %d] graphddp: buckets rebuilt in gradient-ready order: %d buckets, bytes %s",
+            self.rank,
+            len(plan.buckets),
+            [b.nbytes for b in plan.buckets],
+        )
+        return True
+
+    # -- comm hook -------------------------------------------------------------------------------------------
+    def set_comm_hook(self, state: Any, hook: Any) -> None:
+        self._hook, self._hook_state, self.has_custom_comm_hook = hook, state, True
+        self._launch_policy = ChainedLaunch()
+
+    # -- iteration -------------------------------------------------------------------------------------------
+    def prepare_for_forward(self) -> None:
+        """Raise the error the previous backward left, if any (on every rank alike)."""
+        if self._pending_error is not None:
+            message, self._pending_error = self._pending_error, None
+            raise RuntimeError(message)
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm the hooks for the backward of this forward (step 1 of Note [Reducer])."""
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._used = [False] * len(self._params)
+        self._usage_work = None
+        self._finalize_queued = False
+        self._armed = True
+        if not self.has_custom_comm_hook:
+            self._hook_state.divisor = self.world_size if self.divide_by_initial_world_size else self.active.count()
+        # Backward may reach no parameter at all on this rank: queue the end-of-backward work as soon as it
+        # touches an output, so this rank still launches its buckets.
+        for t in find_tensors(outputs):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._on_backward_start)
+        self._local_unused = self.usage_policy.locally_unused(outputs, self._index_of_id)
+        for i in self._local_unused:
+            self._mark_ready(i)
+
+    def _on_backward_start(self, grad_outputs: Any) -> None:
+        if self._armed and not self._finalize_queued:
+            self._queue_finalize()
+
+    def _queue_finalize(self) -> None:
+        self._finalize_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def on_grad_ready(self, i: int) -> None:
+        """Post-accumulate-grad hook of parameter ``i`` (step 2 of Note [Reducer])."""
+        if not self._armed:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
+            return
+        if not self._finalize_queued:
+            self._queue_finalize()
+        bucket_index, slot = self._slot[i]
+        if self._buckets[bucket_index].is_ready(slot):
+            why = (
+                "find_unused_parameters marked it unused, yet it received a gradient (is a tensor that depends "
+                "on it missing from the forward's outputs?)"
+                if i in self._local_unused
+                else "its gradient was accumulated twice in one backward (reentrant checkpointing, or the "
+                "same parameter reached through two backward calls)"
+            )
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp: parameter {self._names[i]!r} was marked ready twice in one "
+                f"iteration: {why}. Use torch.utils.checkpoint(..., use_reentrant=False) and one backward per "
+                "forward."
+            )
+        self._used[i] = True
+        if self._ready_order is not None:
+            self._ready_order.append(i)
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        bucket_index, slot = self._slot[i]
+        bucket = self._buckets[bucket_index]
+        self._layout.to_bucket(self._params[i], bucket.views[slot])
+        self.events.record("ready", bucket_index, self._names[i])
+        if bucket.mark_ready(slot):
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        buckets, policy = self._buckets, self._launch_policy
+        while (
+            self._next_launch < len(buckets)
+            and buckets[self._next_launch].complete
+            and policy.may_launch(buckets[self._next_launch - 1] if self._next_launch else None)
+        ):
+            self._launch(buckets[self._next_launch])
+            self._next_launch += 1
+        if self._next_launch == len(buckets) and self._usage_work is None and self._reduces_usage():
+            # Tiny, after the last bucket: which parameters got a gradient, summed over ranks. It goes through
+            # a side group: comm hooks such as PowerSGD issue further collectives on the main group from
+            # future callbacks, and ours must not interleave with theirs.
+            used = torch.tensor(self._used, dtype=torch.int32)
+            self._usage_tensor = used
+            self._usage_work = dist.all_reduce(used, group=self._usage_group, async_op=True)
+
+    def _reduces_usage(self) -> bool:
+        return self.world_size > 1 and self.usage_policy.reduces_usage()
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        self.events.record("launch", bucket.index)
+        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.index == len(self._buckets) - 1)
+        future = self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket))
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
+            raise TypeError(
+                f"[rank {self.rank}] graphddp: the communication hook returned {type(future).__name__} for "
+                f"bucket {bucket.index}; a hook must return a torch.futures.Future (e.g. "
+                "dist.all_reduce(..., async_op=True).get_future())."
+            )
+        bucket.start(future)
+
+    def _finalize(self) -> None:
+        """End of backward (step 3 of Note [Reducer])."""
+        try:
+            self.events.record("finalize")
+            missing = [
+                i for b in self._buckets for slot in b.missing_slots() for i in (b.param_indices[slot],)
+            ]
+            for i in missing:
+                self._mark_ready(i)
+            for bucket in self._buckets:
+                if not bucket.started:  # held back by ChainedLaunch: its predecessor was just awaited
+                    self._launch_ready_buckets()
+                assert bucket.future is not None, f"bucket {bucket.index} was never launched"
+                reduced = self._check_hook_result(self._comm.wait(bucket.future), bucket)
+                self.events.record("wait", bucket.index)
+                if reduced.data_ptr() != bucket.buffer.data_ptr():
+                    bucket.buffer.copy_(reduced.reshape(-1))
+            counts = self._global_usage_counts()
+            self._comm.join_compute()
+            for bucket in self._buckets:
+                for slot, i in enumerate(bucket.param_indices):
+                    if counts[i] > 0:  # unused on every rank: keep .grad as it was
+                        self._layout.from_bucket(self._params[i], bucket.views[slot])
+            self._check_all_used(counts, missing)
+            self.usage_policy.observe(self._local_unused, counts)
+            if self._ready_order is not None:
+                seen = set(self._ready_order)
+                rest = [i for b in self._buckets for i in b.param_indices if i not in seen]
+                self._rebuild_order, self._ready_order = self._ready_order + rest, None
+        finally:
+            self._armed = False
+            self._finalize_queued = False
+            self.active.clear()
+            self.iterations += 1
+
+    def _check_hook_result(self, value: Any, bucket: FlatBucket) -> torch.Tensor:
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"[rank {self.rank}] graphddp: the communication hook's future for bucket {bucket.index} "
+                f"resolved to {type(value).__name__}; it must resolve to the reduced bucket, one tensor shaped "
+                f"like bucket.buffer() ({bucket.buffer.numel()} elements)."
+            )
+        if value.numel() != bucket.buffer.numel():
+            raise ValueError(
+                f"[rank {self.rank}] graphddp: the communication hook returned a tensor of shape "
+                f"{tuple(value.shape)} for bucket {bucket.index}, expected {tuple(bucket.buffer.shape)} (the shape "
+                f"of bucket.buffer(); parameters {list(bucket.spec.names)[:4]}). Return the reduced buffer from "
+                "the hook's future."
+            )
+        return value
+
+    def _global_usage_counts(self) -> list[int]:
+        """Per parameter: on how many ranks it got a gradient this iteration."""
+        if self._usage_work is not None:
+            self._usage_work.wait()
+            assert self._usage_tensor is not None
+            return self._usage_tensor.tolist()
+        known = self.usage_policy.known_counts
+        if known is not None:
+            return known
+        # One rank, or a policy that does not reduce: what this rank saw is all there is.
+        return [1 if u else 0 for u in self._used]
+
+    def _check_all_used(self, counts: list[int], missing: list[int]) -> None:
+        if self.usage_policy.allows_unused:
+            return
+        expected = self.active.count() if self.world_size > 1 else 1
+        bad = [i for i, c in enumerate(counts) if c < expected]
+        if not bad:
+            return
+        here = set(missing)
+        described = ", ".join(
+            f"{self._names[i]!r} (gradient on {counts[i]} of {expected} ranks"
+            + (", not on this one)" if i in here else ")")
+            for i in bad[:5]
+        )
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        self._pending_error = (
+            f"[rank {self.rank}] graphddp.DDP: the previous backward produced no gradient for {described}{more}. "
+            "Every trainable parameter must take part in the loss on every rank. If some parameters are "
+            "legitimately unused in some iterations (conditional branches), pass find_unused_parameters=True to "
+            "graphddp.DDP; if they are never used, set requires_grad=False on them."
+        )
+        logger.warning("%s", self._pending_error)
+
+    # -- join ------------------------------------------------------------------------------------------------
+    def shadow_backward(self) -> None:
+        """A joined rank's stand-in for one backward: the same collectives, in the same order, on zeros.
+
+        Buckets are shadowed one after the other (each future awaited before the next hook runs), which issues
+        the same sequence of collectives as either launch policy.
+        """
+        for bucket in self._buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.index == len(self._buckets) - 1)
+            self._comm.wait(self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket)))
+        if self._reduces_usage():
+            unused = torch.zeros(len(self._params), dtype=torch.int32)
+            dist.all_reduce(unused, group=self._usage_group)
+        self._comm.join_compute()
+
+    # -- introspection ---------------------------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        return list(self._names)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def _grad_ready_trampoline(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    # The hook holds the Reducer weakly: a discarded DDP wrapper leaves no live reducer behind its hooks.
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.on_grad_ready(index)
+
+
+def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over the same ranks, for the usage bitmap (CPU, off the main group's queue)."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+
+def _collective_device(group: dist.ProcessGroup, param_device: torch.device) -> torch.device:
+    """Small bookkeeping collectives run where the backend wants them: NCCL needs CUDA tensors."""
+    if param_device.type == "cuda" and dist.get_backend(group) != "gloo":
+        return param_device
+    return torch.device("cpu")

@@ -1,0 +1,157 @@
+"""The one helper every multi-rank test goes through: run a function on N spawned gloo ranks, with a timeout.
+
+``run_on_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on every rank of a gloo process
+group and returns the per-rank results. Ranks are real processes (``spawn``), kept in a pool per world size
+between tests so each test does not pay for process start-up and ``import torch`` again. Any failure or
+timeout tears the pool down, so the next test starts from fresh processes and a clean process group.
+
+A hang (a rank stuck in a collective) fails after ``timeout`` seconds with a message naming the ranks that
+did not answer, instead of freezing the suite.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """At least one rank raised; the message holds every failing rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Some ranks did not finish in time, which almost always means a collective that never matched."""
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 cores shared by up to 3 ranks: oversubscription only adds noise
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException as e:  # report everything, including assertion errors, to the parent
+            results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned processes sharing one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._dir = tempfile.TemporaryDirectory(prefix="graphddp-ranks-")
+        init_file = os.path.join(self._dir.name, "init")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list[Any]:
+        for q in self._tasks:
+            q.put((fn, args))
+        deadline = time.monotonic() + timeout
+        done: dict[int, tuple[bool, Any]] = {}
+        while len(done) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=0.5)
+                done[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+            if dead:
+                raise RankFailure(f"{fn.__name__}: rank(s) {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})")
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(self.world_size)) - set(done))
+                failed = {r: v for r, (ok, v) in done.items() if not ok}
+                raise RankTimeout(
+                    f"{fn.__name__} on {self.world_size} ranks: rank(s) {waiting} did not finish within {timeout:.0f}s "
+                    f"(probably stuck in a collective no other rank issued). Ranks that failed first: "
+                    + ("".join(f"\n--- rank {r} ---\n{v}" for r, v in failed.items()) or "none")
+                )
+        failures = {r: v for r, (ok, v) in done.items() if not ok}
+        if failures:
+            raise RankFailure(
+                f"{fn.__name__} failed on rank(s) {sorted(failures)}:"
+                + "".join(f"\n--- rank {r} ---\n{v}" for r, v in sorted(failures.items()))
+            )
+        return [done[r][1] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=5)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._dir.cleanup()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
+
+    ``fn`` must be a module-level function (it is pickled to the ranks). Raises ``RankFailure`` with every
+    failing rank's traceback, or ``RankTimeout`` when a rank does not answer within ``timeout`` seconds.
+    """
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        # A failed task may leave collectives half-issued: never reuse that process group.
+        _pools.pop(world_size).close(graceful=False)
+        raise
+
+
+def expect_failure_on_every_rank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> dict[int, str]:
+    """Run ``fn`` and require that *every* rank raised; return ``{rank: error text}``.
+
+    ``fn`` is expected to catch nothing: the point of these tests is that each rank raises on its own, within the
+    timeout, rather than one rank raising while the others hang.
+    """
+    try:
+        run_on_ranks(fn, world_size, *args, timeout=timeout)
+    except RankFailure as e:
+        text = str(e)
+        missing = [r for r in range(world_size) if f"--- rank {r} ---" not in text]
+        if missing:
+            raise AssertionError(f"rank(s) {missing} did not raise:\n{text}") from None
+        return {r: text.split(f"--- rank {r} ---", 1)[1].split("--- rank ", 1)[0] for r in range(world_size)}
+    raise AssertionError(f"{fn.__name__} was expected to raise on every rank, but succeeded")
+
+
+def close_all() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+atexit.register(close_all)
