@@ -1,0 +1,192 @@
+"""Features beyond parity, on spawned gloo ranks: construction broadcast, bucket views and their memory,
+the one-time rebuild, static_graph, PowerSGD over several buckets, join's early termination, no_sync."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import graphddp
+from graphddp.trace import EventLog
+from ranks import expect_failure_on_every_rank, run_on_ranks
+from training import MLP, Case, batch_for, build_model, forward_loss, make_hook
+
+CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
+
+
+# -- construction ---------------------------------------------------------------------------------------------
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(10)])
+        self.bn = nn.BatchNorm1d(16)  # float buffers and an int64 one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.layers(x))
+
+
+def construct_from_different_states(rank: int, world: int) -> tuple[int, int]:
+    torch.manual_seed(rank)  # every rank starts from different values
+    model = Deep()
+    model.bn.running_mean.fill_(rank)
+    calls = []
+    original = dist.broadcast
+    try:
+        dist.broadcast = lambda *a, **k: calls.append(a[0].numel()) or original(*a, **k)
+        graphddp.DDP(model)
+    finally:
+        dist.broadcast = original
+    torch.manual_seed(0)
+    expected = Deep()
+    torch.testing.assert_close(model.state_dict(), {**expected.state_dict(), "bn.running_mean": torch.zeros(16)})
+    return len(calls), len(list(model.parameters())) + len(list(model.buffers()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank0_state_is_broadcast_in_few_coalesced_collectives(world: int) -> None:
+    for collectives, tensors in run_on_ranks(construct_from_different_states, world):
+        assert tensors == 25 and collectives == 2  # one per dtype (float32, int64), not one per tensor
+
+
+# -- gradient_as_bucket_view ---------------------------------------------------------------------------------
+def held_grad_bytes(ddp: graphddp.DDP) -> int:
+    """Bytes of distinct storages that gradients and bucket buffers keep alive."""
+    storages = {b.buffer.untyped_storage().data_ptr(): b.buffer.untyped_storage().nbytes() for b in ddp.reducer.buckets}
+    for p in ddp.parameters():
+        if p.grad is not None:
+            storages[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def bucket_views_and_memory(rank: int, world: int) -> dict[str, int]:
+    result = {}
+    for as_view in (False, True):
+        torch.manual_seed(0)
+        ddp = graphddp.DDP(MLP(), gradient_as_bucket_view=as_view, **CAPS)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):  # step 1 runs on the rebuilt plan: views must follow the new buffers
+            x, y = batch_for(Case(), step, 0, rank)
+            F.mse_loss(ddp(x), y).backward()
+            for bucket in ddp.reducer.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    is_view = p.grad.data_ptr() == view.data_ptr() and p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+                    assert is_view == as_view, (step, as_view)
+            result[f"view={as_view}"] = held_grad_bytes(ddp)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result["params"] = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_as_bucket_view_saves_one_gradient_sized_copy(world: int) -> None:
+    for r in run_on_ranks(bucket_views_and_memory, world):
+        assert r["view=True"] == r["params"]
+        assert r["view=False"] == 2 * r["params"]
+
+
+# -- rebuild and static graph ----------------------------------------------------------------------------------
+def ready_order_and_rebuilt_plan(rank: int, world: int) -> tuple[list[str], list[str], str, str]:
+    ddp = graphddp.DDP(build_model("unordered"), **CAPS)
+    before = ddp.bucket_plan
+    ddp.reducer.events = log = EventLog()
+    for step in range(2):
+        x, y = batch_for(Case(), step, 0, rank)
+        F.mse_loss(ddp(x), y).backward()
+        if step == 0:
+            ready = [e.param for e in log.of_kind("ready")]
+    return ready, list(ddp.bucket_plan.param_names), ddp.bucket_plan.source, before.fingerprint
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_buckets_are_rebuilt_once_in_rank0s_ready_order(world: int) -> None:
+    results = run_on_ranks(ready_order_and_rebuilt_plan, world)
+    ready0, planned, source, _ = results[0]
+    assert source == "ready-order" and planned == ready0
+    assert planned != list(reversed(["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]))
+    assert all(r[1] == planned for r in results)
+
+
+def count_traversals(rank: int, world: int, static: bool) -> tuple[int, int]:
+    ddp = graphddp.DDP(build_model("branchy"), static_graph=static, find_unused_parameters=not static, **CAPS)
+    case = Case(model="branchy")
+    for step in range(4):
+        x, y = batch_for(case, step, 0, rank)
+        forward_loss(ddp, case, x, y, rank).backward()
+    return ddp.reducer.usage_policy.traversals, int(ddp.module.dead.weight.grad is None)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_static_graph_searches_for_unused_parameters_once(world: int) -> None:
+    for traversals, dead_untouched in run_on_ranks(count_traversals, world, True):
+        assert traversals == 1 and dead_untouched
+    for traversals, dead_untouched in run_on_ranks(count_traversals, world, False):
+        assert traversals == 4 and dead_untouched
+
+
+# -- PowerSGD over several buckets ------------------------------------------------------------------------------
+def powersgd_several_buckets(rank: int, world: int) -> tuple[int, float, float]:
+    state, hook = make_hook("powersgd")
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)  # one parameter per bucket
+    ddp.register_comm_hook(state, hook)
+    plain = graphddp.DDP(MLP(), bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    for step in range(4):
+        x, y = batch_for(Case(), step, 0, rank)
+        F.mse_loss(ddp(x), y).backward()
+        F.mse_loss(plain(x), y).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(gathered, grads)
+    for g in gathered[1:]:
+        torch.testing.assert_close(g, gathered[0], rtol=0, atol=0)
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ddp.parameters(), plain.parameters()))
+    return len(ddp.bucket_plan.buckets), state.compression_stats()[0], diff
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_runs_on_several_buckets(world: int) -> None:
+    # PyTorch's own DDP hangs here on gloo: PowerSGD issues collectives from future callbacks.
+    for buckets, compress_rate, diff_to_plain_average in run_on_ranks(powersgd_several_buckets, world, timeout=60):
+        assert buckets == 6 and compress_rate > 1 and diff_to_plain_average > 1e-4
+
+
+# -- join and no_sync -----------------------------------------------------------------------------------------------
+def join_throws_early(rank: int, world: int) -> None:
+    ddp = graphddp.DDP(MLP(), **CAPS)
+    with ddp.join(throw_on_early_termination=True):
+        for step in range(2 + rank):
+            x, y = batch_for(Case(), step, 0, rank)
+            F.mse_loss(ddp(x), y).backward()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_throw_on_early_termination_raises_on_every_rank(world: int) -> None:
+    errors = expect_failure_on_every_rank(join_throws_early, world, timeout=60)
+    assert "Rank 0 exhausted all inputs" in errors[0]
+    for rank in range(1, world):
+        assert "Detected at least one rank that exhausted inputs" in errors[rank]
+
+
+def grads_with_and_without_sync(rank: int, world: int) -> list[bool]:
+    ddp = graphddp.DDP(MLP(), **CAPS)
+    same = []
+    for sync in (False, True):
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            x, y = batch_for(Case(), 0, 0, rank)
+            F.mse_loss(ddp(x), y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        gathered = [torch.empty_like(grads) for _ in range(world)]
+        dist.all_gather(gathered, grads)
+        same.append(all(torch.equal(g, gathered[0]) for g in gathered))
+    return same
+
+
+def test_no_sync_accumulates_locally_and_the_next_backward_synchronises() -> None:
+    for same in run_on_ranks(grads_with_and_without_sync, 2):
+        assert same == [False, True]

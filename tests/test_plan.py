@@ -1,0 +1,99 @@
+"""The bucket plan as pure data: no process group, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphddp.passes import MiB, ParamSpec, caps_from_mb, plan_buckets
+
+
+def spec(name: str, numel: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ParamSpec:
+    return ParamSpec(name, (numel,), dtype, device)
+
+
+def plan(params, bucket_cap: int, first_cap: int):
+    return plan_buckets(params, bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+
+
+def test_fills_buckets_in_the_given_order_up_to_the_caps() -> None:
+    params = [spec(f"p{i}", 100) for i in range(10)]  # 400 bytes each
+    p = plan(params, bucket_cap=1200, first_cap=400)
+    assert [b.names for b in p.buckets] == [
+        ("p0",),
+        ("p1", "p2", "p3"),
+        ("p4", "p5", "p6"),
+        ("p7", "p8", "p9"),
+    ]
+    assert [b.nbytes for b in p.buckets] == [400, 1200, 1200, 1200]
+    assert p.param_names == tuple(f"p{i}" for i in range(10))
+
+
+def test_no_bucket_exceeds_its_cap_unless_one_parameter_alone_does() -> None:
+    sizes = [7, 300, 5, 5, 900, 1, 64, 64, 64, 2000, 3]
+    p = plan([spec(f"p{i}", n) for i, n in enumerate(sizes)], bucket_cap=1024, first_cap=256)
+    for b in p.buckets:
+        if len(b.params) > 1:
+            assert b.nbytes <= b.cap_bytes, (b.index, b.nbytes, b.cap_bytes)
+    assert p.buckets[0].cap_bytes == 256
+    lonely = [b for b in p.buckets if b.nbytes > b.cap_bytes]
+    # 1200 bytes over the 256-byte first cap, then 3600 and 8000 over 1024: each alone in its bucket
+    assert [b.names for b in lonely] == [("p1",), ("p4",), ("p9",)]
+
+
+def test_one_bucket_per_dtype_and_device_numbered_by_first_ready_parameter() -> None:
+    params = [
+        spec("a", 10),
+        spec("b", 10, torch.float64),
+        spec("c", 10),
+        spec("d", 10, torch.float64),
+        spec("e", 10, device="meta"),
+    ]
+    p = plan(params, bucket_cap=MiB, first_cap=MiB)
+    assert [b.names for b in p.buckets] == [("a", "c"), ("b", "d"), ("e",)]
+    assert [b.dtype for b in p.buckets] == [torch.float32, torch.float64, torch.float32]
+    assert [b.index for b in p.buckets] == [0, 1, 2]
+
+
+def test_fingerprint_is_stable_and_sensitive_to_grouping_shapes_and_dtypes() -> None:
+    params = [spec(f"p{i}", 100) for i in range(6)]
+    a = plan(params, 800, 400)
+    assert a.fingerprint == plan(list(params), 800, 400).fingerprint
+    assert a.fingerprint != plan(params, 1200, 400).fingerprint  # other grouping
+    assert a.fingerprint != plan(params[::-1], 800, 400).fingerprint  # other order
+    changed = params[:-1] + [spec("p5", 101)]
+    assert a.fingerprint != plan(changed, 800, 400).fingerprint
+    retyped = params[:-1] + [spec("p5", 100, torch.float64)]
+    assert a.fingerprint != plan(retyped, 800, 400).fingerprint
+
+
+def test_any_combination_of_caps_works() -> None:
+    params = [spec(f"p{i}", 1000) for i in range(8)]  # 4000 bytes each
+    for bucket_cap, first_cap in [(1, 1), (1, MiB), (MiB, 1), (4000, 8000), (int(0.25 * MiB), MiB)]:
+        p = plan(params, bucket_cap, first_cap)
+        assert p.param_names == tuple(f"p{i}" for i in range(8))
+    assert len(plan(params, 1, 1).buckets) == 8  # one bucket per parameter
+    assert len(plan(params, MiB, MiB).buckets) == 1
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="appears twice"):
+        plan([spec("a", 1), spec("a", 1)], 10, 10)
+    with pytest.raises(ValueError, match="positive"):
+        plan([spec("a", 1)], 0, 10)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+        caps_from_mb(0, 1)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb must be > 0"):
+        caps_from_mb(25, -1)
+    with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
+        caps_from_mb("25", 1)  # type: ignore[arg-type]
+    assert caps_from_mb(0.25, 1) == (MiB // 4, MiB)
+
+
+def test_bucket_of_and_table() -> None:
+    p = plan([spec("w", 10), spec("b", 2)], bucket_cap=MiB, first_cap=40)
+    assert p.bucket_of("w") == 0 and p.bucket_of("b") == 1
+    with pytest.raises(KeyError, match="no bucket"):
+        p.bucket_of("nope")
+    rows = p.table_rows()
+    assert rows[0][:3] == [0, 40, 1] and rows[1][:3] == [1, 8, 1]

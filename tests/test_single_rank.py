@@ -1,0 +1,169 @@
+"""graphddp.DDP in one process (gloo, world size 1): the API surface and bad input, no spawned ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import graphddp
+from graphddp.trace import EventLog
+from training import MLP, Branchy, batch_for, Case, forward_loss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+def step(ddp: nn.Module, case: Case = Case(), seed: int = 0) -> torch.Tensor:
+    x, y = batch_for(case, seed, 0, 0)
+    loss = forward_loss(ddp, case, x, y, rank=0)
+    loss.backward()
+    return loss
+
+
+def test_gradients_equal_local_training_at_world_size_one() -> None:
+    torch.manual_seed(0)
+    local, wrapped = MLP(), MLP()
+    wrapped.load_state_dict(local.state_dict())
+    ddp = graphddp.DDP(wrapped, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    assert len(ddp.bucket_plan.buckets) > 1
+    step(local)
+    step(ddp)
+    for (name, a), b in zip(local.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_state_dict_has_the_module_prefix_and_torch_can_strip_it() -> None:
+    ddp = graphddp.DDP(MLP())
+    state = ddp.state_dict()
+    assert set(state) == {f"module.{k}" for k in ddp.module.state_dict()}
+    nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "module.")
+    plain = MLP()
+    plain.load_state_dict(state)
+    for a, b in zip(plain.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(a, b)
+    assert graphddp.DistributedDataParallel is graphddp.DDP
+
+
+def test_construction_logs_one_info_line_and_the_table_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="graphddp"):
+        graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "[rank 0]" in infos[0].getMessage() and "buckets" in infos[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="graphddp"):
+        graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    tables = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "bucket plan" in r.getMessage()]
+    assert tables and "fc3.bias" in tables[0] and "bytes" in tables[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"module": "not a module"}, TypeError, "wraps an nn.Module"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+        ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be > 0"),
+        ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
+        ({"device_ids": [0]}, ValueError, "device_ids must be None for a module on the CPU"),
+        ({"dim": 1}, ValueError, "dim must be 0"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs: dict, error: type, match: str) -> None:
+    kwargs = {"module": MLP(), **kwargs}
+    with pytest.raises(error, match=match):
+        graphddp.DDP(**kwargs)
+
+
+def test_a_module_without_trainable_parameters_is_refused() -> None:
+    frozen = MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+        graphddp.DDP(frozen)
+    with pytest.raises(ValueError, match="already wrapped"):
+        graphddp.DDP(graphddp.DDP(MLP()))
+
+
+def test_frozen_parameters_are_left_out_of_the_buckets() -> None:
+    model = MLP()
+    model.fc1.requires_grad_(False)
+    ddp = graphddp.DDP(model)
+    assert set(ddp.bucket_plan.param_names) == {"fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"}
+    step(ddp)
+    assert model.fc1.weight.grad is None and model.fc2.weight.grad is not None
+
+
+def test_register_comm_hook_validates_its_arguments() -> None:
+    ddp = graphddp.DDP(MLP())
+    with pytest.raises(TypeError, match="must be callable"):
+        ddp.register_comm_hook(None, 42)
+    with pytest.raises(TypeError, match="exactly two arguments"):
+        ddp.register_comm_hook(None, lambda bucket: bucket)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, allreduce_hook)
+    step(ddp)  # torch's hook runs on our buckets
+
+
+def test_a_hook_that_returns_no_future_is_a_clear_error() -> None:
+    ddp = graphddp.DDP(MLP())
+    ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        step(ddp)
+
+
+def test_a_hook_result_of_the_wrong_shape_is_a_clear_error() -> None:
+    def halves(state: object, bucket: object) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer()[: bucket.buffer().numel() // 2])
+        return fut
+
+    ddp = graphddp.DDP(MLP())
+    ddp.register_comm_hook(None, halves)
+    with pytest.raises(ValueError, match=r"returned a tensor of shape \(\d+,\) for bucket 0, expected"):
+        step(ddp)
+
+
+def test_forward_twice_before_backward_and_eval_forwards_are_fine() -> None:
+    ddp = graphddp.DDP(MLP())
+    x, _ = batch_for(Case(), 0, 0, 0)
+    ddp(x)
+    with torch.no_grad():
+        ddp(x)
+    step(ddp)
+    assert all(p.grad is not None for p in ddp.parameters())
+
+
+def test_no_sync_skips_the_reducer() -> None:
+    ddp = graphddp.DDP(MLP())
+    ddp.reducer.events = log = EventLog()
+    with ddp.no_sync():
+        step(ddp)
+    assert log.of_kind("launch") == []
+    step(ddp)
+    assert len(log.of_kind("launch")) == len(ddp.bucket_plan.buckets)
+
+
+def test_missing_gradient_without_the_flag_raises_at_the_next_forward() -> None:
+    ddp = graphddp.DDP(Branchy())  # `dead` never takes part
+    step(ddp, Case(model="branchy"))  # backward itself completes (no hang)
+    with pytest.raises(RuntimeError, match=r"no gradient for 'dead.weight'.*find_unused_parameters=True"):
+        step(ddp, Case(model="branchy"))
+    step(ddp, Case(model="branchy"))  # the error is reported once; the user may go on
+
+
+def test_find_unused_keeps_grads_of_unused_parameters_untouched() -> None:
+    ddp = graphddp.DDP(Branchy(), find_unused_parameters=True)
+    step(ddp, Case(model="branchy"))
+    assert ddp.module.dead.weight.grad is None
+    assert ddp.module.shared.weight.grad is not None
