@@ -322,8 +322,13 @@ _CNN_SIZES = {
 
 
 def _gpt_batch(generator: torch.Generator, *, batch_size: int, block_size: int, vocab_size: int) -> tuple:
-    # One random sequence of T + 1 tokens; targets are the inputs shifted by one (next-token prediction).
-    seq = torch.randint(vocab_size, (batch_size, block_size + 1), generator=generator, device=generator.device)
+    # Learnable synthetic text: each row counts from a random start by a random stride (mod vocab), so the
+    # next token follows from the previous two and the demo's loss visibly falls. Targets are the inputs
+    # shifted by one (next-token prediction).
+    device = generator.device
+    start = torch.randint(vocab_size, (batch_size, 1), generator=generator, device=device)
+    stride = torch.randint(1, 8, (batch_size, 1), generator=generator, device=device)
+    seq = (start + stride * torch.arange(block_size + 1, device=device)) % vocab_size  # [B, T + 1]
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()  # idx [B, T], targets [B, T]
 
 
