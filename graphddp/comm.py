@@ -7,8 +7,8 @@ Everything goes through ``torch.distributed`` process groups; graphddp has no tr
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,15 +77,30 @@ def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) 
     lists and raises the same ``ModelMismatchError`` naming the first differing entry and the ranks involved.
     """
     rows = [f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" for s in specs]
-    digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
-    world = dist.get_world_size(group)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest, group=group)
+    digest = hashlib.sha256("\n".join(rows).encode()).digest()
+    digests = all_gather_bytes(digest, group=group)
     if all(d == digests[0] for d in digests):
         return
-    all_rows: list[Any] = [None] * world
-    dist.all_gather_object(all_rows, rows, group=group)
+    all_rows = [b.decode().split("\n") for b in all_gather_bytes("\n".join(rows).encode(), group=group)]
     raise ModelMismatchError(_describe_mismatch(all_rows, dist.get_rank(group)))
+
+
+def all_gather_bytes(data: bytes, *, group: dist.ProcessGroup) -> list[bytes]:
+    """Every rank's ``data``, in rank order: two tensor collectives (lengths, then padded payloads).
+
+    Used instead of ``all_gather_object``, which needs numpy and pickles.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n.item()) for n in lengths)
+    payload = torch.zeros(longest, dtype=torch.uint8, device=device)
+    payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else payload[:0]
+    payloads = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(payloads, payload, group=group)
+    return [bytes(p[: int(n.item())].cpu().tolist()) for p, n in zip(payloads, lengths)]
 
 
 def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
