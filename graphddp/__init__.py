@@ -5,8 +5,9 @@
 eager path and the compile backend share (see ``graphddp.passes.plan`` and ``docs/``).
 """
 
+from .backend import backend, compile
 from .ddp import DDP, DDPOptions, DistributedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DDPOptions", "DistributedDataParallel", "__version__"]
+__all__ = ["DDP", "DDPOptions", "DistributedDataParallel", "__version__", "backend", "compile"]

@@ -157,26 +157,36 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     # -- forward ---------------------------------------------------------------------------------------------
+    _active: DistributedDataParallel | None = None
+    """The graphddp.DDP whose module is running now: the compile backend plans for it (graphddp.backend)."""
+
+    # Dynamo does not trace this frame (it runs eagerly: collectives, Join, Reducer bookkeeping) but does trace
+    # what it calls, so under torch.compile only the user's module is captured, with no graph break of ours.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._pre_forward()
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
-        output = self.module(*inputs, **kwargs)
+        previous, DistributedDataParallel._active = DistributedDataParallel._active, self
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            DistributedDataParallel._active = previous
         return self._post_forward(output)
 
+    @torch.compiler.disable  # collectives and bookkeeping: never captured
     def _pre_forward(self) -> None:
         work = Join.notify_join_context(self)
         if work is not None:
             self.reducer.active.set_join_work(work)
-        self.reducer.prepare_for_forward()
-        if torch.is_grad_enabled() and self.reducer.rebuild_pending:
-            self.reducer.rebuild_from_ready_order()
+        self.reducer.begin_forward(torch.is_grad_enabled())
         if self._will_sync_buffers():
             src = self._find_common_rank(True) if self._join_config.enable else 0
             self._broadcast_buffers(src)
         if self._join_config.enable:
             self._agree_on_backward_sync(joined=False)
 
+    @torch.compiler.disable
     def _post_forward(self, output: Any) -> Any:
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synchronise:
@@ -286,8 +296,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _shadow_iteration(self) -> None:
         """What a joined rank does while others still train: mirror their forward and backward collectives."""
-        if self.reducer.rebuild_pending:
-            self.reducer.rebuild_from_ready_order()
+        self.reducer.replan(grad_enabled=True)
         if self._will_sync_buffers():
             self._broadcast_buffers(self._find_common_rank(False))
         should_sync = self._agree_on_backward_sync(joined=True)

@@ -40,9 +40,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from .buckets import FlatBucket, GradBucket
-from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook
+from .comm import AverageState, CudaCommStream, HostComm, all_gather_bytes, average_allreduce_hook
 from .grad_layout import BucketViewGrads, CopiedGrads
-from .passes import BucketPlan, ParamSpec, plan_buckets
+from .passes import BucketPlan, ParamSpec, first_difference, plan_buckets
+from .proposals import GraphPlans, agreed
 from .trace import NullEvents
 from .unused import ExpectAllUsed, find_tensors
 
@@ -139,6 +140,11 @@ class Reducer:
         # Ready order of the first synchronised backward, for the one-time rebuild.
         self._ready_order: list[int] | None = []
         self._rebuild_order: list[int] | None = None
+        # Plans proposed by the compile backend (Note [Plan agreement] in graphddp.proposals).
+        self.graph_plans = GraphPlans([ParamSpec.of(n, p) for n, p in named_params])
+        self._token = 0
+        self._agreed_plan: BucketPlan | None = None
+        self._plan_mismatch = False
         self.iterations = 0
 
         me = weakref.ref(self)
@@ -225,11 +231,68 @@ class Reducer:
         self._launch_policy = ChainedLaunch()
 
     # -- iteration -------------------------------------------------------------------------------------------
-    def prepare_for_forward(self) -> None:
-        """Raise the error the previous backward left, if any (on every rank alike)."""
+    def begin_forward(self, grad_enabled: bool) -> None:
+        """Start of a DDP forward, on every rank alike: report what the previous backward found, switch plans.
+
+        Raises the error the previous backward left (missing gradients), or, when ranks proposed different
+        graph plans, gathers them (a collective every rank runs) and raises naming the first differing bucket.
+        """
         if self._pending_error is not None:
             message, self._pending_error = self._pending_error, None
             raise RuntimeError(message)
+        if self._plan_mismatch:
+            self._plan_mismatch = False
+            raise RuntimeError(self._describe_plan_mismatch())
+        self.replan(grad_enabled)
+
+    def replan(self, grad_enabled: bool) -> None:
+        """Adopt an agreed graph plan, or rebuild once in gradient-ready order (collective, same on all ranks)."""
+        if self.world_size == 1 and self.graph_plans.proposed is not None:
+            self._agreed_plan = self.graph_plans.proposed
+        if self._agreed_plan is not None:
+            plan, self._agreed_plan = self._agreed_plan, None
+            if self.graph_plans.proposed is plan:
+                self.graph_plans.taken()
+            self.adopt(plan)
+            self._rebuild_order = None  # the graph knows the order better than one observed backward
+            logger.info(
+                "[rank %d] graphddp: adopted the compiled graphs' bucket plan: %d buckets, bytes %s, fingerprint %s",
+                self.rank,
+                len(plan.buckets),
+                [b.nbytes for b in plan.buckets],
+                plan.fingerprint,
+            )
+        elif self._rebuild_order is not None and grad_enabled:
+            self.rebuild_from_ready_order()
+
+    def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
+        """The compile backend's plan for one captured graph; adopted once every rank agrees."""
+        assert self.plan is not None
+        self.graph_plans.propose(graph, plan, self.plan)
+
+    def _describe_plan_mismatch(self) -> str:
+        proposed = self.graph_plans.proposed
+        self.graph_plans.taken()
+        rows = proposed.describe() if proposed is not None else []
+        payload = "\n".join(f"{a}\t{b}" for a, b in rows).encode()
+        everyone = [
+            [tuple(line.split("\t", 1)) for line in b.decode().split("\n") if line]
+            for b in all_gather_bytes(payload, group=self._group)
+        ]
+        where = {r: first_difference(everyone[0], rows_r) for r, rows_r in enumerate(everyone)}
+        index = min((i for i in where.values() if i is not None), default=0)
+
+        def at(r: int) -> str:
+            return everyone[r][index][1] if index < len(everyone[r]) else "<no such bucket>"
+
+        differing = [r for r in range(len(everyone)) if at(r) != at(0)]
+        return (
+            f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
+            f"{index}: rank 0 has [{at(0)}]; "
+            + "; ".join(f"rank {r} has [{at(r)}]" for r in differing)
+            + ". Every rank must capture the same graphs (same code path, same graph breaks); the previous plan "
+            "stays in use. See Note [Plan agreement] in graphddp/proposals.py."
+        )
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Arm the hooks for the backward of this forward (step 1 of Note [Reducer])."""
@@ -305,7 +368,9 @@ class Reducer:
             # Tiny, after the last bucket: which parameters got a gradient, summed over ranks. It goes through
             # a side group: comm hooks such as PowerSGD issue further collectives on the main group from
             # future callbacks, and ours must not interleave with theirs.
-            used = torch.tensor(self._used, dtype=torch.int32)
+            # The last two entries carry the plan agreement (Note [Plan agreement]).
+            self._token = token = self.graph_plans.token()
+            used = torch.tensor([int(u) for u in self._used] + [token, token * token], dtype=torch.int64)
             self._usage_tensor = used
             self._usage_work = dist.all_reduce(used, group=self._usage_group, async_op=True)
 
@@ -382,7 +447,13 @@ class Reducer:
         if self._usage_work is not None:
             self._usage_work.wait()
             assert self._usage_tensor is not None
-            return self._usage_tensor.tolist()
+            *counts, token_sum, square_sum = self._usage_tensor.tolist()
+            verdict = agreed(self._token, token_sum, square_sum, self.active.count())
+            if verdict:
+                self._agreed_plan = self.graph_plans.proposed
+            elif verdict is False:
+                self._plan_mismatch = True
+            return counts
         known = self.usage_policy.known_counts
         if known is not None:
             return known
@@ -423,13 +494,16 @@ class Reducer:
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.index == len(self._buckets) - 1)
             self._comm.wait(self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket)))
         if self._reduces_usage():
-            unused = torch.zeros(len(self._params), dtype=torch.int32)
+            unused = torch.zeros(len(self._params) + 2, dtype=torch.int64)
             dist.all_reduce(unused, group=self._usage_group)
         self._comm.join_compute()
 
     # -- introspection ---------------------------------------------------------------------------------------
     def param_names(self) -> list[str]:
         return list(self._names)
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:

@@ -4,6 +4,36 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
-from .plan import Bucket, BucketPlan, MiB, ParamSpec, caps_from_mb, first_difference, plan_buckets
+from .graph_params import GraphParam, find_graph_params, ready_groups
+from .plan import (
+    Bucket,
+    BucketPlan,
+    MiB,
+    ParamSpec,
+    caps_from_mb,
+    compose_plans,
+    first_difference,
+    plan_bucket_groups,
+    plan_buckets,
+)
+from .split import GraphSplit, Segment, assign_segments, split_at_buckets, tensor_bytes
 
-__all__ = ["Bucket", "BucketPlan", "MiB", "ParamSpec", "caps_from_mb", "first_difference", "plan_buckets"]
+__all__ = [
+    "Bucket",
+    "BucketPlan",
+    "GraphParam",
+    "GraphSplit",
+    "MiB",
+    "ParamSpec",
+    "Segment",
+    "assign_segments",
+    "caps_from_mb",
+    "compose_plans",
+    "find_graph_params",
+    "first_difference",
+    "plan_bucket_groups",
+    "plan_buckets",
+    "ready_groups",
+    "split_at_buckets",
+    "tensor_bytes",
+]

@@ -37,7 +37,7 @@ import torch
 
 MiB = 1024 * 1024
 
-__all__ = ["MiB", "ParamSpec", "Bucket", "BucketPlan", "plan_buckets", "caps_from_mb"]
+__all__ = ["MiB", "ParamSpec", "Bucket", "BucketPlan", "plan_buckets", "plan_bucket_groups", "caps_from_mb"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,35 +179,59 @@ def plan_buckets(
 
     ``params_in_ready_order`` lists the parameters in the order their gradients are expected to be ready.
     """
-    params = list(params_in_ready_order)
+    return plan_bucket_groups(
+        [[p] for p in params_in_ready_order],
+        bucket_cap_bytes=bucket_cap_bytes,
+        first_bucket_cap_bytes=first_bucket_cap_bytes,
+        source=source,
+    )
+
+
+def plan_bucket_groups(
+    groups_in_ready_order: Iterable[Sequence[ParamSpec]],
+    *,
+    bucket_cap_bytes: int,
+    first_bucket_cap_bytes: int,
+    source: str = "graph",
+) -> BucketPlan:
+    """Like ``plan_buckets``, but the parameters of a group always share a bucket (per dtype and device).
+
+    The graph planner groups parameters by the node that first uses them: they become ready together, so
+    separating them could not make either bucket ready earlier.
+    """
+    groups = [list(g) for g in groups_in_ready_order if g]
     if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and {first_bucket_cap_bytes} bytes")
-    names = [p.name for p in params]
+    names = [p.name for g in groups for p in g]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ValueError(f"parameter {dup!r} appears twice in the planning order")
 
-    position = {p.name: i for i, p in enumerate(params)}
+    position = {name: i for i, name in enumerate(names)}
     open_buckets: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
     open_caps: dict[tuple[torch.dtype, str], int] = {}
     open_bytes: dict[tuple[torch.dtype, str], int] = {}
     closed: list[tuple[list[ParamSpec], int]] = []
 
-    for p in params:
-        key = (p.dtype, p.device)
-        group = open_buckets.setdefault(key, [])
-        cap = open_caps.setdefault(key, first_bucket_cap_bytes)
-        if group and open_bytes[key] + p.nbytes > cap:
-            closed.append((group, cap))
-            group = open_buckets[key] = []
-            open_caps[key] = bucket_cap_bytes
-        group.append(p)
-        open_bytes[key] = (open_bytes[key] + p.nbytes) if len(group) > 1 else p.nbytes
-    closed.extend((group, open_caps[key]) for key, group in open_buckets.items() if group)
+    for group in groups:
+        by_key: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
+        for p in group:
+            by_key.setdefault((p.dtype, p.device), []).append(p)
+        for key, members in by_key.items():
+            nbytes = sum(p.nbytes for p in members)
+            bucket = open_buckets.setdefault(key, [])
+            cap = open_caps.setdefault(key, first_bucket_cap_bytes)
+            if bucket and open_bytes[key] + nbytes > cap:
+                closed.append((bucket, cap))
+                bucket = open_buckets[key] = []
+                open_caps[key] = bucket_cap_bytes
+            bucket.extend(members)
+            open_bytes[key] = (open_bytes[key] if len(bucket) > len(members) else 0) + nbytes
+    closed.extend((bucket, open_caps[key]) for key, bucket in open_buckets.items() if bucket)
 
     # Bucket 0 is the one whose first gradient is ready first (see the Note).
     closed.sort(key=lambda item: position[item[0][0].name])
-    buckets = tuple(Bucket(k, tuple(group), cap) for k, (group, cap) in enumerate(closed))
+    buckets = tuple(Bucket(k, tuple(bucket), cap) for k, (bucket, cap) in enumerate(closed))
     return BucketPlan(buckets, bucket_cap_bytes, first_bucket_cap_bytes, source)
 
 
@@ -221,3 +245,25 @@ def first_difference(mine: Sequence[tuple[str, str]], theirs: Sequence[tuple[str
         if a != b:
             return i
     return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+
+
+def compose_plans(
+    graph_plans: Sequence[BucketPlan],
+    rest_in_ready_order: Sequence[ParamSpec],
+    *,
+    bucket_cap_bytes: int,
+    first_bucket_cap_bytes: int,
+) -> BucketPlan:
+    """One plan for a forward that runs several captured graphs (graph breaks).
+
+    ``graph_plans`` come in backward order (the graph that runs last in forward first); their buckets are
+    kept as they are, renumbered in that order. Parameters no graph covers (used eagerly between graphs)
+    follow, planned from ``rest_in_ready_order``.
+    """
+    covered = {name for plan in graph_plans for name in plan.param_names}
+    rest = [p for p in rest_in_ready_order if p.name not in covered]
+    tail = plan_buckets(rest, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes) if rest else None
+    buckets: list[Bucket] = []
+    for plan in [*graph_plans, *([tail] if tail else [])]:
+        buckets.extend(Bucket(len(buckets), b.params, b.cap_bytes) for b in plan.buckets)
+    return BucketPlan(tuple(buckets), bucket_cap_bytes, first_bucket_cap_bytes, source="graph")
