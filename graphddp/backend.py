@@ -61,9 +61,16 @@ def backend(inner: str | CompilerFn = "inductor", *, debug_dir: str | None = Non
     return GraphDDPBackend(inner, debug_dir=debug_dir)
 
 
-def compile(model: nn.Module, backend: str | CompilerFn = "inductor", *, debug_dir: str | None = None, **kwargs: Any) -> nn.Module:
+def compile(
+    model: nn.Module,
+    backend: str | CompilerFn | GraphDDPBackend = "inductor",
+    *,
+    debug_dir: str | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     """``torch.compile`` for a ``graphddp.DDP`` module: the wrapper stays eager, the inner module is compiled.
 
+    ``backend`` is the inner backend (as for ``graphddp.backend``) or a ``graphddp.backend(...)`` object.
     Extra keyword arguments (``fullgraph``, ``dynamic``, ``mode``...) go to ``torch.compile``.
     """
     from .ddp import DistributedDataParallel
@@ -73,7 +80,9 @@ def compile(model: nn.Module, backend: str | CompilerFn = "inductor", *, debug_d
             f"graphddp.compile expects a graphddp.DDP module, got {type(model).__name__}; wrap the model first: "
             "graphddp.compile(graphddp.DDP(model))"
         )
-    return torch.compile(model, backend=GraphDDPBackend(backend, debug_dir=debug_dir), **kwargs)
+    if not isinstance(backend, GraphDDPBackend):
+        backend = GraphDDPBackend(backend, debug_dir=debug_dir)
+    return torch.compile(model, backend=backend, **kwargs)
 
 
 class GraphDDPBackend:

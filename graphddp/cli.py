@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level for graphddp (INFO shows one line per rank)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="train a small GPT on 2 spawned gloo ranks with graphddp.DDP")
+    demo = commands.add_parser("demo", help="train a small GPT on 2 spawned gloo ranks with graphddp under torch.compile")
     defaults = DemoOptions()
     demo.add_argument("--workload", default=defaults.workload, help="gpt, mlp or cnn")
     demo.add_argument("--size", default=defaults.size, help="tiny, small or bench")
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (not under torchrun)")
     demo.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
     demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
+    demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: aot_eager (default), inductor, eager")
     return parser
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=args.world_size,
                 bucket_cap_mb=args.bucket_cap_mb,
                 first_bucket_cap_mb=args.first_bucket_cap_mb,
+                inner=args.inner,
             )
         except (TypeError, ValueError) as e:
             print(f"graphddp demo: {e}", file=sys.stderr)

@@ -20,8 +20,9 @@ Custom comm hooks may chain further collectives in future callbacks (PowerSGD do
 bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
 a collective mismatch (PyTorch's DDP hangs this way with PowerSGD on gloo and several buckets). So with a
 custom hook, bucket k+1 starts only once bucket k's future has completed (``ChainedLaunch``); collectives of
-one group run one at a time anyway, so little overlap is lost. graphddp's own hook chains nothing and
-launches every ready bucket at once (``EagerLaunch``).
+one group run one at a time anyway, so little overlap is lost. Hooks known to issue exactly one collective
+(graphddp's own, and PyTorch's ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) launch
+every ready bucket at once (``EagerLaunch``).
 
 After the first synchronised iteration the buckets are re-planned once in the order gradients really became
 ready (rank 0's order, broadcast), as PyTorch does. ``adopt(plan)`` installs any plan, including one made from
@@ -228,7 +229,7 @@ class Reducer:
     # -- comm hook -------------------------------------------------------------------------------------------
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook, self._hook_state, self.has_custom_comm_hook = hook, state, True
-        self._launch_policy = ChainedLaunch()
+        self._launch_policy = EagerLaunch() if hook in _single_collective_hooks() else ChainedLaunch()
 
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
@@ -242,7 +243,15 @@ class Reducer:
             raise RuntimeError(message)
         if self._plan_mismatch:
             self._plan_mismatch = False
-            raise RuntimeError(self._describe_plan_mismatch())
+            message = self._describe_plan_mismatch()
+            if not self.usage_policy.allows_unused:
+                raise RuntimeError(
+                    message + " Every rank must capture the same graphs (same code path, same graph breaks), or "
+                    "pass find_unused_parameters=True when ranks take different branches."
+                )
+            # With find_unused_parameters / static_graph, rank-dependent branches legitimately capture
+            # different graphs: keep the current plan, which every rank shares.
+            logger.warning("%s Ranks take different branches (find_unused_parameters=True): the current plan stays.", message)
         self.replan(grad_enabled)
 
     def replan(self, grad_enabled: bool) -> None:
@@ -290,8 +299,7 @@ class Reducer:
             f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
             f"{index}: rank 0 has [{at(0)}]; "
             + "; ".join(f"rank {r} has [{at(r)}]" for r in differing)
-            + ". Every rank must capture the same graphs (same code path, same graph breaks); the previous plan "
-            "stays in use. See Note [Plan agreement] in graphddp/proposals.py."
+            + ". The previous plan stays in use (Note [Plan agreement] in graphddp/proposals.py)."
         )
 
     def prepare_for_backward(self, outputs: Any) -> None:
@@ -516,6 +524,13 @@ def _grad_ready_trampoline(reducer_ref: weakref.ref, index: int, param: torch.Te
     reducer = reducer_ref()
     if reducer is not None:
         reducer.on_grad_ready(index)
+
+
+def _single_collective_hooks() -> tuple[Any, ...]:
+    """PyTorch's hooks that issue one collective and chain no other (see ``ChainedLaunch``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
 
 
 def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -208,3 +208,51 @@ def assert_same_on_all_ranks(state: dict[str, torch.Tensor]) -> None:
     dist.all_gather_object(gathered, state)
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
+
+
+# -- models for the compile tests ---------------------------------------------------------------------------------
+class InPlace(nn.Module):
+    """In-place ops inside the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x), inplace=True)
+        h = self.fc2(h)
+        h.mul_(0.5).add_(1.0)
+        return self.fc3(F.relu_(h))
+
+
+class Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` inside the model: a higher-order op in the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = F.relu(self.fc1(x))
+        h = checkpoint(lambda t: F.relu(self.fc2(t)), h, use_reentrant=False)
+        return self.fc3(h)
+
+
+class GraphBreaks(nn.Module):
+    """Three captured graphs: one without parameters, two with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2.0
+        torch._dynamo.graph_break()
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        torch._dynamo.graph_break()
+        return self.fc3(h)
+
+
+MODELS.update({"inplace": InPlace, "checkpointed": Checkpointed, "graph_breaks": GraphBreaks})

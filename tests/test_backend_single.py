@@ -1,0 +1,90 @@
+"""graphddp.backend in one process: what it refuses, what it warns about, and how it splits."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import graphddp
+from training import MLP, Case, batch_for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def loss(model, step: int = 0) -> torch.Tensor:
+    x, y = batch_for(Case(), step, 0, 0)
+    return F.mse_loss(model(x), y)
+
+
+def test_a_plain_module_is_split_with_a_warning_that_nothing_is_reduced() -> None:
+    backend = graphddp.backend("aot_eager")
+    model = torch.compile(MLP(), backend=backend)
+    with pytest.warns(UserWarning, match="no Reducer is attached"):
+        loss(model).backward()
+    (split,) = backend.splits
+    assert split.num_segments == len(split.plan.buckets) == 1  # default 25 MiB / 1 MiB caps: one bucket
+
+
+def test_pytorch_ddp_is_refused_with_a_pointer_to_graphddp() -> None:
+    ddp = torch.nn.parallel.DistributedDataParallel(MLP())
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    with pytest.raises(Exception, match="wrap it in graphddp.DDP|Wrap the model in graphddp.DDP"):
+        loss(model)
+
+
+def test_graphddp_compile_refuses_anything_but_graphddp_ddp() -> None:
+    with pytest.raises(TypeError, match="expects a graphddp.DDP module"):
+        graphddp.compile(MLP())
+    with pytest.raises(TypeError, match="backend name or a compiler function"):
+        graphddp.backend(42)  # type: ignore[arg-type]
+
+
+def test_compiled_gradients_equal_eager_and_the_plan_is_adopted_at_world_size_one() -> None:
+    torch.manual_seed(0)
+    eager, compiled_module = MLP(), MLP()
+    compiled_module.load_state_dict(eager.state_dict())
+    ddp = graphddp.DDP(compiled_module, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    backend = graphddp.backend("aot_eager")
+    model = graphddp.compile(ddp, backend, fullgraph=True)
+    loss(model).backward()
+    loss(eager).backward()
+    for a, b in zip(eager.parameters(), compiled_module.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    assert ddp.bucket_plan.source == "registration"  # adopted at the next forward, never mid-iteration
+    loss(model, 1).backward()
+    assert ddp.bucket_plan.source == "graph"
+    assert ddp.bucket_plan.fingerprint == backend.splits[0].plan.fingerprint
+
+
+def test_a_custom_compiler_function_compiles_every_segment() -> None:
+    seen = []
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append(len(example_inputs))
+        return gm.forward
+
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    loss(torch.compile(ddp, backend=graphddp.backend(inner))).backward()
+    assert len(seen) == graphddp_segments(ddp) == 3
+
+
+def graphddp_segments(ddp: graphddp.DDP) -> int:
+    return len(ddp.reducer.graph_plans.graphs[next(iter(ddp.reducer.graph_plans.graphs))].buckets)

@@ -1,0 +1,151 @@
+"""The graph passes on real captured graphs, in one process: no process group, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphddp.capture import capture_graphs, parameter_names
+from graphddp.passes import (
+    BucketPlan,
+    MiB,
+    ParamSpec,
+    assign_segments,
+    compose_plans,
+    find_graph_params,
+    plan_bucket_groups,
+    plan_buckets,
+    ready_groups,
+    split_at_buckets,
+)
+from graphddp.proposals import GraphPlans, agreed
+from graphddp.workloads import build_workload
+
+
+def plan_and_split(model: nn.Module, inputs: tuple, bucket_cap: int, first_cap: int, **capture_kwargs):
+    (captured,) = capture_graphs(model, *inputs, **capture_kwargs)
+    params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+    plan = plan_bucket_groups(ready_groups(params), bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+    return captured, params, plan, assign_segments(captured.gm, params, plan)
+
+
+def tiny(name: str):
+    wl = build_workload(name, size="tiny")
+    return wl.model, wl.make_batch(torch.Generator().manual_seed(0))
+
+
+def test_tied_weight_is_ready_at_its_earliest_use_so_it_lands_in_the_last_bucket() -> None:
+    model, batch = tiny("gpt")
+    _, params, plan, split = plan_and_split(model, batch, 4096, 2048)
+    by_name = {p.spec.name: p for p in params}
+    assert by_name["wte.weight"].first_user == "embedding"  # not the lm_head matmul at the end of forward
+    assert plan.bucket_of("wte.weight") == len(plan.buckets) - 1
+    # DDPOptimizer's rule (last use) would put it with the output layer, in the first bucket:
+    assert plan.bucket_of("ln_f.weight") == 0
+    assert split.num_segments == len(plan.buckets) and split.segments[0].buckets == (len(plan.buckets) - 1,)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "cnn"])
+@pytest.mark.parametrize("caps", [(MiB, MiB), (2048, 1024), (1, 1), (int(0.25 * MiB), MiB)])
+def test_one_segment_per_bucket_on_every_workload_and_cap(name: str, caps: tuple[int, int]) -> None:
+    model, batch = tiny(name)
+    captured, params, plan, split = plan_and_split(model, batch, *caps)
+    assert split.num_segments == len(plan.buckets)
+    assert sorted(k for s in split.segments for k in s.buckets) == list(range(len(plan.buckets)))
+    # Backward runs segments in reverse: the last segment completes bucket 0, the first the last bucket.
+    assert [s.buckets for s in split.segments] == [(k,) for k in reversed(range(len(plan.buckets)))]
+    assert set(plan.param_names) == {n for n, p in model.named_parameters()}
+    if caps == (MiB, MiB):
+        assert len(plan.buckets) == 1
+    if caps == (1, 1):  # one bucket per node that uses parameters
+        assert len(plan.buckets) == len(ready_groups(params))
+    split_gm = split_at_buckets(captured.gm, split)
+    assert len([n for n, _ in split_gm.named_children()]) == split.num_segments
+    torch.testing.assert_close(split_gm(*captured.example_inputs), captured.gm(*captured.example_inputs))
+
+
+def test_boundary_bytes_are_symbolic_when_the_batch_is_dynamic() -> None:
+    model, batch = tiny("mlp")
+    _, _, _, static = plan_and_split(model, batch, 1, 1)
+    assert all(isinstance(s.inbound_bytes, int) for s in static.segments)
+    assert static.segments[1].inbound_bytes == batch[0].shape[0] * 64 * 4  # [B, 64] float32 after layer 1
+    _, _, _, dynamic = plan_and_split(model, batch, 1, 1, dynamic=True)
+    symbolic = [s.inbound_bytes for s in dynamic.segments[1:]]
+    assert all(isinstance(b, sympy.Expr) and b.free_symbols for b in symbolic), symbolic
+
+
+class InPlaceTail(nn.Module):
+    """The middle segment only updates a buffer in place: it has no output and must be merged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.seen.add_((self.scale * 2).detach())  # the first use of `scale` feeds only an in-place update
+        return self.c(h).sum() * self.scale.sum()
+
+
+def test_a_segment_without_outputs_is_merged_and_recorded() -> None:
+    model = InPlaceTail()
+    captured, _, plan, split = plan_and_split(model, (torch.randn(4, 8),), 1, 1)
+    assert any(s.extended for s in split.segments)
+    assert split.num_segments < len(plan.buckets)
+    split_gm = split_at_buckets(captured.gm, split)
+    torch.testing.assert_close(split_gm(*captured.example_inputs), captured.gm(*captured.example_inputs))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        h = checkpoint(lambda t: F.relu(self.b(t)), h, use_reentrant=False)
+        return self.c(h).sum()
+
+
+def test_activation_checkpointing_is_split_like_any_node() -> None:
+    model = Checkpointed()
+    captured, params, plan, split = plan_and_split(model, (torch.randn(4, 8),), 1, 1)
+    hop = [n for n in captured.gm.graph.nodes if n.op == "call_function" and "checkpoint" in str(n.target)]
+    assert hop, "expected a higher-order checkpoint node in the captured graph"
+    assert {p.spec.name for p in params if p.first_user == hop[0].name} == {"b.weight", "b.bias"}
+    assert split.num_segments == len(plan.buckets) == 3
+    split_gm = split_at_buckets(captured.gm, split)
+    torch.testing.assert_close(split_gm(*captured.example_inputs), captured.gm(*captured.example_inputs))
+
+
+def test_compose_plans_keeps_graph_buckets_and_plans_the_rest() -> None:
+    def spec(n: str) -> ParamSpec:
+        return ParamSpec(n, (4,), torch.float32, "cpu")
+
+    late = plan_buckets([spec("d"), spec("c")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    early = plan_buckets([spec("b")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    composite = compose_plans([late, early], [spec("e"), spec("d"), spec("b"), spec("a")], bucket_cap_bytes=32, first_bucket_cap_bytes=32)
+    assert [b.names for b in composite.buckets] == [("d",), ("c",), ("b",), ("e", "a")]
+    assert composite.source == "graph"
+
+
+def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None:
+    specs = [ParamSpec(n, (4,), torch.float32, "cpu") for n in ("a", "b", "c")]
+    current = plan_buckets(specs[::-1], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    plans = GraphPlans(specs)
+    plans.propose("g0", current, current)
+    assert plans.proposed is None and plans.token() == 0  # same as what runs: nothing to agree on
+    other = plan_buckets(specs, bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    plans.propose("g1", other, current)  # a recompile of the same code replaces g0
+    assert list(plans.graphs) == ["g1"] and isinstance(plans.proposed, BucketPlan)
+    t = plans.token()
+    assert agreed(t, 3 * t, 3 * t * t, ranks=3) is True
+    assert agreed(t, 2 * t + 5, 2 * t * t + 25, ranks=3) is False
+    assert agreed(t, 2 * t, 2 * t * t, ranks=3) is False  # one rank proposed nothing
+    assert agreed(0, 0, 0, ranks=3) is None
