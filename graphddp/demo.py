@@ -4,9 +4,9 @@ Prints the loss at every step (averaged over ranks), the bucket plan the compile
 graph split and the Reducer), and ends with one line comparing compiled and eager iteration time on the same
 model, data and ranks.
 
-The default inner compiler is ``aot_eager``: AOTAutograd splits forward and backward per segment exactly as with
-Inductor, so the plan, the split and the overlap are the real thing, but it compiles in seconds on 2 CPU cores
-where Inductor needs a minute or more for the same segments. ``--inner inductor`` uses Inductor.
+The default inner compiler is Inductor, what users train with: on 2 CPU cores it compiles the demo's 6 segments in
+about 30 s (the whole demo takes about 40 s). ``--inner aot_eager`` keeps the same plan, split and overlap
+(AOTAutograd still makes one backward per segment) and compiles in about 2 s.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DemoOptions:
     """First bucket cap."""
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
-    inner: str = "aot_eager"
+    inner: str = "inductor"
     """Inner compiler for each segment (``aot_eager``, ``inductor``, ``eager``); see the module docstring."""
 
     def __post_init__(self) -> None:

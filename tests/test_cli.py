@@ -1,0 +1,42 @@
+"""The ``graphddp`` command as a user runs it (a subprocess; the demo spawns its own ranks)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "graphddp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def check_demo_output(out: str, steps: int) -> None:
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M)]
+    assert len(losses) == steps
+    assert losses[-1] < losses[0], "the synthetic sequences are learnable: the loss must fall"
+    assert re.search(r"bucket plan \(graph, fingerprint [0-9a-f]{16}\): (\d+) buckets, \1 graph segments", out)
+    assert "wte.weight" in out and re.search(r"^median iteration: graphddp compiled .* graphddp eager", out, re.M)
+
+
+def test_demo_with_aot_eager() -> None:
+    result = run_cli("demo", "--steps", "6", "--inner", "aot_eager")
+    assert result.returncode == 0, result.stderr
+    check_demo_output(result.stdout, 6)
+
+
+def test_demo_rejects_bad_options_in_one_line() -> None:
+    result = run_cli("demo", "--workload", "resnet")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "graphddp demo: unknown workload 'resnet'; choose one of gpt, mlp, cnn"
+
+
+@pytest.mark.slow
+def test_demo_as_the_readme_runs_it() -> None:
+    result = run_cli("demo", timeout=600)
+    assert result.returncode == 0, result.stderr
+    check_demo_output(result.stdout, 20)
