@@ -44,6 +44,7 @@ from .passes import (
     ready_groups,
     split_at_buckets,
 )
+from .dump import DebugDump
 from .trace import EventLog
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,8 @@ class GraphDDPBackend:
             self.inner = inner
         else:
             raise TypeError(f"graphddp.backend: inner must be a backend name or a compiler function, got {inner!r}")
-        if debug_dir is not None:
-            raise NotImplementedError("graphddp.backend(debug_dir=...) is not available yet")
-        self.debug_dir = debug_dir
+        # Checked now, before anything is compiled: an unwritable dump directory is a clear error.
+        self.dump = DebugDump.from_argument_or_env(debug_dir)
         self.splits: list[GraphSplit] = []
         """Every split made by this backend, in compile order (for tests and tools)."""
 
@@ -139,11 +139,19 @@ class GraphDDPBackend:
             split.num_segments,
             " (extended: %s)" % [s.index for s in split.segments if s.extended] if any(s.extended for s in split.segments) else "",
         )
+        folder = self.dump.graph_folder(graph_key) if self.dump is not None else None
         if split.num_segments == 1:
+            if folder is not None:
+                self.dump.write_graph(folder, graph=graph_key, captured=gm, plan=plan, split=split, split_gm=None)
+                self.dump.write_aot(folder, {"graph": (gm, example_inputs)}, _fake_mode(example_inputs))
             compiled = self.inner(gm, example_inputs)
             return _traced(compiled, 0, reducer) if reducer is not None else compiled
         split_gm = split_at_buckets(gm, split)
-        _compile_segments(split_gm, example_inputs, self.inner, reducer)
+        if folder is not None:
+            self.dump.write_graph(folder, graph=graph_key, captured=gm, plan=plan, split=split, split_gm=split_gm)
+        segments = _compile_segments(split_gm, example_inputs, self.inner, reducer)
+        if folder is not None:
+            self.dump.write_aot(folder, segments, _fake_mode(example_inputs))
         return split_gm
 
 
@@ -215,6 +223,8 @@ class _SegmentCompiler(fx.Interpreter):
         self.inner = inner
         self.fake_mode = fake_mode
         self.reducer = reducer
+        self.segments: dict[str, tuple[fx.GraphModule, list[Any]]] = {}
+        """Each segment as compiled, with its fake inputs (for the debug dump)."""
 
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -227,6 +237,7 @@ class _SegmentCompiler(fx.Interpreter):
         # Fake outputs for the next segment come from the uncompiled segment: shapes, dtypes, strides.
         with self.fake_mode:
             out = segment(*args)
+        self.segments[str(n.target)] = (segment, list(args))
         compiled = self.inner(segment, list(args))
         index = int(str(n.target).rsplit("_", 1)[1])
         wrapped = CompiledSegment(compiled, index, unwrap, self.reducer)
@@ -251,9 +262,16 @@ def _make_output_a_tuple(segment: fx.GraphModule) -> bool:
     return True
 
 
-def _compile_segments(split_gm: fx.GraphModule, example_inputs: list[Any], inner: CompilerFn, reducer: Any) -> None:
+def _compile_segments(
+    split_gm: fx.GraphModule, example_inputs: list[Any], inner: CompilerFn, reducer: Any
+) -> dict[str, tuple[fx.GraphModule, list[Any]]]:
+    compiler = _SegmentCompiler(split_gm, inner, _fake_mode(example_inputs), reducer)
+    compiler.run(*example_inputs)
+    split_gm.recompile()
+    return compiler.segments
+
+
+def _fake_mode(example_inputs: list[Any]) -> Any:
     from torch._guards import detect_fake_mode
 
-    fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.fake_tensor.FakeTensorMode()
-    _SegmentCompiler(split_gm, inner, fake_mode, reducer).run(*example_inputs)
-    split_gm.recompile()
+    return detect_fake_mode(example_inputs) or torch._subclasses.fake_tensor.FakeTensorMode()

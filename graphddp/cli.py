@@ -23,6 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
     demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
     demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
+
+    inspect = commands.add_parser(
+        "inspect", help="show a model's bucket plan and graph split, in one process, without launching ranks"
+    )
+    inspect.add_argument("target", help="gpt, mlp, cnn, or package.module:factory returning (model, example_inputs)")
+    inspect.add_argument("--bucket-cap-mb", type=float, default=25)
+    inspect.add_argument("--first-bucket-cap-mb", type=float, default=1)
+    inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
+    inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
+    inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
+    inspect.add_argument("--format", choices=("table", "json"), default="table")
+    inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")
     return parser
 
 
@@ -44,6 +56,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"graphddp demo: {e}", file=sys.stderr)
             return 2
         run_demo(options)
+    elif args.command == "inspect":
+        return _inspect(args)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import InspectError, inspect_target, render
+
+    try:
+        inspection = inspect_target(
+            args.target,
+            bucket_cap_mb=args.bucket_cap_mb,
+            first_bucket_cap_mb=args.first_bucket_cap_mb,
+            batch=args.batch,
+            size=args.size,
+            dump=args.dump,
+        )
+    except (InspectError, ValueError, TypeError) as e:
+        if args.verbose:
+            raise
+        print(f"graphddp inspect: {e}", file=sys.stderr)
+        return 2
+    print(render(inspection, args.format))
     return 0
 
 

@@ -1,0 +1,89 @@
+"""What a plan and a split look like to a person or a program: table rows and a JSON-ready record.
+
+Pure data in, pure data out; the runtime (``graphddp.dump``, ``graphddp inspect``) renders the rows with
+tabulate and writes the record as ``plan.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from .plan import BucketPlan
+from .split import GraphSplit
+
+BUCKET_HEADERS = ("bucket", "bytes", "params", "segment", "extended", "parameters")
+SEGMENT_HEADERS = ("segment", "buckets", "nodes", "param bytes", "inbound activation bytes", "extended")
+
+
+def segment_of_buckets(split: GraphSplit | None) -> dict[int, int]:
+    return {} if split is None else {k: s.index for s in split.segments for k in s.buckets}
+
+
+def bucket_rows(plan: BucketPlan, split: GraphSplit | None) -> list[list[Any]]:
+    """One row per bucket: index, bytes, parameter count, segment, whether that segment was extended, names."""
+    segment = segment_of_buckets(split)
+    extended = {s.index for s in split.segments if s.extended} if split is not None else set()
+    return [
+        [b.index, b.nbytes, len(b.params), segment.get(b.index, "-"), segment.get(b.index) in extended, ", ".join(b.names)]
+        for b in plan.buckets
+    ]
+
+
+def segment_rows(split: GraphSplit) -> list[list[Any]]:
+    return [
+        [s.index, ", ".join(map(str, s.buckets)) or "-", s.nodes, s.param_bytes, _bytes(s.inbound_bytes), s.extended]
+        for s in split.segments
+    ]
+
+
+def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versions: dict[str, str]) -> dict[str, Any]:
+    """``plan.json``: buckets with parameter names, dtypes and bytes; segments; boundary bytes; fingerprint."""
+    segment = segment_of_buckets(split)
+    return {
+        "graph": graph,
+        "fingerprint": plan.fingerprint,
+        "source": plan.source,
+        "bucket_cap_bytes": plan.bucket_cap_bytes,
+        "first_bucket_cap_bytes": plan.first_bucket_cap_bytes,
+        "buckets": [
+            {
+                "index": b.index,
+                "bytes": b.nbytes,
+                "dtype": _dtype(b.dtype),
+                "device": b.device,
+                "segment": segment.get(b.index),
+                "params": [
+                    {"name": p.name, "shape": list(p.shape), "dtype": _dtype(p.dtype), "bytes": p.nbytes}
+                    for p in b.params
+                ],
+            }
+            for b in plan.buckets
+        ],
+        "segments": []
+        if split is None
+        else [
+            {
+                "index": s.index,
+                "buckets": list(s.buckets),
+                "nodes": s.nodes,
+                "param_bytes": s.param_bytes,
+                "inbound_activation_bytes": _bytes(s.inbound_bytes),
+                "extended": s.extended,
+            }
+            for s in split.segments
+        ],
+        "versions": dict(versions),
+    }
+
+
+def _bytes(value: int | sympy.Expr) -> int | str:
+    """Concrete byte counts stay numbers; symbolic ones (dynamic shapes) become their expression, e.g. ``256*s0``."""
+    if isinstance(value, sympy.Expr):
+        return int(value) if value.is_number else str(value)
+    return value
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")

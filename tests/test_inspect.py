@@ -1,0 +1,100 @@
+"""``graphddp inspect``: one process, no ranks; its plan equals the one a real 2-rank run adopts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphddp
+from graphddp.cli import main
+from graphddp.workloads import build_workload
+from ranks import run_on_ranks
+
+TESTS = os.path.dirname(__file__)
+
+
+def inspect_json(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    assert main(["inspect", *args, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "cnn"])
+def test_builtin_workloads(name: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", name, "--size", "tiny", "--bucket-cap-mb", "0.004", "--first-bucket-cap-mb", "0.002"]) == 0
+    out = capsys.readouterr().out
+    assert "bucket" in out and "inbound activation bytes" in out and "fingerprint" in out
+    record = inspect_json(capsys, name, "--size", "tiny", "--bucket-cap-mb", "0.004", "--first-bucket-cap-mb", "0.002")
+    (graph,) = record["graphs"]
+    assert len(graph["segments"]) == len(graph["buckets"]) > 1
+    assert graph["versions"] == {"graphddp": graphddp.__version__, "torch": torch.__version__}
+    model = build_workload(name, size="tiny").model
+    assert sorted(p["name"] for b in graph["buckets"] for p in b["params"]) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_a_factory_from_a_test_module(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    record = inspect_json(capsys, "inspect_factories:small_model", "--bucket-cap-mb", "0.0005", "--first-bucket-cap-mb", "0.0001")
+    names = [[p["name"] for p in b["params"]] for b in record["graphs"][0]["buckets"]]
+    assert names == [["4.weight", "4.bias"], ["2.weight", "2.bias"], ["0.weight", "0.bias"]]
+
+
+def adopted_fingerprint(rank: int, world: int) -> str:
+    workload = build_workload("gpt", size="tiny", seed=0)
+    ddp = graphddp.DDP(workload.model, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(*workload.make_batch(data)).backward()
+    assert ddp.bucket_plan.source == "graph"
+    return ddp.bucket_plan.fingerprint
+
+
+def test_json_matches_the_plan_a_real_two_rank_run_adopts(capsys: pytest.CaptureFixture) -> None:
+    record = inspect_json(capsys, "gpt", "--size", "tiny", "--bucket-cap-mb", "0.004", "--first-bucket-cap-mb", "0.002")
+    adopted = run_on_ranks(adopted_fingerprint, 2, timeout=300)
+    assert adopted == [record["fingerprint"]] * 2
+    assert record["graphs"][0]["fingerprint"] == record["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("resnet", "graphddp inspect: unknown target 'resnet': give a built-in workload (gpt, mlp, cnn) or package.module:factory"),
+        ("no_such_package.models:build", "graphddp inspect: cannot import 'no_such_package.models': ModuleNotFoundError: No module named 'no_such_package'"),
+        ("inspect_factories:missing", "graphddp inspect: 'inspect_factories' has no callable 'missing'"),
+        ("inspect_factories:raising", "graphddp inspect: inspect_factories:raising raised ValueError: the factory is broken"),
+        ("inspect_factories:frozen", "graphddp inspect: inspect_factories:frozen: the model has no parameter that requires a gradient; there is nothing to plan"),
+        ("inspect_factories:not_a_pair", "graphddp inspect: inspect_factories:not_a_pair must return (model, example_inputs), got Linear"),
+    ],
+)
+def test_bad_targets_are_one_line_and_exit_2(target: str, message: str) -> None:
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-m", "graphddp.cli", "inspect", target], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [message]
+
+
+def test_verbose_shows_the_traceback() -> None:
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    result = subprocess.run(
+        [sys.executable, "-m", "graphddp.cli", "inspect", "inspect_factories:raising", "--verbose"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode != 0 and "Traceback" in result.stderr and "the factory is broken" in result.stderr
+
+
+def test_dump_from_inspect_has_every_segments_aot_graphs(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    record = inspect_json(capsys, "gpt", "--size", "tiny", "--bucket-cap-mb", "0.004", "--first-bucket-cap-mb", "0.002", "--dump", str(tmp_path))
+    folder = tmp_path / "rank0" / "graph0"
+    segments = record["graphs"][0]["segments"]
+    assert not list((folder / "aot").glob("*.error.txt"))
+    for s in segments:
+        assert "tangents" in (folder / "aot" / f"submod_{s['index']}.backward.py").read_text()
+    assert json.loads((folder / "plan.json").read_text())["fingerprint"] == record["fingerprint"]
