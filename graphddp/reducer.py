@@ -396,6 +396,8 @@ class Reducer:
                 "dist.all_reduce(..., async_op=True).get_future())."
             )
         bucket.start(future)
+        if self.events.recording:  # completion times, for timelines
+            future.add_done_callback(lambda _f, index=bucket.index: self.events.record("done", index))
 
     def _finalize(self) -> None:
         """End of backward (step 3 of Note [Reducer])."""

@@ -15,8 +15,9 @@ class Event:
     seq: int
     """Position in this rank's record: the order things happened in."""
     kind: str
-    """``ready`` (a gradient reached its bucket), ``launch`` (a bucket's collective started), ``wait`` (its
-    result was awaited), ``finalize`` (end of backward), or anything a test or benchmark records itself."""
+    """``ready`` (a gradient reached its bucket), ``launch`` (a bucket's collective started), ``done`` (its future
+    completed), ``wait`` (its result was awaited), ``finalize`` (end of backward), ``segment_backward`` (a compiled
+    segment's backward starts), or anything a test or benchmark records itself."""
     bucket: int | None = None
     param: str | None = None
     t_ns: int = 0
@@ -25,6 +26,8 @@ class Event:
 
 class EventLog:
     """Records every event, in order."""
+
+    recording = True
 
     def __init__(self) -> None:
         self.events: list[Event] = []
@@ -41,6 +44,8 @@ class EventLog:
 
 class NullEvents:
     """Records nothing (the default)."""
+
+    recording = False
 
     def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None:
         pass

@@ -1,0 +1,56 @@
+"""``python -m bench``: every mode in one run, a table, JSON, pictures, and the ratios that matter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .link import Link, LinkUnavailable
+from .modes import MODES
+from .pictures import chrome_trace, draw
+from .run import BenchOptions, run, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    d = BenchOptions()
+    parser.add_argument("--workload", default=d.workload, choices=("gpt", "mlp", "cnn"))
+    parser.add_argument("--size", default=d.size, choices=("tiny", "small", "bench"))
+    parser.add_argument("--batch-size", type=int, default=None, help="per rank (default: the size's own)")
+    parser.add_argument("--world-size", type=int, default=d.world_size)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {', '.join(MODES)}")
+    parser.add_argument("--iters", type=int, default=d.iters)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
+    parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
+    parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
+    parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
+    args = parser.parse_args(argv)
+    try:
+        options = BenchOptions(
+            workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, warmup=args.warmup,
+            bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb, inner=args.inner,
+            link=args.link, out=args.out,
+        )  # fmt: skip
+        if options.link != "loopback":
+            Link.check_available()
+    except (ValueError, LinkUnavailable) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    print(f"bench: {options.workload} ({options.size}), {options.world_size} ranks, link {options.link}, modes {', '.join(options.modes)}", flush=True)
+    summary = run(options)
+    out = Path(options.out)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    chrome_trace(summary, out / "trace.json")
+    pictures = draw(summary, out)
+    print(table(summary))
+    print(f"written: {out / 'results.json'}, {out / 'trace.json'}" + "".join(f", {p}" for p in pictures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The benchmark's modes: one small object each, all with ``build(model) -> step_fn``.
+
+Every mode trains the same workload (same seed, data, optimizer); only how gradients are synchronised differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import graphddp
+from graphddp.passes import ParamSpec, caps_from_mb, plan_buckets
+
+MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModeConfig:
+    """What every mode shares."""
+
+    bucket_cap_mb: float = 25
+    """Bucket cap for every DDP mode (and the ``comm`` mode's buckets)."""
+    first_bucket_cap_mb: float = 1
+    """First bucket cap (graphddp; PyTorch's DDP uses its own 1 MiB default)."""
+    inner: str = "inductor"
+    """Inner compiler of both compiled modes."""
+
+
+Step = Callable[..., None]
+"""``step(batch, log=None)``: one iteration; modes with a graphddp Reducer record phases into ``log``."""
+
+
+def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
+    """``(step, handle)``: ``step(batch)`` runs one iteration; ``handle`` is the DDP module, when there is one."""
+    builders: dict[str, Callable[[nn.Module, ModeConfig], tuple[Step, Any]]] = {
+        "local": _local,
+        "comm": _comm_only,
+        "naive": _naive,
+        "torch-eager": lambda m, c: _trained(nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb)),
+        "torch-compiled": lambda m, c: _trained(
+            nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb), compile_with=c.inner
+        ),
+        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, bucket_cap_mb=c.bucket_cap_mb, first_bucket_cap_mb=c.first_bucket_cap_mb)),
+        "graphddp-compiled": lambda m, c: _trained(
+            graphddp.DDP(m, bucket_cap_mb=c.bucket_cap_mb, first_bucket_cap_mb=c.first_bucket_cap_mb),
+            graphddp_backend=graphddp.backend(c.inner),
+        ),
+    }
+    if mode not in builders:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return builders[mode](model, cfg)
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: Any = None) -> tuple[Step, Any]:
+    opt = _optimizer(ddp)
+    model = ddp
+    if graphddp_backend is not None:
+        model = torch.compile(ddp, backend=graphddp_backend)
+    elif compile_with is not None:
+        model = torch.compile(ddp, backend=compile_with)
+
+    def step(batch: tuple, log: Any = None) -> None:
+        if log is not None:
+            log.record("forward")
+        loss = model(*batch)
+        if log is not None:
+            log.record("backward")
+        loss.backward()
+        if log is not None:
+            log.record("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if log is not None:
+            log.record("end")
+
+    return step, ddp
+
+
+def _local(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
+    """Compute only: the same work with no communication at all (the lower bound on compute)."""
+    return _trained(model)
+
+
+def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
+    """All-reduce every gradient after backward, one by one: no buckets, no overlap (seed 002's baseline)."""
+    opt = _optimizer(model)
+    world = dist.get_world_size()
+
+    def step(batch: tuple, log: Any = None) -> None:
+        model(*batch).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, None
+
+
+def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
+    """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
+    caps = caps_from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+    plan = plan_buckets(specs, bucket_cap_bytes=caps[0], first_bucket_cap_bytes=caps[1])
+    buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]
+
+    def step(batch: tuple, log: Any = None) -> None:
+        works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
+        for w in works:
+            w.wait()
+
+    return step, None

@@ -1,0 +1,193 @@
+"""Launch a benchmark run with torchrun (loopback, or one emulated host per rank) and report it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from .link import Link, LinkSpec
+from .modes import MODES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """One benchmark run."""
+
+    workload: str = "gpt"
+    """gpt, mlp or cnn (``graphddp.workloads``)."""
+    size: str = "bench"
+    """tiny, small or bench."""
+    batch_size: int | None = None
+    """Per-rank batch size (default: the size's own)."""
+    world_size: int = 2
+    modes: tuple[str, ...] = MODES
+    iters: int = 10
+    """Timed iterations per mode (after warm-up)."""
+    warmup: int = 2
+    bucket_cap_mb: float = 25
+    first_bucket_cap_mb: float = 1
+    inner: str = "inductor"
+    link: str = "loopback"
+    """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
+    out: str = "bench-out"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
+            raise ValueError("iters and world_size must be >= 1, warmup >= 0")
+        if self.link != "loopback":
+            LinkSpec.parse(self.link)
+
+
+def run(options: BenchOptions) -> dict[str, Any]:
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "workload": options.workload,
+        "size": options.size,
+        "batch_size": options.batch_size,
+        "modes": list(options.modes),
+        "iters": options.iters,
+        "warmup": options.warmup,
+        "out": str(out.resolve()),
+        "mode_config": {"bucket_cap_mb": options.bucket_cap_mb, "first_bucket_cap_mb": options.first_bucket_cap_mb, "inner": options.inner},
+    }
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
+    if options.link == "loopback":
+        _launch([_torchrun(options.world_size, 1, 0, "127.0.0.1", config_path)])
+    else:
+        with Link(LinkSpec.parse(options.link), options.world_size) as link:
+            commands = [
+                ["ip", "netns", "exec", link.host(r), *_torchrun(1, options.world_size, r, link.address(0), config_path)]
+                for r in range(options.world_size)
+            ]
+            _launch(commands)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(options.world_size)]
+    return summarize(options, ranks)
+
+
+def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path) -> list[str]:
+    port = _free_port() if host == "127.0.0.1" else 29517
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=graphddp-bench",
+        "-m", "bench.worker", str(config),
+    ]  # fmt: skip
+
+
+def _launch(commands: list[list[str]]) -> None:
+    """Start every command; stop them all on the first failure or on Ctrl-C."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, len(commands))))}
+    procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in commands]
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
+            time.sleep(0.2)
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the report --------------------------------------------------------------------------------------------------
+def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode: iteration time (slowest rank per iteration), spread, throughput, compile time, overlap, memory."""
+    per_rank_batch = ranks[0]["batch_size"]
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in options.modes:
+        iteration = [max(r["modes"][mode]["times_s"][i] for r in ranks) for i in range(options.iters)]
+        median = statistics.median(iteration)
+        rss = [r["modes"][mode]["peak_rss_mb"] for r in ranks if r["modes"][mode]["peak_rss_mb"] is not None]
+        modes[mode] = {
+            "median_s": median,
+            "min_s": min(iteration),
+            "max_s": max(iteration),
+            "samples_per_s": per_rank_batch * options.world_size / median,
+            "compile_s": max(r["modes"][mode]["first_s"] for r in ranks) - median,
+            "peak_rss_mb": max(rss) if rss else None,
+        }
+    local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
+    for name, m in modes.items():
+        if local is not None and name not in ("local", "comm"):
+            m["exposed_comm_s"] = m["median_s"] - local
+            if comm:
+                m["overlap"] = min(1.0, max(0.0, (local + comm - m["median_s"]) / comm))
+    ratios = {}
+    for label, a, b in [
+        ("graphddp-compiled / torch-compiled", "graphddp-compiled", "torch-compiled"),
+        ("graphddp-eager / torch-eager", "graphddp-eager", "torch-eager"),
+    ]:
+        if a in modes and b in modes:
+            ratios[label] = modes[a]["median_s"] / modes[b]["median_s"]
+    if "graphddp-compiled" in modes and local is not None and comm is not None:
+        ratios["graphddp-compiled / max(local, comm)"] = modes["graphddp-compiled"]["median_s"] / max(local, comm)
+    return {
+        "options": dataclasses.asdict(options),
+        "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "torch": torch.__version__,
+        "link": options.link,
+        "modes": modes,
+        "ratios": ratios,
+        "timelines": {
+            mode: [r["modes"][mode]["timeline"] for r in ranks] for mode in options.modes if ranks[0]["modes"][mode]["timeline"]
+        },
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = []
+    for mode, m in summary["modes"].items():
+        rows.append([
+            mode, f"{m['median_s'] * 1e3:.1f}", f"{m['min_s'] * 1e3:.1f}-{m['max_s'] * 1e3:.1f}", f"{m['samples_per_s']:.1f}",
+            f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("peak_rss_mb")),
+        ])  # fmt: skip
+    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "peak RSS MB"]
+    lines = [tabulate(rows, headers=headers)]
+    lines += [f"{k}: {v:.3f}" for k, v in summary["ratios"].items()]
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def _mb(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
