@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {e}", file=sys.stderr)
         return 2
     print(f"bench: {options.workload} ({options.size}), {options.world_size} ranks, link {options.link}, modes {', '.join(options.modes)}", flush=True)
-    summary = run(options)
+    try:
+        summary = run(options)
+    except LinkUnavailable as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     out = Path(options.out)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     chrome_trace(summary, out / "trace.json")

@@ -1,8 +1,9 @@
 """An emulated network: one Linux network namespace per rank ("host"), joined through a bridge, shaped by tc.
 
 Each host namespace gets a veth pair whose other end is enslaved to a bridge in a switch namespace; the host's
-end is shaped with ``tc netem`` (rate and delay). Addresses are 10.88.0.K/24, inside namespaces this run
-creates; nothing else is touched. ``Link`` is a context manager: namespaces are removed on exit, also after a
+end is shaped with ``tc`` (rate and optional delay). Addresses are 10.88.0.K/24, inside namespaces this run
+creates; nothing else is touched. The rate is shaped with ``tbf`` (a token bucket holding 10 ms of traffic);
+a delay needs ``netem``, and a kernel without it is told in one line (no silent fallback). ``Link`` is a context manager: namespaces are removed on exit, also after a
 failure or Ctrl-C (deleting a namespace removes its interfaces and qdiscs).
 """
 
@@ -76,12 +77,17 @@ class Link:
                 self._ip(self.switch, f"link set p{rank} up")
                 self._ip(host, f"addr add {self.address(rank)}/24 dev eth0")
                 self._ip(host, "link set eth0 up")
-                netem = f"rate {self.spec.rate}" + (f" delay {self.spec.delay}" if self.spec.delay else "")
-                _run(["ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", *netem.split()])
+                _run(["ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", "eth0", *self._qdisc()])
         except BaseException:
             self.close()
             raise
         return self
+
+    def _qdisc(self) -> list[str]:
+        if self.spec.delay is not None:
+            return ["root", "netem", "rate", self.spec.rate, "delay", self.spec.delay]
+        burst = max(64 * 1024, int(_bits_per_second(self.spec.rate) / 8 / 100))  # 10 ms of traffic
+        return ["root", "tbf", "rate", self.spec.rate, "burst", str(burst), "latency", "50ms"]
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -99,7 +105,14 @@ class Link:
         _run(["ip", "-n", namespace, *command.split()])
 
 
+def _bits_per_second(rate: str) -> float:
+    value, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate).groups()  # type: ignore[union-attr]
+    return float(value) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
 def _run(cmd: list[str]) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
+        if "netem" in cmd and "unknown" in result.stderr:
+            raise LinkUnavailable("this kernel has no netem qdisc, so a link delay cannot be emulated; use --link RATE")
         raise LinkUnavailable(f"{' '.join(cmd)} failed: {result.stderr.strip()}")

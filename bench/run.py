@@ -90,6 +90,8 @@ def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path) 
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=graphddp-bench",
+        # Namespaces share one hostname, so torchrun cannot guess which host serves the rendezvous: say it.
+        f"--rdzv-conf=is_host={int(node_rank == 0)}",
         "-m", "bench.worker", str(config),
     ]  # fmt: skip
 

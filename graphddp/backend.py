@@ -235,10 +235,13 @@ class _SegmentCompiler(fx.Interpreter):
         segment: fx.GraphModule = self.fetch_attr(str(n.target))
         unwrap = _make_output_a_tuple(segment)
         # Fake outputs for the next segment come from the uncompiled segment: shapes, dtypes, strides.
+        grad_mode = torch.is_grad_enabled()
         with self.fake_mode:
             out = segment(*args)
         self.segments[str(n.target)] = (segment, list(args))
+        torch.set_grad_enabled(grad_mode)  # a segment may switch grad mode; the next compile must not inherit it
         compiled = self.inner(segment, list(args))
+        torch.set_grad_enabled(grad_mode)
         index = int(str(n.target).rsplit("_", 1)[1])
         wrapped = CompiledSegment(compiled, index, unwrap, self.reducer)
         self.module.delete_submodule(str(n.target))

@@ -75,7 +75,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         module: nn.Module,
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = 25,
         find_unused_parameters: bool = False,
@@ -101,7 +101,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.options = DDPOptions(
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
+            broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,  # None: PyTorch's default
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
@@ -127,7 +127,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         if self.world_size > 1:
             state = [p.detach() for p in module.parameters()]
-            state += [b.detach() for b in module.buffers()] if broadcast_buffers else []
+            state += [b.detach() for b in module.buffers()] if self.options.broadcast_buffers else []
             broadcast_coalesced(state, src=0, group=self.process_group)
 
         bucket_cap, first_cap = self.options.caps_bytes
@@ -276,6 +276,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+    # PyTorch's DDP exposes its options as attributes; scripts read them.
+    find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
+    static_graph = property(lambda self: self.options.static_graph)
+    gradient_as_bucket_view = property(lambda self: self.options.gradient_as_bucket_view)
+    broadcast_buffers = property(lambda self: self.options.broadcast_buffers)
 
     @property
     def bucket_plan(self):

@@ -46,7 +46,7 @@ from .grad_layout import BucketViewGrads, CopiedGrads
 from .passes import BucketPlan, ParamSpec, first_difference, plan_buckets
 from .proposals import GraphPlans, agreed
 from .trace import NullEvents
-from .unused import ExpectAllUsed, find_tensors
+from .unused import ExpectAllUsed
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,8 @@ class Reducer:
         Raises the error the previous backward left (missing gradients), or, when ranks proposed different
         graph plans, gathers them (a collective every rank runs) and raises naming the first differing bucket.
         """
+        if self._armed and not self._finalize_queued:
+            self._armed = False  # the previous forward had no backward: nothing is in flight
         if self._pending_error is not None:
             message, self._pending_error = self._pending_error, None
             raise RuntimeError(message)
@@ -307,24 +309,16 @@ class Reducer:
         for bucket in self._buckets:
             bucket.reset()
         self._next_launch = 0
-        self._used = [False] * len(self._params)
         self._usage_work = None
         self._finalize_queued = False
+        if self._ready_order is not None:
+            self._ready_order = []  # a backward that failed part-way leaves no stale order behind
         self._armed = True
         if not self.has_custom_comm_hook:
             self._hook_state.divisor = self.world_size if self.divide_by_initial_world_size else self.active.count()
-        # Backward may reach no parameter at all on this rank: queue the end-of-backward work as soon as it
-        # touches an output, so this rank still launches its buckets.
-        for t in find_tensors(outputs):
-            if t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._on_backward_start)
         self._local_unused = self.usage_policy.locally_unused(outputs, self._index_of_id)
         for i in self._local_unused:
             self._mark_ready(i)
-
-    def _on_backward_start(self, grad_outputs: Any) -> None:
-        if self._armed and not self._finalize_queued:
-            self._queue_finalize()
 
     def _queue_finalize(self) -> None:
         self._finalize_queued = True
@@ -332,6 +326,7 @@ class Reducer:
 
     def on_grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (step 2 of Note [Reducer])."""
+        self._used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
         if not self._armed:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
             return
         if not self._finalize_queued:
@@ -350,7 +345,6 @@ class Reducer:
                 f"iteration: {why}. Use torch.utils.checkpoint(..., use_reentrant=False) and one backward per "
                 "forward."
             )
-        self._used[i] = True
         if self._ready_order is not None:
             self._ready_order.append(i)
         self._mark_ready(i)
@@ -431,6 +425,7 @@ class Reducer:
         finally:
             self._armed = False
             self._finalize_queued = False
+            self._used = [False] * len(self._params)  # usage accumulates over no_sync() micro-batches until here
             self.active.clear()
             self.iterations += 1
 

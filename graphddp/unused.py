@@ -14,6 +14,7 @@ Three small policies instead of flags in the hot hook:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,8 @@ def find_tensors(obj: Any) -> list[torch.Tensor]:
         return [t for item in obj for t in find_tensors(item)]
     if isinstance(obj, dict):
         return [t for item in obj.values() for t in find_tensors(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in find_tensors(getattr(obj, f.name))]
     return []
 
 

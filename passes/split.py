@@ -16,7 +16,9 @@ completing in segment ``s`` is launched before segment ``s - 1`` starts its back
 whose nodes feed nothing outside it (only in-place updates, say) is merged into the segment after it, which makes
 its buckets ready no later than planned; the merge is recorded (``Segment.extended``) and shown in dumps.
 
-Buckets that complete at the same node (possible only with several dtypes) share a segment.
+Buckets that complete at the same node (possible only with several dtypes) share a segment. A cut never falls
+inside a ``torch.no_grad()`` or autocast region (the segment before it would end with the mode switched and its
+outputs would carry no gradient): it moves to the region's entry.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def assign_segments(gm: fx.GraphModule, params: Sequence[GraphParam], plan: Buck
     nodes = list(gm.graph.nodes)
     first_use = {p.spec.name: p.first_use for p in params}
     completes_at = {b.index: min(first_use[n] for n in b.names if n in first_use) for b in plan.buckets if any(n in first_use for n in b.names)}
-    cuts = sorted(set(completes_at.values())) or [0]
+    regions = _mode_regions(nodes)
+    cuts = sorted({_outside_regions(pos, regions) for pos in completes_at.values()}) or [0]
     cuts[0] = 0  # nodes before the first parameter use belong to the first segment
 
     def segment_at(position: int) -> int:
@@ -106,6 +109,38 @@ def assign_segments(gm: fx.GraphModule, params: Sequence[GraphParam], plan: Buck
         for s in range(len(survivors))
     )
     return GraphSplit(plan, segments, partition)
+
+
+def _mode_regions(nodes: list[fx.Node]) -> list[tuple[int, int]]:
+    """``(enter, exit)`` positions of ``torch.no_grad()``/``enable_grad`` and autocast regions in the graph.
+
+    A cut inside one would leave the mode switched inside a segment (its outputs then carry no gradient):
+    cuts move to the region's entry instead.
+    """
+    regions, open_grad, open_autocast = [], [], {}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            if open_grad:
+                regions.append((open_grad.pop(), i))
+            else:
+                open_grad.append(i)
+        elif node.target is torch.amp._enter_autocast:
+            open_autocast[node] = i
+        elif node.target is torch.amp._exit_autocast and node.args and node.args[0] in open_autocast:
+            regions.append((open_autocast.pop(node.args[0]), i))
+    return regions
+
+
+def _outside_regions(position: int, regions: list[tuple[int, int]]) -> int:
+    moved = True
+    while moved:
+        moved = False
+        for enter, exit_ in regions:
+            if enter < position <= exit_:
+                position, moved = enter, True
+    return position
 
 
 def split_at_buckets(gm: fx.GraphModule, split: GraphSplit) -> fx.GraphModule:

@@ -88,3 +88,18 @@ def test_a_custom_compiler_function_compiles_every_segment() -> None:
 
 def graphddp_segments(ddp: graphddp.DDP) -> int:
     return len(ddp.reducer.graph_plans.graphs[next(iter(ddp.reducer.graph_plans.graphs))].buckets)
+
+
+def test_a_no_grad_region_is_never_cut_so_every_gradient_survives_compilation() -> None:
+    from training import build_model
+
+    eager, compiled_module = build_model("no_grad_middle"), build_model("no_grad_middle")
+    ddp = graphddp.DDP(compiled_module, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, find_unused_parameters=True)
+    backend = graphddp.backend("aot_eager")
+    loss(torch.compile(ddp, backend=backend)).backward()
+    loss(eager).backward()
+    assert backend.splits[0].num_segments > 1
+    for (name, a), b in zip(eager.named_parameters(), compiled_module.parameters()):
+        assert b.grad is not None, f"{name} lost its gradient"
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    assert torch.is_grad_enabled()

@@ -149,3 +149,4 @@ def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None
     assert agreed(t, 2 * t + 5, 2 * t * t + 25, ranks=3) is False
     assert agreed(t, 2 * t, 2 * t * t, ranks=3) is False  # one rank proposed nothing
     assert agreed(0, 0, 0, ranks=3) is None
+

@@ -9,6 +9,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import graphddp
@@ -167,3 +168,54 @@ def test_find_unused_keeps_grads_of_unused_parameters_untouched() -> None:
     step(ddp, Case(model="branchy"))
     assert ddp.module.dead.weight.grad is None
     assert ddp.module.shared.weight.grad is not None
+
+
+def test_autograd_grad_before_backward_does_not_end_the_iteration() -> None:
+    """A gradient penalty: autograd.grad on the output first, then the real backward, which must be reduced."""
+    ddp = graphddp.DDP(MLP())
+    for step_index in range(2):
+        x, y = batch_for(Case(), step_index, 0, 0)
+        x.requires_grad_(True)
+        out = ddp(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (F.mse_loss(out, y) + gx.pow(2).mean()).backward()
+    assert all(p.grad is not None for p in ddp.parameters())
+
+
+def test_dataclass_outputs_are_searched_for_unused_parameters() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = MLP()
+
+        def forward(self, x: torch.Tensor) -> Output:
+            return Output(self.inner(x))
+
+    ddp = graphddp.DDP(Wrapped(), find_unused_parameters=True)
+    x, y = batch_for(Case(), 0, 0, 0)
+    F.mse_loss(ddp(x).logits, y).backward()
+    assert all(p.grad is not None for p in ddp.parameters())
+
+
+def test_compiled_forward_twice_without_backward() -> None:
+    torch._dynamo.reset()
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = graphddp.compile(ddp, "aot_eager")
+    x, y = batch_for(Case(), 0, 0, 0)
+    model(x)
+    model(x)  # the plan is adopted here, while nothing is in flight
+    F.mse_loss(model(x), y).backward()
+    assert ddp.bucket_plan.source == "graph" and all(p.grad is not None for p in ddp.parameters())
+    torch._dynamo.reset()
+
+
+def test_pytorch_style_option_attributes_and_broadcast_buffers_none() -> None:
+    ddp = graphddp.DDP(MLP(), broadcast_buffers=None, find_unused_parameters=True)
+    assert ddp.broadcast_buffers is True and ddp.find_unused_parameters is True
+    assert ddp.static_graph is False and ddp.gradient_as_bucket_view is False

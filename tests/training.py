@@ -256,3 +256,20 @@ class GraphBreaks(nn.Module):
 
 
 MODELS.update({"inplace": InPlace, "checkpointed": Checkpointed, "graph_breaks": GraphBreaks})
+
+
+class NoGradMiddle(nn.Module):
+    """``fc2`` is first used inside ``torch.no_grad()``: a cut there would leave a compiled segment without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        with torch.no_grad():
+            scale = torch.sigmoid(self.fc2(h)) * 2
+        return self.fc3(torch.relu(self.fc2(h)) * scale)
+
+
+MODELS["no_grad_middle"] = NoGradMiddle

@@ -1,0 +1,41 @@
+"""A smoke run of the benchmark: tiny sizes, loopback, every mode, every output file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke_run(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "2", "--warmup", "0", "--inner", "aot_eager",
+         "--out", str(tmp_path)],  # default caps: PyTorch's DDPOptimizer refuses a bucket cap below its 1 MiB first cap
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert list(summary["modes"]) == ["local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled"]
+    for mode in summary["modes"].values():
+        assert mode["median_s"] > 0 and mode["min_s"] <= mode["median_s"] <= mode["max_s"]
+    assert set(summary["ratios"]) == {
+        "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local, comm)"
+    }
+    out = result.stdout.splitlines()
+    assert out[-2].startswith("graphddp-compiled / max(local, comm):")  # the ratios come last, before the file list
+    timeline = summary["timelines"]["graphddp-compiled"][0]
+    kinds = {kind for kind, _, _ in timeline}
+    assert {"forward", "backward", "launch", "done"} <= kinds
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert any("all-reduce" in e["name"] for e in trace["traceEvents"])
+    assert (tmp_path / "modes.png").stat().st_size > 0 and (tmp_path / "timeline-graphddp-compiled.png").stat().st_size > 0
+
+
+def test_bench_rejects_bad_input_in_one_line() -> None:
+    result = subprocess.run([sys.executable, "-m", "bench", "--link", "fast"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "bench: --link must be 'loopback' or RATE[:DELAY] such as 2gbit or 1gbit:2ms, got 'fast'"
