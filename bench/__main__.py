@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -13,7 +14,12 @@ from .pictures import chrome_trace, draw
 from .run import BenchOptions, run, table
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `with Link(...)`, which removes the namespaces
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     d = BenchOptions()
     parser.add_argument("--workload", default=d.workload, choices=("gpt", "mlp", "cnn"))

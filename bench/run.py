@@ -76,29 +76,31 @@ def run(options: BenchOptions) -> dict[str, Any]:
     else:
         with Link(LinkSpec.parse(options.link), options.world_size) as link:
             commands = [
-                ["ip", "netns", "exec", link.host(r), *_torchrun(1, options.world_size, r, link.address(0), config_path)]
+                ["ip", "netns", "exec", link.host(r), *_torchrun(1, options.world_size, r, link.address(0), config_path, link.address(r))]
                 for r in range(options.world_size)
             ]
-            _launch(commands)
+            # Every namespace has the same hostname, so gloo must be told which interface to use.
+            _launch(commands, {"GLOO_SOCKET_IFNAME": "eth0"})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(options.world_size)]
     return summarize(options, ranks)
 
 
-def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path) -> list[str]:
+def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path, local_addr: str | None = None) -> list[str]:
     port = _free_port() if host == "127.0.0.1" else 29517
+    # Namespaces share one hostname, so torchrun can guess neither which host serves the rendezvous nor
+    # which address the others reach this one at: say both.
+    where = [f"--rdzv-conf=is_host={int(node_rank == 0)}", f"--local-addr={local_addr}"] if local_addr else []
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=graphddp-bench",
-        # Namespaces share one hostname, so torchrun cannot guess which host serves the rendezvous: say it.
-        f"--rdzv-conf=is_host={int(node_rank == 0)}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=graphddp-bench", *where,
         "-m", "bench.worker", str(config),
     ]  # fmt: skip
 
 
-def _launch(commands: list[list[str]]) -> None:
+def _launch(commands: list[list[str]], extra_env: dict[str, str] | None = None) -> None:
     """Start every command; stop them all on the first failure or on Ctrl-C."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, len(commands))))}
+    env = {**os.environ, **(extra_env or {})}
     procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in commands]
     try:
         while any(p.poll() is None for p in procs):
