@@ -67,6 +67,9 @@ def run_mode(mode: str, config: dict, mode_config: ModeConfig, rank: int) -> dic
         ddp.reducer.events = log = EventLog()
         dist.barrier()
         step(workload.make_batch(data), log)
+        # "done" events come from future callbacks on gloo's threads and may trail the step: let them land.
+        dist.barrier()
+        time.sleep(0.05)
         t0 = log.events[0].t_ns
         timeline = [(e.kind, e.bucket, (e.t_ns - t0) / 1e6) for e in log.events]
     return {"first_s": first, "times_s": times, "peak_rss_mb": _peak_rss_mb(), "timeline": timeline, "batch_size": workload.batch_size}

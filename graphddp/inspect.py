@@ -100,9 +100,8 @@ def inspect_target(
         if writer is not None:
             _dump(writer, f"graph{i}", captured, plan, split)
     specs = [ParamSpec.of(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    position = {s.name: i for i, s in enumerate(specs)}
-    in_backward_order = sorted((g.plan for g in graphs), key=lambda p: -min(position[n] for n in p.param_names))
-    plan = compose_plans(in_backward_order, specs[::-1], bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.proposals).
+    plan = compose_plans([g.plan for g in graphs], specs[::-1], bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
     return Inspection(target, graphs, plan)
 
 

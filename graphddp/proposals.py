@@ -6,10 +6,12 @@ The backend plans buckets while Dynamo compiles, in the middle of a forward, pos
 recompile for a shape only that rank saw). It must not issue a collective there, and the Reducer must not
 switch plans under a backward in flight. So a graph's plan is only *proposed*:
 
-1. the composite of all proposed graph plans gets a token (20 bits of its fingerprint, 0 for "none");
-2. the usage map all-reduced after the last bucket (Note [Reducer]) carries ``token`` and ``token**2``;
+1. the composite of all proposed graph plans gets two tokens (two independent 20-bit slices of its
+   fingerprint, plus one; 0 for "none");
+2. the usage map all-reduced after the last bucket (Note [Reducer]) carries each ``token`` and ``token**2``;
    the sums equal ``n * token`` and ``n * token**2`` for the ``n`` participating ranks exactly when every rank
-   proposed the same plan;
+   contributed the same token (equality in Cauchy-Schwarz), so different plans agree only if both 20-bit
+   slices of their fingerprints collide;
 3. at the next forward every rank adopts it, or, when the tokens disagree, every rank gathers the plans and
    raises the same error naming the first differing bucket. Ranks never reduce mismatched buckets.
 """
@@ -26,23 +28,21 @@ class GraphPlans:
 
     def __init__(self, specs_in_registration_order: Sequence[ParamSpec]) -> None:
         self._specs = list(specs_in_registration_order)
-        self._position = {s.name: i for i, s in enumerate(self._specs)}
-        self._by_graph: dict[str, BucketPlan] = {}
+        self._by_graph: dict[str, tuple[int, BucketPlan]] = {}  # graph -> (position in forward, plan)
+        self._next_position = 0
         self.proposed: BucketPlan | None = None
 
     def propose(self, graph: str, plan: BucketPlan, current: BucketPlan) -> None:
-        """Record ``plan`` for ``graph``; a graph sharing parameters with it (an older compile) is replaced."""
+        """Record ``plan`` for ``graph``, compiled now. Graphs are first compiled in the order forward runs them;
+        a recompile (a graph with the same parameters) replaces the old plan and keeps its position."""
         names = set(plan.param_names)
-        for key in [k for k, old in self._by_graph.items() if names & set(old.param_names)]:
-            del self._by_graph[key]
-        self._by_graph[graph] = plan
-        # Graphs run in forward order; their backwards in reverse. The first registered parameter of each
-        # graph stands in for its position in forward.
-        in_backward_order = sorted(
-            self._by_graph.values(), key=lambda p: -min(self._position[n] for n in p.param_names)
-        )
+        same = [k for k, (_, old) in self._by_graph.items() if set(old.param_names) == names]
+        position = self._by_graph.pop(same[0])[0] if same else self._next_position
+        self._next_position += not same
+        self._by_graph[graph] = (position, plan)
+        in_forward_order = [p for _, p in sorted(self._by_graph.values(), key=lambda item: item[0])]
         composite = compose_plans(
-            in_backward_order,
+            in_forward_order,
             self._specs[::-1],
             bucket_cap_bytes=current.bucket_cap_bytes,
             first_bucket_cap_bytes=current.first_bucket_cap_bytes,
@@ -51,18 +51,29 @@ class GraphPlans:
 
     @property
     def graphs(self) -> dict[str, BucketPlan]:
-        return dict(self._by_graph)
+        return {k: plan for k, (_, plan) in self._by_graph.items()}
 
-    def token(self) -> int:
-        """What this rank contributes to the agreement (see the Note); 0 when nothing is proposed."""
-        return 0 if self.proposed is None else int(self.proposed.fingerprint[:5], 16) + 1
+    def tokens(self) -> tuple[int, int]:
+        """What this rank contributes to the agreement (see the Note); zeros when nothing is proposed."""
+        if self.proposed is None:
+            return (0, 0)
+        fingerprint = self.proposed.fingerprint
+        return (int(fingerprint[:5], 16) + 1, int(fingerprint[5:10], 16) + 1)
 
     def taken(self) -> None:
         self.proposed = None
 
 
-def agreed(token: int, token_sum: int, square_sum: int, ranks: int) -> bool | None:
-    """True: every rank proposed this plan. False: ranks disagree. None: nobody proposed anything."""
-    if token_sum == 0 and square_sum == 0:
+def agreement_entries(tokens: tuple[int, ...]) -> list[int]:
+    """The entries a rank adds to the usage all-reduce: each token and its square."""
+    return [v for t in tokens for v in (t, t * t)]
+
+
+def agreed(tokens: tuple[int, ...], sums: list[int], ranks: int) -> bool | None:
+    """True: every rank proposed this plan. False: ranks disagree. None: nobody proposed anything.
+
+    ``sums`` are the all-reduced ``agreement_entries`` of the ``ranks`` participating ranks.
+    """
+    if not any(sums):
         return None
-    return token != 0 and token_sum == ranks * token and square_sum == ranks * token * token
+    return all(t != 0 and s == ranks * t and q == ranks * t * t for t, s, q in zip(tokens, sums[0::2], sums[1::2]))

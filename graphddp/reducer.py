@@ -44,7 +44,7 @@ from .buckets import FlatBucket, GradBucket
 from .comm import AverageState, CudaCommStream, HostComm, all_gather_bytes, average_allreduce_hook
 from .grad_layout import BucketViewGrads, CopiedGrads
 from .passes import BucketPlan, ParamSpec, first_difference, plan_buckets
-from .proposals import GraphPlans, agreed
+from .proposals import GraphPlans, agreed, agreement_entries
 from .trace import NullEvents
 from .unused import ExpectAllUsed
 
@@ -143,7 +143,7 @@ class Reducer:
         self._rebuild_order: list[int] | None = None
         # Plans proposed by the compile backend (Note [Plan agreement] in graphddp.proposals).
         self.graph_plans = GraphPlans([ParamSpec.of(n, p) for n, p in named_params])
-        self._token = 0
+        self._tokens: tuple[int, int] = (0, 0)
         self._agreed_plan: BucketPlan | None = None
         self._plan_mismatch = False
         self.iterations = 0
@@ -370,9 +370,9 @@ class Reducer:
             # Tiny, after the last bucket: which parameters got a gradient, summed over ranks. It goes through
             # a side group: comm hooks such as PowerSGD issue further collectives on the main group from
             # future callbacks, and ours must not interleave with theirs.
-            # The last two entries carry the plan agreement (Note [Plan agreement]).
-            self._token = token = self.graph_plans.token()
-            used = torch.tensor([int(u) for u in self._used] + [token, token * token], dtype=torch.int64)
+            # The last entries carry the plan agreement (Note [Plan agreement]).
+            self._tokens = self.graph_plans.tokens()
+            used = torch.tensor([int(u) for u in self._used] + agreement_entries(self._tokens), dtype=torch.int64)
             self._usage_tensor = used
             self._usage_work = dist.all_reduce(used, group=self._usage_group, async_op=True)
 
@@ -452,8 +452,9 @@ class Reducer:
         if self._usage_work is not None:
             self._usage_work.wait()
             assert self._usage_tensor is not None
-            *counts, token_sum, square_sum = self._usage_tensor.tolist()
-            verdict = agreed(self._token, token_sum, square_sum, self.active.count())
+            sums = self._usage_tensor.tolist()
+            counts, agreement = sums[: len(self._params)], sums[len(self._params) :]
+            verdict = agreed(self._tokens, agreement, self.active.count())
             if verdict:
                 self._agreed_plan = self.graph_plans.proposed
             elif verdict is False:
@@ -499,7 +500,7 @@ class Reducer:
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.index == len(self._buckets) - 1)
             self._comm.wait(self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket)))
         if self._reduces_usage():
-            unused = torch.zeros(len(self._params) + 2, dtype=torch.int64)
+            unused = torch.zeros(len(self._params) + len(agreement_entries((0, 0))), dtype=torch.int64)
             dist.all_reduce(unused, group=self._usage_group)
         self._comm.join_compute()
 

@@ -248,7 +248,7 @@ def first_difference(mine: Sequence[tuple[str, str]], theirs: Sequence[tuple[str
 
 
 def compose_plans(
-    graph_plans: Sequence[BucketPlan],
+    graph_plans_in_forward_order: Sequence[BucketPlan],
     rest_in_ready_order: Sequence[ParamSpec],
     *,
     bucket_cap_bytes: int,
@@ -256,14 +256,21 @@ def compose_plans(
 ) -> BucketPlan:
     """One plan for a forward that runs several captured graphs (graph breaks).
 
-    ``graph_plans`` come in backward order (the graph that runs last in forward first); their buckets are
-    kept as they are, renumbered in that order. Parameters no graph covers (used eagerly between graphs)
-    follow, planned from ``rest_in_ready_order``.
+    Graphs run in forward order and their backwards in reverse, so the composite takes their buckets last graph
+    first, renumbered. A parameter several graphs use (a weight tied across a graph break) belongs to the graph
+    that runs first in forward: its gradient completes only when that graph's backward has run (Note [Earliest
+    use]); later graphs drop it. Parameters no graph covers (used eagerly) follow, planned from
+    ``rest_in_ready_order``.
     """
-    covered = {name for plan in graph_plans for name in plan.param_names}
-    rest = [p for p in rest_in_ready_order if p.name not in covered]
+    claimed: set[str] = set()
+    kept: list[list[tuple[tuple[ParamSpec, ...], int]]] = []
+    for plan in graph_plans_in_forward_order:
+        buckets = [(tuple(p for p in b.params if p.name not in claimed), b.cap_bytes) for b in plan.buckets]
+        kept.append([(params, cap) for params, cap in buckets if params])
+        claimed |= set(plan.param_names)
+    rest = [p for p in rest_in_ready_order if p.name not in claimed]
     tail = plan_buckets(rest, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes) if rest else None
-    buckets: list[Bucket] = []
-    for plan in [*graph_plans, *([tail] if tail else [])]:
-        buckets.extend(Bucket(len(buckets), b.params, b.cap_bytes) for b in plan.buckets)
-    return BucketPlan(tuple(buckets), bucket_cap_bytes, first_bucket_cap_bytes, source="graph")
+    groups = [group for graph in reversed(kept) for group in graph]
+    groups += [(b.params, b.cap_bytes) for b in tail.buckets] if tail else []
+    buckets = tuple(Bucket(k, params, cap) for k, (params, cap) in enumerate(groups))
+    return BucketPlan(buckets, bucket_cap_bytes, first_bucket_cap_bytes, source="graph")

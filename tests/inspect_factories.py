@@ -20,3 +20,21 @@ def frozen():
 
 def not_a_pair():
     return nn.Linear(4, 4)
+
+
+class TiedAcrossBreak(nn.Module):
+    """An embedding tied to the output layer, with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.mid = nn.Linear(8, 8)
+
+    def forward(self, idx):
+        h = self.mid(self.wte(idx))
+        torch._dynamo.graph_break()
+        return (h @ self.wte.weight.t()).sum()
+
+
+def tied_across_break():
+    return TiedAcrossBreak(), (torch.randint(0, 32, (2, 5)),)

@@ -29,9 +29,10 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     assert out[-2].startswith("graphddp-compiled / max(local, comm):")  # the ratios come last, before the file list
     timeline = summary["timelines"]["graphddp-compiled"][0]
     kinds = {kind for kind, _, _ in timeline}
-    assert {"forward", "backward", "launch", "done"} <= kinds
+    # "done" comes from a future callback on gloo's thread: usually there, but not ordered with the rest.
+    assert {"forward", "backward", "launch", "optimizer", "end"} <= kinds, kinds
     trace = json.loads((tmp_path / "trace.json").read_text())
-    assert any("all-reduce" in e["name"] for e in trace["traceEvents"])
+    assert {"forward", "backward", "optimizer"} <= {e["name"] for e in trace["traceEvents"]}
     assert (tmp_path / "modes.png").stat().st_size > 0 and (tmp_path / "timeline-graphddp-compiled.png").stat().st_size > 0
 
 

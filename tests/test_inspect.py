@@ -98,3 +98,10 @@ def test_dump_from_inspect_has_every_segments_aot_graphs(tmp_path, capsys: pytes
     for s in segments:
         assert "tangents" in (folder / "aot" / f"submod_{s['index']}.backward.py").read_text()
     assert json.loads((folder / "plan.json").read_text())["fingerprint"] == record["fingerprint"]
+
+
+def test_a_weight_tied_across_a_graph_break(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    record = inspect_json(capsys, "inspect_factories:tied_across_break", "--bucket-cap-mb", "1e-6", "--first-bucket-cap-mb", "1e-6")
+    assert len(record["graphs"]) == 2
+    assert [b["params"] for b in record["buckets"]][-1] == ["wte.weight"]  # complete only after the embedding's backward

@@ -22,7 +22,7 @@ from graphddp.passes import (
     ready_groups,
     split_at_buckets,
 )
-from graphddp.proposals import GraphPlans, agreed
+from graphddp.proposals import GraphPlans, agreed, agreement_entries
 from graphddp.workloads import build_workload
 
 
@@ -130,9 +130,20 @@ def test_compose_plans_keeps_graph_buckets_and_plans_the_rest() -> None:
 
     late = plan_buckets([spec("d"), spec("c")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
     early = plan_buckets([spec("b")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
-    composite = compose_plans([late, early], [spec("e"), spec("d"), spec("b"), spec("a")], bucket_cap_bytes=32, first_bucket_cap_bytes=32)
+    composite = compose_plans([early, late], [spec("e"), spec("d"), spec("b"), spec("a")], bucket_cap_bytes=32, first_bucket_cap_bytes=32)
     assert [b.names for b in composite.buckets] == [("d",), ("c",), ("b",), ("e", "a")]
     assert composite.source == "graph"
+
+
+def test_a_weight_tied_across_a_graph_break_belongs_to_the_graph_that_runs_first() -> None:
+    def spec(n: str) -> ParamSpec:
+        return ParamSpec(n, (4,), torch.float32, "cpu")
+
+    embedding_graph = plan_buckets([spec("pos"), spec("wte")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    head_graph = plan_buckets([spec("wte"), spec("ln")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    composite = compose_plans([embedding_graph, head_graph], [], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    # The head's backward runs first but cannot complete wte: wte waits for the embedding graph's backward.
+    assert [b.names for b in composite.buckets] == [("ln",), ("pos",), ("wte",)]
 
 
 def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None:
@@ -140,13 +151,15 @@ def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None
     current = plan_buckets(specs[::-1], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
     plans = GraphPlans(specs)
     plans.propose("g0", current, current)
-    assert plans.proposed is None and plans.token() == 0  # same as what runs: nothing to agree on
+    assert plans.proposed is None and plans.tokens() == (0, 0)  # same as what runs: nothing to agree on
     other = plan_buckets(specs, bucket_cap_bytes=16, first_bucket_cap_bytes=16)
     plans.propose("g1", other, current)  # a recompile of the same code replaces g0
     assert list(plans.graphs) == ["g1"] and isinstance(plans.proposed, BucketPlan)
-    t = plans.token()
-    assert agreed(t, 3 * t, 3 * t * t, ranks=3) is True
-    assert agreed(t, 2 * t + 5, 2 * t * t + 25, ranks=3) is False
-    assert agreed(t, 2 * t, 2 * t * t, ranks=3) is False  # one rank proposed nothing
-    assert agreed(0, 0, 0, ranks=3) is None
+    mine = plans.tokens()
+    everyone = [3 * v for v in agreement_entries(mine)]
+    assert agreed(mine, everyone, ranks=3) is True
+    other = (mine[0], mine[1] + 1)  # a plan whose first 20-bit slice collides but whose second does not
+    assert agreed(mine, [a + b for a, b in zip([2 * v for v in agreement_entries(mine)], agreement_entries(other))], ranks=3) is False
+    assert agreed(mine, [2 * v for v in agreement_entries(mine)], ranks=3) is False  # one rank proposed nothing
+    assert agreed((0, 0), [0, 0, 0, 0], ranks=3) is None
 
