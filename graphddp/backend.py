@@ -36,7 +36,6 @@ from torch import fx, nn
 
 from .passes import (
     GraphSplit,
-    ParamSpec,
     assign_segments,
     caps_from_mb,
     find_graph_params,
@@ -91,10 +90,8 @@ class GraphDDPBackend:
 
     def __init__(self, inner: str | CompilerFn, *, debug_dir: str | None = None) -> None:
         if isinstance(inner, str):
-            self.inner_name = inner
             self.inner: CompilerFn = torch._dynamo.lookup_backend(inner)
         elif callable(inner):
-            self.inner_name = getattr(inner, "__name__", type(inner).__name__)
             self.inner = inner
         else:
             raise TypeError(f"graphddp.backend: inner must be a backend name or a compiler function, got {inner!r}")

@@ -73,7 +73,6 @@ class ActiveRanks:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._work: Any = None
-        self._tensor: torch.Tensor | None = None
 
     def set_join_work(self, work: Any) -> None:
         """The all-reduce of ones that ``Join.notify_join_context`` issued this iteration."""
@@ -192,10 +191,6 @@ class Reducer:
     @property
     def buckets(self) -> list[FlatBucket]:
         return self._buckets
-
-    @property
-    def rebuild_pending(self) -> bool:
-        return self._rebuild_order is not None
 
     def rebuild_from_ready_order(self) -> bool:
         """Re-plan once in the order gradients became ready in the first backward (rank 0's order wins).

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphddp
 from training import MLP, Case, batch_for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from torch import nn
 
 import graphddp
 from ranks import expect_failure_on_every_rank
-from training import IN, MLP, Branchy, Case, batch_for
+from training import MLP, Branchy, Case, batch_for
 
 TIMEOUT = 60
 

@@ -166,7 +166,6 @@ def assert_launch_before_next_segment_backward(events: list[tuple[str, int | Non
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiled_matches_eager_and_torch_ddp(name: str) -> None:
-    case = CASES[name]
     results = run_on_ranks(check_case, 2, name, timeout=300)
     assert len({r["fingerprint"] for r in results}) == 1, "ranks run different plans"
     first = results[0]

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,12 +13,7 @@ from graphddp.trace import EventLog
 from training import MLP, Branchy, batch_for, Case, forward_loss
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def step(ddp: nn.Module, case: Case = Case(), seed: int = 0) -> torch.Tensor:
