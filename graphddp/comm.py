@@ -122,7 +122,11 @@ def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
 
 # -- the default communication hook -------------------------------------------------------------------------
 class AverageState:
-    """State of graphddp's default hook: the group, and what to divide the sum by in this iteration."""
+    """State of graphddp's default hook: the group, and what to divide the sum by in this iteration.
+
+    The Reducer scales gradients by ``1 / divisor`` while copying them into the bucket (as PyTorch's C++
+    Reducer does), so it sets ``divisor`` to 1 and the hook makes no extra pass over the buffer.
+    """
 
     def __init__(self, process_group: dist.ProcessGroup) -> None:
         self.process_group = process_group
@@ -132,7 +136,8 @@ class AverageState:
 def average_allreduce_hook(state: AverageState, bucket: Any) -> torch.futures.Future:
     """Sum the bucket over ranks and divide by ``state.divisor`` (the world size, or the non-joined ranks)."""
     buffer = bucket.buffer()
-    buffer.div_(state.divisor)  # before the sum, as PyTorch does, so low precision sums do not overflow
+    if state.divisor != 1:
+        buffer.div_(state.divisor)  # before the sum, as PyTorch does, so low precision sums do not overflow
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

@@ -8,12 +8,14 @@ import torch
 class CopiedGrads:
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
 
-    def to_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         grad = param.grad
         if grad is None:  # unused here: contribute zeros
             view.zero_()
-        else:
+        elif scale is None:
             view.copy_(grad)
+        else:  # scale while copying: one pass over the gradient instead of two
+            torch.mul(grad, scale, out=view)
 
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
         if param.grad is None:
@@ -30,13 +32,18 @@ class BucketViewGrads:
     next to the bucket. After ``zero_grad(set_to_none=True)`` autograd hands us a fresh tensor once; it is
     copied into the slice and ``param.grad`` re-pointed, and later accumulation happens in place."""
 
-    def to_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         grad = param.grad
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
             param.grad = view
+        elif scale is not None:
+            view.mul_(scale)
 
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
         if param.grad is None:  # unused on this rank, used on another: the average is its gradient

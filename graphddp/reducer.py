@@ -122,6 +122,7 @@ class Reducer:
         self._hook_state: Any = AverageState(process_group)
         self.has_custom_comm_hook = False
         self._launch_policy: EagerLaunch | ChainedLaunch = EagerLaunch()
+        self._prescale: float | None = None
 
         self.plan: BucketPlan | None = None
         self._buckets: list[FlatBucket] = []
@@ -309,8 +310,11 @@ class Reducer:
         if self._ready_order is not None:
             self._ready_order = []  # a backward that failed part-way leaves no stale order behind
         self._armed = True
-        if not self.has_custom_comm_hook:
-            self._hook_state.divisor = self.world_size if self.divide_by_initial_world_size else self.active.count()
+        self._prescale = None
+        if not self.has_custom_comm_hook:  # scale while copying into the bucket; the hook then only sums
+            divisor = self.world_size if self.divide_by_initial_world_size else self.active.count()
+            self._prescale = 1.0 / divisor if divisor != 1 else None
+            self._hook_state.divisor = 1
         self._local_unused = self.usage_policy.locally_unused(outputs, self._index_of_id)
         for i in self._local_unused:
             self._mark_ready(i)
@@ -347,7 +351,7 @@ class Reducer:
     def _mark_ready(self, i: int) -> None:
         bucket_index, slot = self._slot[i]
         bucket = self._buckets[bucket_index]
-        self._layout.to_bucket(self._params[i], bucket.views[slot])
+        self._layout.to_bucket(self._params[i], bucket.views[slot], self._prescale)
         self.events.record("ready", bucket_index, self._names[i])
         if bucket.mark_ready(slot):
             self._launch_ready_buckets()
