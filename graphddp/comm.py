@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .passes import MiB, ParamSpec
+from .passes import MiB, ParamSpec, first_difference_across
 
 BROADCAST_CAP_BYTES = 250 * MiB
 """Tensors are broadcast in flat chunks of at most this size (PyTorch's DDP uses the same figure)."""
@@ -104,20 +104,18 @@ def all_gather_bytes(data: bytes, *, group: dist.ProcessGroup) -> list[bytes]:
 
 
 def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
-    longest = max(len(r) for r in all_rows)
-    for i in range(longest):
-        entries = [rows[i] if i < len(rows) else "<missing>" for rows in all_rows]
-        if any(e != entries[0] for e in entries):
-            differing = [r for r, e in enumerate(entries) if e != entries[0]]
-            counts = ", ".join(f"rank {r}: {len(rows)}" for r, rows in enumerate(all_rows))
-            return (
-                f"[rank {rank}] graphddp.DDP: the ranks wrapped different models. First difference at entry #{i}: "
-                f"rank 0 has {entries[0]!r}, "
-                + "; ".join(f"rank {r} has {entries[r]!r}" for r in differing)
-                + f" (parameters and buffers per rank: {counts}). Build the same model on every rank (same "
-                "parameters and buffers, same order, shapes and dtypes) before wrapping it in graphddp.DDP."
-            )
-    raise AssertionError("digests differ but the rows are equal")
+    found = first_difference_across(all_rows, "<missing>")
+    assert found is not None, "digests differ but the rows are equal"
+    i, entries = found
+    differing = [r for r, e in enumerate(entries) if e != entries[0]]
+    counts = ", ".join(f"rank {r}: {len(rows)}" for r, rows in enumerate(all_rows))
+    return (
+        f"[rank {rank}] graphddp.DDP: the ranks wrapped different models. First difference at entry #{i}: "
+        f"rank 0 has {entries[0]!r}, "
+        + "; ".join(f"rank {r} has {entries[r]!r}" for r in differing)
+        + f" (parameters and buffers per rank: {counts}). Build the same model on every rank (same "
+        "parameters and buffers, same order, shapes and dtypes) before wrapping it in graphddp.DDP."
+    )
 
 
 # -- the default communication hook -------------------------------------------------------------------------

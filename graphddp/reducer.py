@@ -43,7 +43,7 @@ from tabulate import tabulate
 from .buckets import FlatBucket, GradBucket
 from .comm import AverageState, CudaCommStream, HostComm, all_gather_bytes, average_allreduce_hook
 from .grad_layout import BucketViewGrads, CopiedGrads
-from .passes import BucketPlan, ParamSpec, first_difference, plan_buckets
+from .passes import BucketPlan, ParamSpec, first_difference_across, plan_buckets
 from .proposals import GraphPlans, agreed, agreement_entries
 from .trace import NullEvents
 from .unused import ExpectAllUsed
@@ -286,17 +286,12 @@ class Reducer:
             [tuple(line.split("\t", 1)) for line in b.decode().split("\n") if line]
             for b in all_gather_bytes(payload, group=self._group)
         ]
-        where = {r: first_difference(everyone[0], rows_r) for r, rows_r in enumerate(everyone)}
-        index = min((i for i in where.values() if i is not None), default=0)
-
-        def at(r: int) -> str:
-            return everyone[r][index][1] if index < len(everyone[r]) else "<no such bucket>"
-
-        differing = [r for r in range(len(everyone)) if at(r) != at(0)]
+        index, entries = first_difference_across(everyone, ("", "<no such bucket>")) or (0, [("", "")] * len(everyone))
+        differing = [r for r, e in enumerate(entries) if e != entries[0]]
         return (
             f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
-            f"{index}: rank 0 has [{at(0)}]; "
-            + "; ".join(f"rank {r} has [{at(r)}]" for r in differing)
+            f"{index}: rank 0 has [{entries[0][1]}]; "
+            + "; ".join(f"rank {r} has [{entries[r][1]}]" for r in differing)
             + ". The previous plan stays in use (Note [Plan agreement] in graphddp/proposals.py)."
         )
 

@@ -12,7 +12,7 @@ from .plan import (
     ParamSpec,
     caps_from_mb,
     compose_plans,
-    first_difference,
+    first_difference_across,
     plan_bucket_groups,
     plan_buckets,
 )
@@ -30,7 +30,7 @@ __all__ = [
     "caps_from_mb",
     "compose_plans",
     "find_graph_params",
-    "first_difference",
+    "first_difference_across",
     "plan_bucket_groups",
     "plan_buckets",
     "ready_groups",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -239,12 +240,16 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def first_difference(mine: Sequence[tuple[str, str]], theirs: Sequence[tuple[str, str]]) -> int | None:
-    """Index of the first differing entry of two ``describe()``-like lists, or None when they are equal."""
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        if a != b:
-            return i
-    return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+def first_difference_across(rows_per_rank: Sequence[Sequence[Any]], missing: Any) -> tuple[int, list[Any]] | None:
+    """Where the ranks' lists first disagree: ``(index, every rank's entry there)``, ``missing`` standing for the
+    entry of a list that is too short; None when all lists are equal. Used to name the first differing parameter
+    or bucket in errors raised on every rank."""
+    longest = max((len(rows) for rows in rows_per_rank), default=0)
+    for i in range(longest):
+        entries = [rows[i] if i < len(rows) else missing for rows in rows_per_rank]
+        if any(e != entries[0] for e in entries):
+            return i, entries
+    return None
 
 
 def compose_plans(

@@ -205,3 +205,22 @@ def test_inductor_parity(name: str) -> None:
     splits = results[0]["splits"]
     assert len(splits) == 1 and splits[0][0] == splits[0][1] > 1
     assert_launch_before_next_segment_backward(results[0]["events"], splits[0][0])
+
+
+def ranks_capture_different_graphs(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    ddp = graphddp.DDP(build_model("swapped"), bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    for step in range(3):
+        x, _ = batch_for(Case(), step, 0, rank)
+        model(x, a_first=rank == 0).sum().backward()
+
+
+def test_ranks_with_different_plans_fail_on_every_rank_naming_the_first_differing_bucket() -> None:
+    from ranks import expect_failure_on_every_rank
+
+    errors = expect_failure_on_every_rank(ranks_capture_different_graphs, 2, timeout=120)
+    for rank, text in errors.items():
+        assert f"[rank {rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket 0" in text
+        assert "rank 0 has [b.weight" in text and "rank 1 has [a.weight" in text
+        assert "find_unused_parameters=True" in text

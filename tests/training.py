@@ -273,3 +273,17 @@ class NoGradMiddle(nn.Module):
 
 
 MODELS["no_grad_middle"] = NoGradMiddle
+
+
+class Swapped(nn.Module):
+    """Square layers whose order depends on the rank: same parameters, different graphs, different plans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, IN), nn.Linear(IN, IN)
+
+    def forward(self, x: torch.Tensor, a_first: bool = True) -> torch.Tensor:
+        return self.b(F.relu(self.a(x))) if a_first else self.a(F.relu(self.b(x)))
+
+
+MODELS["swapped"] = Swapped
