@@ -43,6 +43,7 @@ from .passes import (
     ready_groups,
     split_at_buckets,
 )
+from .capture import as_fake
 from .dump import DebugDump
 from .trace import EventLog
 
@@ -225,7 +226,7 @@ class _SegmentCompiler(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        args = tuple(self._fake(a) for a in args)
+        args = tuple(as_fake(a, self.fake_mode, static_shapes=False) for a in args)
         if n.op != "call_module":
             return getattr(self, n.op)(n.target, args, kwargs)
         assert not kwargs, "split_module passes segment inputs positionally"
@@ -245,11 +246,6 @@ class _SegmentCompiler(fx.Interpreter):
         n.target = f"compiled_{n.target}"
         self.module.add_submodule(n.target, wrapped)
         return out[0] if unwrap else out
-
-    def _fake(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
-            return self.fake_mode.from_tensor(value, static_shapes=False)
-        return value
 
 
 def _make_output_a_tuple(segment: fx.GraphModule) -> bool:

@@ -36,6 +36,13 @@ def capture_graphs(model: nn.Module, *inputs: Any, dynamic: bool | None = None, 
     return graphs
 
 
+def as_fake(value: Any, fake_mode: Any, *, static_shapes: bool = True) -> Any:
+    """``value`` as a fake tensor of ``fake_mode`` (real tensors only; fakes and non-tensors pass through)."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+        return fake_mode.from_tensor(value, static_shapes=static_shapes)
+    return value
+
+
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``id(param)`` to name, for the trainable parameters of ``model``."""
     return {id(p): n for n, p in model.named_parameters() if p.requires_grad}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
+from .capture import as_fake
 from .passes import BucketPlan, GraphSplit
 from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 
@@ -120,7 +121,7 @@ class DebugDump:
         aot.mkdir(exist_ok=True)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             for name, (segment, args) in segments.items():
-                fake_args = [_fake(a, fake_mode) for a in args]
+                fake_args = [as_fake(a, fake_mode) for a in args]
                 try:
                     for kind, code in aot_graphs(segment, fake_args).items():
                         (aot / f"{name}.{kind}.py").write_text(code)
@@ -157,12 +158,6 @@ def versions() -> dict[str, str]:
     from . import __version__
 
     return {"graphddp": __version__, "torch": torch.__version__}
-
-
-def _fake(value: Any, fake_mode: Any) -> Any:
-    if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
-        return fake_mode.from_tensor(value)
-    return value
 
 
 def _code(gm: fx.GraphModule) -> str:
