@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
+    parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp only; = --bucket-cap-mb for PyTorch's layout")
     parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, warmup=args.warmup,
-            bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb, inner=args.inner,
+            bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
+            last_bucket_cap_mb=args.last_bucket_cap_mb, inner=args.inner,
             link=args.link, out=args.out,
         )  # fmt: skip
         if options.link != "loopback":

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import graphddp
-from graphddp.passes import ParamSpec, caps_from_mb, plan_buckets
+from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
 
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 
@@ -27,6 +27,8 @@ class ModeConfig:
     """Bucket cap for every DDP mode (and the ``comm`` mode's buckets)."""
     first_bucket_cap_mb: float = 1
     """First bucket cap (graphddp; PyTorch's DDP uses its own 1 MiB default)."""
+    last_bucket_cap_mb: float = 1
+    """Last bucket cap (graphddp only, Note [Tail buckets]; also the ``comm`` mode's buckets)."""
     inner: str = "inductor"
     """Inner compiler of both compiled modes."""
 
@@ -45,15 +47,19 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "torch-compiled": lambda m, c: _trained(
             nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb), compile_with=c.inner
         ),
-        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, bucket_cap_mb=c.bucket_cap_mb, first_bucket_cap_mb=c.first_bucket_cap_mb)),
+        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **_graphddp_caps(c))),
         "graphddp-compiled": lambda m, c: _trained(
-            graphddp.DDP(m, bucket_cap_mb=c.bucket_cap_mb, first_bucket_cap_mb=c.first_bucket_cap_mb),
+            graphddp.DDP(m, **_graphddp_caps(c)),
             graphddp_backend=graphddp.backend(c.inner),
         ),
     }
     if mode not in builders:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return builders[mode](model, cfg)
+
+
+def _graphddp_caps(cfg: ModeConfig) -> dict[str, float]:
+    return {"bucket_cap_mb": cfg.bucket_cap_mb, "first_bucket_cap_mb": cfg.first_bucket_cap_mb, "last_bucket_cap_mb": cfg.last_bucket_cap_mb}
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -109,9 +115,9 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
-    caps = caps_from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+    caps = BucketCaps.from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.last_bucket_cap_mb)
     specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    plan = plan_buckets(specs, bucket_cap_bytes=caps[0], first_bucket_cap_bytes=caps[1])
+    plan = plan_buckets(specs, caps=caps)
     buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]
 
     def step(batch: tuple, log: Any = None) -> None:

@@ -39,6 +39,8 @@ class BenchOptions:
     warmup: int = 2
     bucket_cap_mb: float = 25
     first_bucket_cap_mb: float = 1
+    last_bucket_cap_mb: float = 1
+    """graphddp's last bucket cap (Note [Tail buckets]); PyTorch's DDP has none."""
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
@@ -65,7 +67,12 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "iters": options.iters,
         "warmup": options.warmup,
         "out": str(out.resolve()),
-        "mode_config": {"bucket_cap_mb": options.bucket_cap_mb, "first_bucket_cap_mb": options.first_bucket_cap_mb, "inner": options.inner},
+        "mode_config": {
+            "bucket_cap_mb": options.bucket_cap_mb,
+            "first_bucket_cap_mb": options.first_bucket_cap_mb,
+            "last_bucket_cap_mb": options.last_bucket_cap_mb,
+            "inner": options.inner,
+        },
     }
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config, indent=2))

@@ -37,7 +37,7 @@ from torch import fx, nn
 from .passes import (
     GraphSplit,
     assign_segments,
-    caps_from_mb,
+    BucketCaps,
     find_graph_params,
     plan_bucket_groups,
     ready_groups,
@@ -111,18 +111,18 @@ class GraphDDPBackend:
                 stacklevel=2,
             )
             names = _parameter_names_without_ddp(gm, example_inputs)
-            caps = caps_from_mb(25, 1)
+            caps = BucketCaps()
             reducer = None
         else:
             names = {id(p): n for n, p in zip(ddp.reducer.param_names(), ddp.reducer.params())}
-            caps = ddp.options.caps_bytes
+            caps = ddp.options.caps
             reducer = ddp.reducer
 
         params = find_graph_params(gm, example_inputs, names)
         if not params:
             logger.debug("graphddp.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
-        plan = plan_bucket_groups(ready_groups(params), bucket_cap_bytes=caps[0], first_bucket_cap_bytes=caps[1])
+        plan = plan_bucket_groups(ready_groups(params), caps=caps)
         split = assign_segments(gm, params, plan)
         self.splits.append(split)
         graph_key = f"graph{next(_graph_ids)}"

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (not under torchrun)")
     demo.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
     demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
+    demo.add_argument("--last-bucket-cap-mb", type=float, default=defaults.last_bucket_cap_mb)
     demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
 
     inspect = commands.add_parser(
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("target", help="gpt, mlp, cnn, or package.module:factory returning (model, example_inputs)")
     inspect.add_argument("--bucket-cap-mb", type=float, default=25)
     inspect.add_argument("--first-bucket-cap-mb", type=float, default=1)
+    inspect.add_argument("--last-bucket-cap-mb", type=float, default=1)
     inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=args.world_size,
                 bucket_cap_mb=args.bucket_cap_mb,
                 first_bucket_cap_mb=args.first_bucket_cap_mb,
+                last_bucket_cap_mb=args.last_bucket_cap_mb,
                 inner=args.inner,
             )
         except (TypeError, ValueError) as e:
@@ -69,6 +72,7 @@ def _inspect(args: argparse.Namespace) -> int:
             args.target,
             bucket_cap_mb=args.bucket_cap_mb,
             first_bucket_cap_mb=args.first_bucket_cap_mb,
+            last_bucket_cap_mb=args.last_bucket_cap_mb,
             batch=args.batch,
             size=args.size,
             dump=args.dump,

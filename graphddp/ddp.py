@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .comm import broadcast_coalesced, comm_for, verify_same_params
-from .passes import ParamSpec, caps_from_mb, plan_buckets
+from .passes import BucketCaps, ParamSpec, plan_buckets
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
@@ -31,9 +31,12 @@ class DDPOptions:
     """How a ``DistributedDataParallel`` synchronises; validated once, never mutated."""
 
     bucket_cap_mb: float = 25
-    """Cap of every bucket but the first, in MiB."""
+    """Cap of the buckets in the middle of backward, in MiB."""
     first_bucket_cap_mb: float = 1
     """Cap of the first bucket, in MiB: small, so the first all-reduce starts early in backward."""
+    last_bucket_cap_mb: float = 1
+    """Cap of the last bucket, in MiB; the caps before it double up to ``bucket_cap_mb`` (Note [Tail buckets]
+    in ``graphddp.passes.plan``). Set it to ``bucket_cap_mb`` for PyTorch's layout."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward."""
     find_unused_parameters: bool = False
@@ -48,12 +51,11 @@ class DDPOptions:
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise TypeError(f"graphddp.DDP: {field} must be True or False, got {value!r}")
-        caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # raises on a bad cap
 
     @property
-    def caps_bytes(self) -> tuple[int, int]:
-        """``(bucket_cap_bytes, first_bucket_cap_bytes)``."""
-        return caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb)
+    def caps(self) -> BucketCaps:
+        return BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)
 
     def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
         if self.static_graph:
@@ -82,6 +84,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         first_bucket_cap_mb: float = 1,
+        last_bucket_cap_mb: float = 1,
         *,
         dim: int = 0,
     ) -> None:
@@ -101,6 +104,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.options = DDPOptions(
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
+            last_bucket_cap_mb=last_bucket_cap_mb,
             broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,  # None: PyTorch's default
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -130,12 +134,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             state += [b.detach() for b in module.buffers()] if self.options.broadcast_buffers else []
             broadcast_coalesced(state, src=0, group=self.process_group)
 
-        bucket_cap, first_cap = self.options.caps_bytes
         plan = plan_buckets(
-            [ParamSpec.of(n, p) for n, p in reversed(named)],
-            bucket_cap_bytes=bucket_cap,
-            first_bucket_cap_bytes=first_cap,
-            source="registration",
+            [ParamSpec.of(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration"
         )
         self.reducer = Reducer(
             named,

@@ -23,6 +23,7 @@ from tabulate import tabulate
 from .backend import GraphDDPBackend, compile
 from .ddp import DistributedDataParallel
 from .launch import run_ranks
+from .passes import BucketCaps
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
@@ -42,6 +43,8 @@ class DemoOptions:
     """Bucket cap; small by default so the small model gets several buckets to show."""
     first_bucket_cap_mb: float = 0.25
     """First bucket cap."""
+    last_bucket_cap_mb: float = 0.25
+    """Last bucket cap (Note [Tail buckets])."""
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
     inner: str = "inductor"
@@ -55,6 +58,14 @@ class DemoOptions:
         for name in ("steps", "world_size", "timed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # raises on a bad cap
+
+    def caps_mb(self) -> dict[str, float]:
+        return {
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "last_bucket_cap_mb": self.last_bucket_cap_mb,
+        }
 
 
 def run_demo(options: DemoOptions) -> None:
@@ -67,9 +78,7 @@ def _demo_rank(options: DemoOptions) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     workload = build_workload(options.workload, size=options.size, seed=0)
-    ddp = DistributedDataParallel(
-        workload.model, bucket_cap_mb=options.bucket_cap_mb, first_bucket_cap_mb=options.first_bucket_cap_mb
-    )
+    ddp = DistributedDataParallel(workload.model, **options.caps_mb())
     backend = GraphDDPBackend(options.inner)
     model = compile(ddp, backend)
     say(f"graphddp demo: {workload.description}, {world} gloo ranks, batch {workload.batch_size} per rank")
@@ -96,9 +105,7 @@ def _demo_rank(options: DemoOptions) -> None:
 
     compiled = _time_steps(model, optimizer, workload, data, options.timed_steps)
     reference = build_workload(options.workload, size=options.size, seed=0)
-    eager_ddp = DistributedDataParallel(
-        reference.model, bucket_cap_mb=options.bucket_cap_mb, first_bucket_cap_mb=options.first_bucket_cap_mb
-    )
+    eager_ddp = DistributedDataParallel(reference.model, **options.caps_mb())
     eager = _time_steps(
         eager_ddp, torch.optim.AdamW(eager_ddp.parameters(), lr=3e-3), reference, data, options.timed_steps
     )

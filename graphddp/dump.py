@@ -102,8 +102,8 @@ class DebugDump:
                 if isinstance(module, fx.GraphModule):
                     (folder / "segments" / f"{name}.py").write_text(_code(module))
         (folder / "buckets.txt").write_text(
-            f"graph {graph}, fingerprint {plan.fingerprint}, bucket cap {plan.bucket_cap_bytes} bytes, first bucket "
-            f"cap {plan.first_bucket_cap_bytes} bytes\n\n"
+            f"graph {graph}, fingerprint {plan.fingerprint}, caps in bytes: bucket {plan.caps.bucket}, first "
+            f"{plan.caps.first}, last {plan.caps.last}\n\n"
             + tabulate(bucket_rows(plan, split), headers=BUCKET_HEADERS)
             + "\n\n"
             + tabulate(segment_rows(split), headers=SEGMENT_HEADERS)

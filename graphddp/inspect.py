@@ -24,7 +24,7 @@ from .passes import (
     GraphSplit,
     ParamSpec,
     assign_segments,
-    caps_from_mb,
+    BucketCaps,
     compose_plans,
     find_graph_params,
     plan_bucket_groups,
@@ -79,11 +79,12 @@ def inspect_target(
     *,
     bucket_cap_mb: float = 25,
     first_bucket_cap_mb: float = 1,
+    last_bucket_cap_mb: float = 1,
     batch: int | None = None,
     size: str = "small",
     dump: str | None = None,
 ) -> Inspection:
-    bucket_cap, first_cap = caps_from_mb(bucket_cap_mb, first_bucket_cap_mb)
+    caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb)
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:
@@ -94,14 +95,14 @@ def inspect_target(
         params = find_graph_params(captured.gm, captured.example_inputs, names)
         if not params:
             continue
-        plan = plan_bucket_groups(ready_groups(params), bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+        plan = plan_bucket_groups(ready_groups(params), caps=caps)
         split = assign_segments(captured.gm, params, plan)
         graphs.append(GraphReport(f"graph{i}", plan, split))
         if writer is not None:
             _dump(writer, f"graph{i}", captured, plan, split)
     specs = [ParamSpec.of(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.proposals).
-    plan = compose_plans([g.plan for g in graphs], specs[::-1], bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+    plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
     return Inspection(target, graphs, plan)
 
 

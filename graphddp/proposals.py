@@ -44,8 +44,7 @@ class GraphPlans:
         composite = compose_plans(
             in_forward_order,
             self._specs[::-1],
-            bucket_cap_bytes=current.bucket_cap_bytes,
-            first_bucket_cap_bytes=current.first_bucket_cap_bytes,
+            caps=current.caps,
         )
         self.proposed = None if composite.fingerprint == current.fingerprint else composite
 

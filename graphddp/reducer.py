@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -207,8 +208,7 @@ class Reducer:
         specs = [ParamSpec.of(self._names[i], self._params[i]) for i in order.tolist()]
         plan = plan_buckets(
             specs,
-            bucket_cap_bytes=self.plan.bucket_cap_bytes,
-            first_bucket_cap_bytes=self.plan.first_bucket_cap_bytes,
+            caps=self.plan.caps,
             source="ready-order",
         )
         if plan.fingerprint == self.plan.fingerprint:
@@ -396,6 +396,7 @@ class Reducer:
             ]
             for i in missing:
                 self._mark_ready(i)
+            used_here = self._used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             for bucket in self._buckets:
                 if not bucket.started:  # held back by ChainedLaunch: its predecessor was just awaited
                     self._launch_ready_buckets()
@@ -404,12 +405,14 @@ class Reducer:
                 self.events.record("wait", bucket.index)
                 if reduced.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(reduced.reshape(-1))
+                # Gradients this rank produced are written back now, while later buckets are still in flight.
+                self._comm.join_compute()
+                self._write_back(bucket, lambda i: used_here[i])
+                self.events.record("written", bucket.index)
             counts = self._global_usage_counts()
             self._comm.join_compute()
-            for bucket in self._buckets:
-                for slot, i in enumerate(bucket.param_indices):
-                    if counts[i] > 0:  # unused on every rank: keep .grad as it was
-                        self._layout.from_bucket(self._params[i], bucket.views[slot])
+            for bucket in self._buckets:  # the rest, once the ranks' usage is known
+                self._write_back(bucket, lambda i: not used_here[i] and counts[i] > 0)  # unused everywhere: keep .grad
             self._check_all_used(counts, missing)
             self.usage_policy.observe(self._local_unused, counts)
             if self._ready_order is not None:
@@ -422,6 +425,12 @@ class Reducer:
             self._used = [False] * len(self._params)  # usage accumulates over no_sync() micro-batches until here
             self.active.clear()
             self.iterations += 1
+
+    def _write_back(self, bucket: FlatBucket, wanted: Callable[[int], bool]) -> None:
+        """Averaged gradients from ``bucket`` into ``param.grad``, for the parameters ``wanted(index)`` picks."""
+        for slot, i in enumerate(bucket.param_indices):
+            if wanted(i):
+                self._layout.from_bucket(self._params[i], bucket.views[slot])
 
     def _check_hook_result(self, value: Any, bucket: FlatBucket) -> torch.Tensor:
         if isinstance(value, (list, tuple)) and len(value) == 1:

@@ -16,7 +16,8 @@ class Event:
     """Position in this rank's record: the order things happened in."""
     kind: str
     """``ready`` (a gradient reached its bucket), ``launch`` (a bucket's collective started), ``done`` (its future
-    completed), ``wait`` (its result was awaited), ``finalize`` (end of backward), ``segment_backward`` (a compiled
+    completed), ``wait`` (its result was awaited), ``written`` (its averages are in ``.grad``), ``finalize`` (end of
+    backward), ``segment_backward`` (a compiled
     segment's backward starts), or anything a test or benchmark records itself."""
     bucket: int | None = None
     param: str | None = None

@@ -7,10 +7,10 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 from .graph_params import GraphParam, find_graph_params, ready_groups
 from .plan import (
     Bucket,
+    BucketCaps,
     BucketPlan,
     MiB,
     ParamSpec,
-    caps_from_mb,
     compose_plans,
     first_difference_across,
     plan_bucket_groups,
@@ -20,6 +20,7 @@ from .split import GraphSplit, Segment, assign_segments, split_at_buckets, tenso
 
 __all__ = [
     "Bucket",
+    "BucketCaps",
     "BucketPlan",
     "GraphParam",
     "GraphSplit",
@@ -27,7 +28,6 @@ __all__ = [
     "ParamSpec",
     "Segment",
     "assign_segments",
-    "caps_from_mb",
     "compose_plans",
     "find_graph_params",
     "first_difference_across",

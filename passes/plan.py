@@ -6,16 +6,30 @@ Gradients become ready during backward in roughly the reverse of the order in wh
 parameters. A *bucket* is a group of gradients that is all-reduced as one flat tensor the moment its last
 gradient is ready, so the network works while backward is still computing the earlier layers.
 
-``plan_buckets`` takes the parameters **in the order their gradients are expected to become ready** and walks
-them once, filling buckets up to a byte cap:
+``plan_buckets`` takes the parameters **in the order their gradients are expected to become ready** and cuts
+that order into buckets, each up to a byte cap (``BucketCaps``):
 
-* one open bucket per (dtype, device): a flat buffer holds a single dtype on a single device;
-* the first bucket of each (dtype, device) is capped at ``first_bucket_cap_bytes`` (small, so the first
-  all-reduce starts early), the others at ``bucket_cap_bytes``;
+* one sequence per (dtype, device): a flat buffer holds a single dtype on a single device;
+* the **head**: the first bucket is capped at ``caps.first`` (small, so the first all-reduce starts early);
+* the **tail** (Note [Tail buckets]): the last bucket is capped at ``caps.last``, the one before it at twice
+  that, and so on, doubling while the cap stays below ``caps.bucket``;
+* the middle: buckets of up to ``caps.bucket``, in ready order;
 * a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
   a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
   *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
 * buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first.
+
+Note [Tail buckets]
+~~~~~~~~~~~~~~~~~~~
+A bucket's all-reduce hides behind the backward of the layers that come after it in ready order (the earlier
+layers of the model). The last buckets have nothing left to hide behind: whatever they hold is all-reduced while
+every rank waits at the end of backward, and the iteration is that much longer. PyTorch fills the last bucket
+like any other (up to 25 MiB: 100 ms at 2 Gbit/s, fully exposed). graphddp ramps the caps down at the end
+instead: the bucket completed last holds at most ``caps.last`` bytes, the one before at most twice that, and
+so on up to ``caps.bucket``. Each of them is launched as soon as its layers' backward is done, and only the
+last small ones (plus a large parameter that is ready last, such as a tied embedding) remain after backward.
+The price is a few more collectives (and, compiled, a few more graph segments): five at the default caps (1,
+2, 4, 8, 16 MiB). ``caps.last >= caps.bucket`` gives PyTorch's layout.
 
 Every rank must build the very same plan; ``BucketPlan.fingerprint`` is a digest of its content (parameter
 names, shapes, dtypes and their grouping) that ranks compare instead of the plan itself.
@@ -31,14 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 MiB = 1024 * 1024
 
-__all__ = ["MiB", "ParamSpec", "Bucket", "BucketPlan", "plan_buckets", "plan_bucket_groups", "caps_from_mb"]
+__all__ = ["MiB", "ParamSpec", "Bucket", "BucketCaps", "BucketPlan", "plan_buckets", "plan_bucket_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +82,46 @@ class ParamSpec:
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> ParamSpec:
         return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketCaps:
+    """Byte caps of the buckets (Note [Bucket plan], Note [Tail buckets])."""
+
+    bucket: int = 25 * MiB
+    """Cap of the buckets in the middle of backward (PyTorch's ``bucket_cap_mb``)."""
+    first: int = MiB
+    """Cap of the first bucket of each dtype/device: small, so the first all-reduce starts early."""
+    last: int = MiB
+    """Cap of the last bucket of each dtype/device; the caps before it double up to ``bucket``, so the
+    all-reduces left after backward are small. ``last >= bucket`` gives PyTorch's layout."""
+
+    def __post_init__(self) -> None:
+        for name in ("bucket", "first", "last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"BucketCaps.{name} must be a whole number of bytes, got {type(value).__name__} {value!r}")
+            if value <= 0:
+                raise ValueError(f"BucketCaps.{name} must be > 0 bytes, got {value}")
+
+    @classmethod
+    def from_mb(cls, bucket_cap_mb: float, first_bucket_cap_mb: float, last_bucket_cap_mb: float) -> BucketCaps:
+        """Caps given in MiB, as users write them (``bucket_cap_mb=25``); validated here."""
+        values = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb, "last_bucket_cap_mb": last_bucket_cap_mb}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 MiB, got {value!r}")
+        bucket, first, last = (max(1, int(v * MiB)) for v in values.values())
+        return cls(bucket=bucket, first=first, last=last)
+
+    def tail(self) -> Iterator[int]:
+        """The tail's caps, last bucket first: ``last``, doubling, while below ``bucket``."""
+        cap = self.last
+        while cap < self.bucket:
+            yield cap
+            cap *= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +162,8 @@ class BucketPlan:
 
     buckets: tuple[Bucket, ...]
     """Buckets in launch order."""
-    bucket_cap_bytes: int
-    """Cap of every bucket but the first of each dtype/device."""
-    first_bucket_cap_bytes: int
-    """Cap of the first bucket of each dtype/device."""
+    caps: BucketCaps
+    """The caps the buckets were filled up to."""
     source: str = "registration"
     """Where the order came from: ``"registration"``, ``"ready-order"`` or ``"graph"`` (for logs and dumps)."""
 
@@ -159,40 +211,23 @@ class BucketPlan:
     TABLE_HEADERS = ("bucket", "bytes", "params", "dtype", "device", "parameters")
 
 
-def caps_from_mb(bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[int, int]:
-    """Validate caps given in MiB (as users write them) and return them in bytes."""
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0 MiB, got {value!r}")
-    return max(1, int(bucket_cap_mb * MiB)), max(1, int(first_bucket_cap_mb * MiB))
-
-
 def plan_buckets(
     params_in_ready_order: Iterable[ParamSpec],
     *,
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
+    caps: BucketCaps,
     source: str = "registration",
 ) -> BucketPlan:
     """Group parameters into buckets, see Note [Bucket plan].
 
     ``params_in_ready_order`` lists the parameters in the order their gradients are expected to be ready.
     """
-    return plan_bucket_groups(
-        [[p] for p in params_in_ready_order],
-        bucket_cap_bytes=bucket_cap_bytes,
-        first_bucket_cap_bytes=first_bucket_cap_bytes,
-        source=source,
-    )
+    return plan_bucket_groups([[p] for p in params_in_ready_order], caps=caps, source=source)
 
 
 def plan_bucket_groups(
     groups_in_ready_order: Iterable[Sequence[ParamSpec]],
     *,
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
+    caps: BucketCaps,
     source: str = "graph",
 ) -> BucketPlan:
     """Like ``plan_buckets``, but the parameters of a group always share a bucket (per dtype and device).
@@ -200,40 +235,62 @@ def plan_bucket_groups(
     The graph planner groups parameters by the node that first uses them: they become ready together, so
     separating them could not make either bucket ready earlier.
     """
+    if not isinstance(caps, BucketCaps):
+        raise TypeError(f"caps must be a BucketCaps, got {type(caps).__name__}")
     groups = [list(g) for g in groups_in_ready_order if g]
-    if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and {first_bucket_cap_bytes} bytes")
     names = [p.name for g in groups for p in g]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ValueError(f"parameter {dup!r} appears twice in the planning order")
 
-    position = {name: i for i, name in enumerate(names)}
-    open_buckets: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
-    open_caps: dict[tuple[torch.dtype, str], int] = {}
-    open_bytes: dict[tuple[torch.dtype, str], int] = {}
-    closed: list[tuple[list[ParamSpec], int]] = []
-
+    # One lane per (dtype, device), in ready order; a group's members of one lane stay together.
+    lanes: dict[tuple[torch.dtype, str], list[list[ParamSpec]]] = {}
     for group in groups:
         by_key: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
         for p in group:
             by_key.setdefault((p.dtype, p.device), []).append(p)
         for key, members in by_key.items():
-            nbytes = sum(p.nbytes for p in members)
-            bucket = open_buckets.setdefault(key, [])
-            cap = open_caps.setdefault(key, first_bucket_cap_bytes)
-            if bucket and open_bytes[key] + nbytes > cap:
-                closed.append((bucket, cap))
-                bucket = open_buckets[key] = []
-                open_caps[key] = bucket_cap_bytes
-            bucket.extend(members)
-            open_bytes[key] = (open_bytes[key] if len(bucket) > len(members) else 0) + nbytes
-    closed.extend((bucket, open_caps[key]) for key, bucket in open_buckets.items() if bucket)
+            lanes.setdefault(key, []).append(members)
+    cut = [bucket for lane in lanes.values() for bucket in _cut_lane(lane, caps)]
 
     # Bucket 0 is the one whose first gradient is ready first (see the Note).
-    closed.sort(key=lambda item: position[item[0][0].name])
-    buckets = tuple(Bucket(k, tuple(bucket), cap) for k, (bucket, cap) in enumerate(closed))
-    return BucketPlan(buckets, bucket_cap_bytes, first_bucket_cap_bytes, source)
+    position = {name: i for i, name in enumerate(names)}
+    cut.sort(key=lambda item: position[item[0][0].name])
+    buckets = tuple(Bucket(k, tuple(params), cap) for k, (params, cap) in enumerate(cut))
+    return BucketPlan(buckets, caps, source)
+
+
+def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list[ParamSpec], int]]:
+    """One lane's buckets ``(params, cap)`` in ready order: the head, the middle, the tail (Note [Bucket plan])."""
+    n_head = _fitting(items, caps.first)
+    head, rest = items[:n_head], items[n_head:]
+    tail: list[tuple[list[ParamSpec], int]] = []
+    for cap in caps.tail():  # filled from the end: the last bucket first
+        if not rest:
+            break
+        n = _fitting(rest[::-1], cap)
+        tail.insert(0, (_flat(rest[len(rest) - n :]), cap))
+        rest = rest[: len(rest) - n]
+    middle = []
+    while rest:
+        n = _fitting(rest, caps.bucket)
+        middle.append((_flat(rest[:n]), caps.bucket))
+        rest = rest[n:]
+    return [(_flat(head), caps.first), *middle, *tail]
+
+
+def _fitting(items: Sequence[list[ParamSpec]], cap: int) -> int:
+    """How many leading items fit in ``cap`` bytes; at least one (a parameter larger than the cap goes alone)."""
+    total = 0
+    for n, members in enumerate(items):
+        total += sum(p.nbytes for p in members)
+        if total > cap and n > 0:
+            return n
+    return len(items)
+
+
+def _flat(items: Sequence[list[ParamSpec]]) -> list[ParamSpec]:
+    return [p for members in items for p in members]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -256,8 +313,7 @@ def compose_plans(
     graph_plans_in_forward_order: Sequence[BucketPlan],
     rest_in_ready_order: Sequence[ParamSpec],
     *,
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
+    caps: BucketCaps,
 ) -> BucketPlan:
     """One plan for a forward that runs several captured graphs (graph breaks).
 
@@ -274,8 +330,8 @@ def compose_plans(
         kept.append([(params, cap) for params, cap in buckets if params])
         claimed |= set(plan.param_names)
     rest = [p for p in rest_in_ready_order if p.name not in claimed]
-    tail = plan_buckets(rest, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=first_bucket_cap_bytes) if rest else None
+    eager = plan_buckets(rest, caps=caps) if rest else None
     groups = [group for graph in reversed(kept) for group in graph]
-    groups += [(b.params, b.cap_bytes) for b in tail.buckets] if tail else []
+    groups += [(b.params, b.cap_bytes) for b in eager.buckets] if eager else []
     buckets = tuple(Bucket(k, params, cap) for k, (params, cap) in enumerate(groups))
-    return BucketPlan(buckets, bucket_cap_bytes, first_bucket_cap_bytes, source="graph")
+    return BucketPlan(buckets, caps, source="graph")

@@ -6,6 +6,7 @@ tabulate and writes the record as ``plan.json``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import sympy
@@ -45,8 +46,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
         "graph": graph,
         "fingerprint": plan.fingerprint,
         "source": plan.source,
-        "bucket_cap_bytes": plan.bucket_cap_bytes,
-        "first_bucket_cap_bytes": plan.first_bucket_cap_bytes,
+        "caps_bytes": dataclasses.asdict(plan.caps),
         "buckets": [
             {
                 "index": b.index,

@@ -2,7 +2,8 @@
 
 * buckets are launched in index order on every rank, also when a later bucket is ready first;
 * the launch sequence is identical on all ranks;
-* the first bucket's all-reduce is launched while backward is still computing earlier layers.
+* the first bucket's all-reduce is launched while backward is still computing earlier layers;
+* a bucket's averages are written into ``.grad`` before the next bucket is awaited (copies overlap the rest).
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def test_launch_in_index_order_on_every_rank_even_when_readiness_is_not(world: i
     # After the one-time rebuild the plan follows the real ready order: buckets complete in index order.
     completed, _ = completion_and_launch(per_rank[0][-1])
     assert sorted(completed, key=completed.get) == sorted(completed)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_each_bucket_is_written_back_before_the_next_one_is_awaited(world: int) -> None:
+    for rank in run_on_ranks(record_iterations, world):
+        for events in rank:
+            seq = {(kind, bucket): s for s, kind, bucket, _ in events if kind in ("wait", "written")}
+            buckets = sorted(b for kind, b in seq if kind == "wait")
+            assert len(buckets) > 2 and all(("written", b) in seq for b in buckets), events
+            for b in buckets[:-1]:
+                assert seq[("wait", b)] < seq[("written", b)] < seq[("wait", b + 1)], (b, events)
 
 
 class Marker(torch.autograd.Function):

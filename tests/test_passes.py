@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from graphddp.capture import capture_graphs, parameter_names
 from graphddp.passes import (
+    BucketCaps,
     BucketPlan,
     MiB,
     ParamSpec,
@@ -29,8 +30,12 @@ from graphddp.workloads import build_workload
 def plan_and_split(model: nn.Module, inputs: tuple, bucket_cap: int, first_cap: int, **capture_kwargs):
     (captured,) = capture_graphs(model, *inputs, **capture_kwargs)
     params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
-    plan = plan_bucket_groups(ready_groups(params), bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+    caps = BucketCaps(bucket=bucket_cap, first=first_cap, last=first_cap)  # graphddp's default: last = first
+    plan = plan_bucket_groups(ready_groups(params), caps=caps)
     return captured, params, plan, assign_segments(captured.gm, params, plan)
+
+
+SMALL = BucketCaps(bucket=16, first=16, last=16)
 
 
 def tiny(name: str):
@@ -128,9 +133,9 @@ def test_compose_plans_keeps_graph_buckets_and_plans_the_rest() -> None:
     def spec(n: str) -> ParamSpec:
         return ParamSpec(n, (4,), torch.float32, "cpu")
 
-    late = plan_buckets([spec("d"), spec("c")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
-    early = plan_buckets([spec("b")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
-    composite = compose_plans([early, late], [spec("e"), spec("d"), spec("b"), spec("a")], bucket_cap_bytes=32, first_bucket_cap_bytes=32)
+    late = plan_buckets([spec("d"), spec("c")], caps=SMALL)
+    early = plan_buckets([spec("b")], caps=SMALL)
+    composite = compose_plans([early, late], [spec("e"), spec("d"), spec("b"), spec("a")], caps=BucketCaps(bucket=32, first=32, last=32))
     assert [b.names for b in composite.buckets] == [("d",), ("c",), ("b",), ("e", "a")]
     assert composite.source == "graph"
 
@@ -139,20 +144,20 @@ def test_a_weight_tied_across_a_graph_break_belongs_to_the_graph_that_runs_first
     def spec(n: str) -> ParamSpec:
         return ParamSpec(n, (4,), torch.float32, "cpu")
 
-    embedding_graph = plan_buckets([spec("pos"), spec("wte")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
-    head_graph = plan_buckets([spec("wte"), spec("ln")], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
-    composite = compose_plans([embedding_graph, head_graph], [], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    embedding_graph = plan_buckets([spec("pos"), spec("wte")], caps=SMALL)
+    head_graph = plan_buckets([spec("wte"), spec("ln")], caps=SMALL)
+    composite = compose_plans([embedding_graph, head_graph], [], caps=SMALL)
     # The head's backward runs first but cannot complete wte: wte waits for the embedding graph's backward.
     assert [b.names for b in composite.buckets] == [("ln",), ("pos",), ("wte",)]
 
 
 def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None:
     specs = [ParamSpec(n, (4,), torch.float32, "cpu") for n in ("a", "b", "c")]
-    current = plan_buckets(specs[::-1], bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    current = plan_buckets(specs[::-1], caps=SMALL)
     plans = GraphPlans(specs)
     plans.propose("g0", current, current)
     assert plans.proposed is None and plans.tokens() == (0, 0)  # same as what runs: nothing to agree on
-    other = plan_buckets(specs, bucket_cap_bytes=16, first_bucket_cap_bytes=16)
+    other = plan_buckets(specs, caps=SMALL)
     plans.propose("g1", other, current)  # a recompile of the same code replaces g0
     assert list(plans.graphs) == ["g1"] and isinstance(plans.proposed, BucketPlan)
     mine = plans.tokens()

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphddp.passes import MiB, ParamSpec, caps_from_mb, plan_buckets
+from graphddp.passes import BucketCaps, MiB, ParamSpec, plan_buckets
 
 
 def spec(name: str, numel: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ParamSpec:
     return ParamSpec(name, (numel,), dtype, device)
 
 
-def plan(params, bucket_cap: int, first_cap: int):
-    return plan_buckets(params, bucket_cap_bytes=bucket_cap, first_bucket_cap_bytes=first_cap)
+def plan(params, bucket_cap: int, first_cap: int, last_cap: int | None = None):
+    """``last_cap=None``: no tail ramp (PyTorch's layout), so the head and middle rules are seen alone."""
+    caps = BucketCaps(bucket=bucket_cap, first=first_cap, last=bucket_cap if last_cap is None else last_cap)
+    return plan_buckets(params, caps=caps)
 
 
 def test_fills_buckets_in_the_given_order_up_to_the_caps() -> None:
@@ -79,15 +81,68 @@ def test_any_combination_of_caps_works() -> None:
 def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="appears twice"):
         plan([spec("a", 1), spec("a", 1)], 10, 10)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="BucketCaps.bucket must be > 0"):
         plan([spec("a", 1)], 0, 10)
+    with pytest.raises(TypeError, match="BucketCaps.last must be a whole number"):
+        BucketCaps(last=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="caps must be a BucketCaps"):
+        plan_buckets([spec("a", 1)], caps=(25, 1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
-        caps_from_mb(0, 1)
+        BucketCaps.from_mb(0, 1, 1)
     with pytest.raises(ValueError, match="first_bucket_cap_mb must be > 0"):
-        caps_from_mb(25, -1)
+        BucketCaps.from_mb(25, -1, 1)
+    with pytest.raises(ValueError, match="last_bucket_cap_mb must be > 0"):
+        BucketCaps.from_mb(25, 1, float("nan"))
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
-        caps_from_mb("25", 1)  # type: ignore[arg-type]
-    assert caps_from_mb(0.25, 1) == (MiB // 4, MiB)
+        BucketCaps.from_mb("25", 1, 1)  # type: ignore[arg-type]
+    assert BucketCaps.from_mb(0.25, 1, 2) == BucketCaps(bucket=MiB // 4, first=MiB, last=2 * MiB)
+
+
+def test_tail_caps_ramp_down_to_the_last_bucket() -> None:
+    params = [spec(f"p{i}", 100) for i in range(10)]  # 400 bytes each
+    p = plan(params, bucket_cap=3200, first_cap=400, last_cap=400)
+    # Head (400), middle (3200), then the tail filled from the end: 1600, 800, 400 (Note [Tail buckets]).
+    assert [b.names for b in p.buckets] == [
+        ("p0",),
+        ("p1", "p2"),
+        ("p3", "p4", "p5", "p6"),
+        ("p7", "p8"),
+        ("p9",),
+    ]
+    assert [b.cap_bytes for b in p.buckets] == [400, 3200, 1600, 800, 400]
+    assert list(BucketCaps(bucket=3200, first=400, last=400).tail()) == [400, 800, 1600]
+
+
+def test_a_large_parameter_ready_last_goes_alone_and_the_ramp_goes_on_before_it() -> None:
+    # A tied embedding: ready last and larger than any tail cap.
+    params = [spec(f"block{i}", 100) for i in range(8)] + [spec("wte", 1000)]
+    p = plan(params, bucket_cap=2400, first_cap=400, last_cap=400)
+    assert [b.names for b in p.buckets][-3:] == [("block2", "block3", "block4", "block5"), ("block6", "block7"), ("wte",)]
+    assert [b.cap_bytes for b in p.buckets][-3:] == [1600, 800, 400]
+
+
+def test_last_cap_at_or_above_the_bucket_cap_gives_pytorchs_layout() -> None:
+    params = [spec(f"p{i}", 100) for i in range(10)]
+    pytorch_like = [("p0",), ("p1", "p2", "p3"), ("p4", "p5", "p6"), ("p7", "p8", "p9")]
+    for last_cap in (1200, 5000):
+        assert [b.names for b in plan(params, 1200, 400, last_cap).buckets] == pytorch_like
+
+
+def test_plan_contract_holds_for_random_sizes_and_caps() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 30, (1,), generator=gen))
+        sizes = torch.randint(1, 600, (n,), generator=gen).tolist()
+        bucket, first, last = (int(v) for v in torch.randint(4, 3000, (3,), generator=gen))
+        params = [spec(f"p{i}", s) for i, s in enumerate(sizes)]
+        p = plan(params, bucket, first, last)
+        assert p.param_names == tuple(f"p{i}" for i in range(n)), trial  # every parameter once, in ready order
+        assert p.buckets[0].cap_bytes == first
+        for b in p.buckets:
+            assert b.cap_bytes <= bucket or b.index == 0, (trial, b)  # only the head may have a larger cap
+            assert b.nbytes <= b.cap_bytes or len(b.params) == 1, (trial, b)
+        tail_caps = [b.cap_bytes for b in p.buckets[1:] if b.cap_bytes < bucket]
+        assert tail_caps == sorted(tail_caps, reverse=True), (trial, tail_caps)  # the tail ramps down
 
 
 def test_bucket_of_and_table() -> None:
