@@ -28,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=d.world_size)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {', '.join(MODES)}")
     parser.add_argument("--iters", type=int, default=d.iters)
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="spread the timed iterations over this many rounds through all modes")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
     parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp only; = --bucket-cap-mb for PyTorch's layout")
+    parser.add_argument("--no-bucket-ramps", action="store_true", help="graphddp with PyTorch's bucket layout (Note [Bucket ramps])")
     parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
@@ -39,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, warmup=args.warmup,
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup,
             bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-            last_bucket_cap_mb=args.last_bucket_cap_mb, inner=args.inner,
+            last_bucket_cap_mb=args.last_bucket_cap_mb, bucket_ramps=not args.no_bucket_ramps, inner=args.inner,
             link=args.link, out=args.out,
         )  # fmt: skip
         if options.link != "loopback":

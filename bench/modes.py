@@ -28,7 +28,9 @@ class ModeConfig:
     first_bucket_cap_mb: float = 1
     """First bucket cap (graphddp; PyTorch's DDP uses its own 1 MiB default)."""
     last_bucket_cap_mb: float = 1
-    """Last bucket cap (graphddp only, Note [Tail buckets]; also the ``comm`` mode's buckets)."""
+    """Last bucket cap (graphddp only, Note [Bucket ramps]; also the ``comm`` mode's buckets)."""
+    bucket_ramps: bool = True
+    """graphddp's bucket ramps (and the ``comm`` mode's buckets); False: PyTorch's layout."""
     inner: str = "inductor"
     """Inner compiler of both compiled modes."""
 
@@ -59,7 +61,12 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 
 def _graphddp_caps(cfg: ModeConfig) -> dict[str, float]:
-    return {"bucket_cap_mb": cfg.bucket_cap_mb, "first_bucket_cap_mb": cfg.first_bucket_cap_mb, "last_bucket_cap_mb": cfg.last_bucket_cap_mb}
+    return {
+        "bucket_cap_mb": cfg.bucket_cap_mb,
+        "first_bucket_cap_mb": cfg.first_bucket_cap_mb,
+        "last_bucket_cap_mb": cfg.last_bucket_cap_mb,
+        "bucket_ramps": cfg.bucket_ramps,
+    }
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -115,7 +122,7 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
-    caps = BucketCaps.from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.last_bucket_cap_mb)
+    caps = BucketCaps.from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.last_bucket_cap_mb, ramps=cfg.bucket_ramps)
     specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
     plan = plan_buckets(specs, caps=caps)
     buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]

@@ -36,11 +36,15 @@ class BenchOptions:
     modes: tuple[str, ...] = MODES
     iters: int = 10
     """Timed iterations per mode (after warm-up)."""
+    rounds: int = 2
+    """The timed iterations are spread over this many rounds through all modes (bench/worker.py)."""
     warmup: int = 2
     bucket_cap_mb: float = 25
     first_bucket_cap_mb: float = 1
     last_bucket_cap_mb: float = 1
-    """graphddp's last bucket cap (Note [Tail buckets]); PyTorch's DDP has none."""
+    """graphddp's last bucket cap (Note [Bucket ramps]); PyTorch's DDP has none."""
+    bucket_ramps: bool = True
+    """graphddp's bucket ramps; False gives graphddp PyTorch's bucket layout (to see what the ramps buy)."""
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
@@ -52,6 +56,8 @@ class BenchOptions:
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
+        if not 1 <= self.rounds <= self.iters:
+            raise ValueError(f"rounds must be between 1 and iters ({self.iters}), got {self.rounds}")
         if self.link != "loopback":
             LinkSpec.parse(self.link)
 
@@ -65,12 +71,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "batch_size": options.batch_size,
         "modes": list(options.modes),
         "iters": options.iters,
+        "rounds": options.rounds,
         "warmup": options.warmup,
         "out": str(out.resolve()),
         "mode_config": {
             "bucket_cap_mb": options.bucket_cap_mb,
             "first_bucket_cap_mb": options.first_bucket_cap_mb,
             "last_bucket_cap_mb": options.last_bucket_cap_mb,
+            "bucket_ramps": options.bucket_ramps,
             "inner": options.inner,
         },
     }
@@ -141,14 +149,14 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
     for mode in options.modes:
         iteration = [max(r["modes"][mode]["times_s"][i] for r in ranks) for i in range(options.iters)]
         median = statistics.median(iteration)
-        rss = [r["modes"][mode]["peak_rss_mb"] for r in ranks if r["modes"][mode]["peak_rss_mb"] is not None]
+        rss = [r["modes"][mode]["added_peak_rss_mb"] for r in ranks if r["modes"][mode]["added_peak_rss_mb"] is not None]
         modes[mode] = {
             "median_s": median,
             "min_s": min(iteration),
             "max_s": max(iteration),
             "samples_per_s": per_rank_batch * options.world_size / median,
             "compile_s": max(r["modes"][mode]["first_s"] for r in ranks) - median,
-            "peak_rss_mb": max(rss) if rss else None,
+            "added_peak_rss_mb": max(rss) if rss else None,
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
@@ -184,9 +192,9 @@ def table(summary: dict[str, Any]) -> str:
     for mode, m in summary["modes"].items():
         rows.append([
             mode, f"{m['median_s'] * 1e3:.1f}", f"{m['min_s'] * 1e3:.1f}-{m['max_s'] * 1e3:.1f}", f"{m['samples_per_s']:.1f}",
-            f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("peak_rss_mb")),
+            f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("added_peak_rss_mb")),
         ])  # fmt: skip
-    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "peak RSS MB"]
+    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB"]
     lines = [tabulate(rows, headers=headers)]
     lines += [f"{k}: {v:.3f}" for k, v in summary["ratios"].items()]
     return "\n".join(lines)

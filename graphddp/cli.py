@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--bucket-cap-mb", type=float, default=25)
     inspect.add_argument("--first-bucket-cap-mb", type=float, default=1)
     inspect.add_argument("--last-bucket-cap-mb", type=float, default=1)
+    inspect.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
     inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
@@ -73,6 +74,7 @@ def _inspect(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             first_bucket_cap_mb=args.first_bucket_cap_mb,
             last_bucket_cap_mb=args.last_bucket_cap_mb,
+            bucket_ramps=not args.no_bucket_ramps,
             batch=args.batch,
             size=args.size,
             dump=args.dump,

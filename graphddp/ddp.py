@@ -35,8 +35,10 @@ class DDPOptions:
     first_bucket_cap_mb: float = 1
     """Cap of the first bucket, in MiB: small, so the first all-reduce starts early in backward."""
     last_bucket_cap_mb: float = 1
-    """Cap of the last bucket, in MiB; the caps before it double up to ``bucket_cap_mb`` (Note [Tail buckets]
-    in ``graphddp.passes.plan``). Set it to ``bucket_cap_mb`` for PyTorch's layout."""
+    """Cap of the last bucket, in MiB: small, so little is left to all-reduce once backward is over."""
+    bucket_ramps: bool = True
+    """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
+    (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward."""
     find_unused_parameters: bool = False
@@ -47,15 +49,17 @@ class DDPOptions:
     """Promise that the set of used parameters never changes: search once, then skip the search."""
 
     def __post_init__(self) -> None:
-        for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+        for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph", "bucket_ramps"):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise TypeError(f"graphddp.DDP: {field} must be True or False, got {value!r}")
-        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # raises on a bad cap
+        self.caps  # raises on a bad cap
 
     @property
     def caps(self) -> BucketCaps:
-        return BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)
+        return BucketCaps.from_mb(
+            self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb, ramps=self.bucket_ramps
+        )
 
     def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
         if self.static_graph:
@@ -85,6 +89,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         first_bucket_cap_mb: float = 1,
         last_bucket_cap_mb: float = 1,
+        bucket_ramps: bool = True,
         *,
         dim: int = 0,
     ) -> None:
@@ -105,6 +110,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             last_bucket_cap_mb=last_bucket_cap_mb,
+            bucket_ramps=bucket_ramps,
             broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,  # None: PyTorch's default
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,

@@ -44,7 +44,7 @@ class DemoOptions:
     first_bucket_cap_mb: float = 0.25
     """First bucket cap."""
     last_bucket_cap_mb: float = 0.25
-    """Last bucket cap (Note [Tail buckets])."""
+    """Last bucket cap (Note [Bucket ramps])."""
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
     inner: str = "inductor"

@@ -80,11 +80,12 @@ def inspect_target(
     bucket_cap_mb: float = 25,
     first_bucket_cap_mb: float = 1,
     last_bucket_cap_mb: float = 1,
+    bucket_ramps: bool = True,
     batch: int | None = None,
     size: str = "small",
     dump: str | None = None,
 ) -> Inspection:
-    caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb)
+    caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb, ramps=bucket_ramps)
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:

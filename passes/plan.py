@@ -10,26 +10,36 @@ gradient is ready, so the network works while backward is still computing the ea
 that order into buckets, each up to a byte cap (``BucketCaps``):
 
 * one sequence per (dtype, device): a flat buffer holds a single dtype on a single device;
-* the **head**: the first bucket is capped at ``caps.first`` (small, so the first all-reduce starts early);
-* the **tail** (Note [Tail buckets]): the last bucket is capped at ``caps.last``, the one before it at twice
-  that, and so on, doubling while the cap stays below ``caps.bucket``;
-* the middle: buckets of up to ``caps.bucket``, in ready order;
+* the first bucket is capped at ``caps.first`` (small, so the first all-reduce starts early);
+* the caps ramp up from there and down again at the end (Note [Bucket ramps]), with ``caps.bucket`` in the
+  middle: no bucket but the first has a cap above ``caps.bucket``;
 * a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
   a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
   *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
 * buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first.
 
-Note [Tail buckets]
+Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
 A bucket's all-reduce hides behind the backward of the layers that come after it in ready order (the earlier
-layers of the model). The last buckets have nothing left to hide behind: whatever they hold is all-reduced while
-every rank waits at the end of backward, and the iteration is that much longer. PyTorch fills the last bucket
-like any other (up to 25 MiB: 100 ms at 2 Gbit/s, fully exposed). graphddp ramps the caps down at the end
-instead: the bucket completed last holds at most ``caps.last`` bytes, the one before at most twice that, and
-so on up to ``caps.bucket``. Each of them is launched as soon as its layers' backward is done, and only the
-last small ones (plus a large parameter that is ready last, such as a tied embedding) remain after backward.
-The price is a few more collectives (and, compiled, a few more graph segments): five at the default caps (1,
-2, 4, 8, 16 MiB). ``caps.last >= caps.bucket`` gives PyTorch's layout.
+layers of the model). Two places in backward have too little to hide behind, and PyTorch's layout (a 1 MiB
+first bucket, then 25 MiB buckets to the end) leaves the network idle or exposed there:
+
+* **the tail**: the last buckets have no backward left after them. Whatever they hold is all-reduced while
+  every rank waits, and the iteration is that much longer (a 25 MiB last bucket is 100 ms at 2 Gbit/s, all of
+  it exposed). So the caps ramp *down* towards the end: the bucket completed last holds at most ``caps.last``
+  bytes, the one before at most twice that, and so on while below ``caps.bucket``. Each is launched as soon as
+  its layers' backward is done; only the last small ones (and a large parameter that is ready last, such as a
+  tied embedding) remain after backward.
+* **the head**: after the small first bucket, a full-size second bucket launches only once all of its 25 MiB
+  are computed, and the network idles meanwhile. So the caps ramp *up*: ``2 * caps.first``, ``4 *
+  caps.first``, ... up to ``caps.bucket``. While each bucket's all-reduce runs, the next one, twice as large,
+  computes, which keeps the network fed whenever communicating a byte takes at most twice as long as computing
+  its gradient.
+
+The order of cutting: the first bucket from the start, then the tail from the end, then the head ramp and the
+middle on what is left. The price is a few more collectives (and, compiled, more graph segments): at the default
+caps (25, 1, 1 MiB) up to four more at the head and five at the tail. ``BucketCaps(ramps=False)`` (DDP's
+``bucket_ramps=False``) gives PyTorch's layout.
 
 Every rank must build the very same plan; ``BucketPlan.fingerprint`` is a digest of its content (parameter
 names, shapes, dtypes and their grouping) that ranks compare instead of the plan itself.
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -86,17 +97,24 @@ class ParamSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BucketCaps:
-    """Byte caps of the buckets (Note [Bucket plan], Note [Tail buckets])."""
+    """Byte caps of the buckets (Note [Bucket plan], Note [Bucket ramps])."""
 
     bucket: int = 25 * MiB
     """Cap of the buckets in the middle of backward (PyTorch's ``bucket_cap_mb``)."""
     first: int = MiB
-    """Cap of the first bucket of each dtype/device: small, so the first all-reduce starts early."""
+    """Cap of the first bucket of each dtype/device: small, so the first all-reduce starts early. The caps after
+    it double up to ``bucket`` (Note [Bucket ramps])."""
     last: int = MiB
     """Cap of the last bucket of each dtype/device; the caps before it double up to ``bucket``, so the
-    all-reduces left after backward are small. ``last >= bucket`` gives PyTorch's layout."""
+    all-reduces left after backward are small (Note [Bucket ramps])."""
+
+    ramps: bool = True
+    """Ramp the caps up after the first bucket and down to ``last`` at the end (Note [Bucket ramps]). False
+    gives PyTorch's layout: the first bucket, then buckets of up to ``bucket`` to the end."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ramps, bool):
+            raise TypeError(f"BucketCaps.ramps must be True or False, got {self.ramps!r}")
         for name in ("bucket", "first", "last"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -105,7 +123,9 @@ class BucketCaps:
                 raise ValueError(f"BucketCaps.{name} must be > 0 bytes, got {value}")
 
     @classmethod
-    def from_mb(cls, bucket_cap_mb: float, first_bucket_cap_mb: float, last_bucket_cap_mb: float) -> BucketCaps:
+    def from_mb(
+        cls, bucket_cap_mb: float, first_bucket_cap_mb: float, last_bucket_cap_mb: float, *, ramps: bool = True
+    ) -> BucketCaps:
         """Caps given in MiB, as users write them (``bucket_cap_mb=25``); validated here."""
         values = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb, "last_bucket_cap_mb": last_bucket_cap_mb}
         for name, value in values.items():
@@ -114,11 +134,14 @@ class BucketCaps:
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 MiB, got {value!r}")
         bucket, first, last = (max(1, int(v * MiB)) for v in values.values())
-        return cls(bucket=bucket, first=first, last=last)
+        return cls(bucket=bucket, first=first, last=last, ramps=ramps)
 
-    def tail(self) -> Iterator[int]:
-        """The tail's caps, last bucket first: ``last``, doubling, while below ``bucket``."""
-        cap = self.last
+    def ramp(self, start: int) -> Iterator[int]:
+        """``start``, doubling, while below ``bucket``: the caps of a ramp (Note [Bucket ramps]); none without
+        ramps."""
+        if not self.ramps:
+            return
+        cap = start
         while cap < self.bucket:
             yield cap
             cap *= 2
@@ -261,22 +284,25 @@ def plan_bucket_groups(
 
 
 def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list[ParamSpec], int]]:
-    """One lane's buckets ``(params, cap)`` in ready order: the head, the middle, the tail (Note [Bucket plan])."""
-    n_head = _fitting(items, caps.first)
-    head, rest = items[:n_head], items[n_head:]
+    """One lane's buckets ``(params, cap)`` in ready order (Note [Bucket ramps]): the first bucket, then the
+    tail filled from the end, then the head ramp and the middle on what is left in between."""
+    n = _fitting(items, caps.first)
+    first, rest = (_flat(items[:n]), caps.first), items[n:]
     tail: list[tuple[list[ParamSpec], int]] = []
-    for cap in caps.tail():  # filled from the end: the last bucket first
+    for cap in caps.ramp(caps.last):  # the last bucket first
         if not rest:
             break
         n = _fitting(rest[::-1], cap)
         tail.insert(0, (_flat(rest[len(rest) - n :]), cap))
         rest = rest[: len(rest) - n]
-    middle = []
-    while rest:
-        n = _fitting(rest, caps.bucket)
-        middle.append((_flat(rest[:n]), caps.bucket))
+    head: list[tuple[list[ParamSpec], int]] = []
+    for cap in itertools.chain(caps.ramp(2 * caps.first), itertools.repeat(caps.bucket)):
+        if not rest:
+            break
+        n = _fitting(rest, cap)
+        head.append((_flat(rest[:n]), cap))
         rest = rest[n:]
-    return [(_flat(head), caps.first), *middle, *tail]
+    return [first, *head, *tail]
 
 
 def _fitting(items: Sequence[list[ParamSpec]], cap: int) -> int:

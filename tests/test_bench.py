@@ -40,3 +40,6 @@ def test_bench_rejects_bad_input_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--link", "fast"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "bench: --link must be 'loopback' or RATE[:DELAY] such as 2gbit or 1gbit:2ms, got 'fast'"
+    result = subprocess.run([sys.executable, "-m", "bench", "--iters", "2", "--rounds", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "bench: rounds must be between 1 and iters (2), got 3"

@@ -13,8 +13,8 @@ def spec(name: str, numel: int, dtype: torch.dtype = torch.float32, device: str 
 
 
 def plan(params, bucket_cap: int, first_cap: int, last_cap: int | None = None):
-    """``last_cap=None``: no tail ramp (PyTorch's layout), so the head and middle rules are seen alone."""
-    caps = BucketCaps(bucket=bucket_cap, first=first_cap, last=bucket_cap if last_cap is None else last_cap)
+    """``last_cap=None``: no ramps (PyTorch's layout), so the first-bucket and cap rules are seen alone."""
+    caps = BucketCaps(bucket=bucket_cap, first=first_cap, last=last_cap or first_cap, ramps=last_cap is not None)
     return plan_buckets(params, caps=caps)
 
 
@@ -98,19 +98,15 @@ def test_bad_input_is_a_clear_error() -> None:
     assert BucketCaps.from_mb(0.25, 1, 2) == BucketCaps(bucket=MiB // 4, first=MiB, last=2 * MiB)
 
 
-def test_tail_caps_ramp_down_to_the_last_bucket() -> None:
-    params = [spec(f"p{i}", 100) for i in range(10)]  # 400 bytes each
+def test_caps_ramp_up_after_the_first_bucket_and_down_to_the_last() -> None:
+    params = [spec(f"p{i}", 100) for i in range(20)]  # 400 bytes each
     p = plan(params, bucket_cap=3200, first_cap=400, last_cap=400)
-    # Head (400), middle (3200), then the tail filled from the end: 1600, 800, 400 (Note [Tail buckets]).
-    assert [b.names for b in p.buckets] == [
-        ("p0",),
-        ("p1", "p2"),
-        ("p3", "p4", "p5", "p6"),
-        ("p7", "p8"),
-        ("p9",),
-    ]
-    assert [b.cap_bytes for b in p.buckets] == [400, 3200, 1600, 800, 400]
-    assert list(BucketCaps(bucket=3200, first=400, last=400).tail()) == [400, 800, 1600]
+    # First 400; then the tail from the end: 400, 800, 1600; then the head ramp 800, 1600 and the middle 3200
+    # on what is left (Note [Bucket ramps]).
+    assert [len(b.params) for b in p.buckets] == [1, 2, 4, 6, 4, 2, 1]
+    assert [b.cap_bytes for b in p.buckets] == [400, 800, 1600, 3200, 1600, 800, 400]
+    assert p.param_names == tuple(f"p{i}" for i in range(20))
+    assert list(BucketCaps(bucket=3200, first=400, last=400).ramp(400)) == [400, 800, 1600]
 
 
 def test_a_large_parameter_ready_last_goes_alone_and_the_ramp_goes_on_before_it() -> None:
@@ -121,11 +117,16 @@ def test_a_large_parameter_ready_last_goes_alone_and_the_ramp_goes_on_before_it(
     assert [b.cap_bytes for b in p.buckets][-3:] == [1600, 800, 400]
 
 
-def test_last_cap_at_or_above_the_bucket_cap_gives_pytorchs_layout() -> None:
+def test_without_ramps_the_layout_is_pytorchs_and_large_caps_end_a_ramp_early() -> None:
     params = [spec(f"p{i}", 100) for i in range(10)]
     pytorch_like = [("p0",), ("p1", "p2", "p3"), ("p4", "p5", "p6"), ("p7", "p8", "p9")]
-    for last_cap in (1200, 5000):
-        assert [b.names for b in plan(params, 1200, 400, last_cap).buckets] == pytorch_like
+    assert [b.names for b in plan(params, 1200, 400).buckets] == pytorch_like
+    # last >= bucket: no tail ramp, the head ramp alone (400, then 800, then 1200 to the end).
+    assert [len(b.params) for b in plan(params, 1200, 400, last_cap=1200).buckets] == [1, 2, 3, 3, 1]
+    # 2 * first >= bucket: no head ramp, the tail alone (then 800, 400 at the end).
+    assert [len(b.params) for b in plan(params, 1200, 800, last_cap=400).buckets] == [2, 3, 2, 2, 1]
+    with pytest.raises(TypeError, match="ramps must be True or False"):
+        BucketCaps(ramps=1)  # type: ignore[arg-type]
 
 
 def test_plan_contract_holds_for_random_sizes_and_caps() -> None:
@@ -141,8 +142,9 @@ def test_plan_contract_holds_for_random_sizes_and_caps() -> None:
         for b in p.buckets:
             assert b.cap_bytes <= bucket or b.index == 0, (trial, b)  # only the head may have a larger cap
             assert b.nbytes <= b.cap_bytes or len(b.params) == 1, (trial, b)
-        tail_caps = [b.cap_bytes for b in p.buckets[1:] if b.cap_bytes < bucket]
-        assert tail_caps == sorted(tail_caps, reverse=True), (trial, tail_caps)  # the tail ramps down
+        caps = [b.cap_bytes for b in p.buckets[1:]]
+        top = caps.index(max(caps)) if caps else 0
+        assert caps[:top] == sorted(caps[:top]) and caps[top:] == sorted(caps[top:], reverse=True), (trial, caps)
 
 
 def test_bucket_of_and_table() -> None:
