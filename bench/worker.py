@@ -1,17 +1,20 @@
 """One rank of a benchmark run (started by torchrun): every mode, timed in rounds, in one process group.
 
-Every mode is built, compiled and warmed up first, all kept alive. Then each round runs every mode in turn: one
-untimed iteration (switching modes costs the first iteration some time: allocator and page state) and then
-``iters / rounds`` timed ones. Slow drifts of a shared machine (other tenants, thermal) thus hit every mode
-alike, and the ratios between modes hold even when absolute times wander.
+Each round goes through every mode in turn: build it on a fresh copy of the workload, run its first iteration
+(compiles; later rounds hit the compile caches) and the warm-up, time ``iters / rounds`` iterations, and free it
+before the next mode is built. Slow drifts of a shared machine (other tenants, thermal) thus hit every mode
+alike, and the ratios between modes hold even when absolute times wander. Only one mode is alive at a time:
+keeping all seven resident made every mode slower and noisier on the development machine.
 
-Writes ``rank{R}.json`` into the run's folder: per mode, the iteration times, compile time (first iteration),
-added peak memory, and for graphddp modes one recorded iteration (events with times) for the timeline.
+Writes ``rank{R}.json`` into the run's folder: per mode, the iteration times, compile time (first iteration of
+the first round), added peak memory, and for graphddp modes one recorded iteration (events with times) for the
+timeline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
-from graphddp.trace import EventLog, NullEvents
+from graphddp.trace import EventLog
 from graphddp.workloads import Workload, build_workload
 
 from .modes import ModeConfig, Step, build
@@ -31,7 +34,7 @@ from .modes import ModeConfig, Step, build
 
 @dataclasses.dataclass
 class PreparedMode:
-    """One mode, built and warmed up, with what was measured of it so far."""
+    """One mode, built and warmed up."""
 
     name: str
     step: Step
@@ -40,7 +43,6 @@ class PreparedMode:
     data: torch.Generator
     first_s: float
     added_peak_rss_mb: float | None
-    times_s: list[float] = dataclasses.field(default_factory=list)
 
 
 def main(config_path: str) -> None:
@@ -50,28 +52,22 @@ def main(config_path: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     say = print if rank == 0 else (lambda *a, **k: None)
     mode_config = ModeConfig(**config["mode_config"])
-    modes = config["modes"]
-    torch._dynamo.reset()
-    prepared = []
-    for i, mode in enumerate(modes):
-        say(f"[{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
-        prepared.append(prepare(mode, config, mode_config, rank))
-        say(f"      {mode}: first iteration {prepared[-1].first_s:.2f} s", flush=True)
-    rounds = config["rounds"]
+    modes, rounds = config["modes"], config["rounds"]
+    results: dict[str, Any] = {"rank": rank, "world_size": world, "batch_size": None, "modes": {}}
     for r in range(rounds):
-        per_round = config["iters"] // rounds + (r < config["iters"] % rounds)
-        for m in prepared:
-            m.step(m.workload.make_batch(m.data))  # back to this mode: untimed
-            m.times_s += [timed_step(m) for _ in range(per_round)]
-        say(f"round {r + 1}/{rounds}, median so far: " + ", ".join(f"{m.name} {_median(m.times_s) * 1e3:.0f} ms" for m in prepared), flush=True)
-    results = {"rank": rank, "world_size": world, "batch_size": prepared[0].workload.batch_size, "modes": {}}
-    for m in prepared:
-        results["modes"][m.name] = {
-            "first_s": m.first_s,
-            "times_s": m.times_s,
-            "added_peak_rss_mb": m.added_peak_rss_mb,
-            "timeline": record_timeline(m),
-        }
+        iters = config["iters"] // rounds + (r < config["iters"] % rounds)
+        for i, mode in enumerate(modes):
+            say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
+            m = prepare(mode, config, mode_config, rank)
+            times = [timed_step(m) for _ in range(iters)]
+            entry = results["modes"].setdefault(mode, {"first_s": m.first_s, "added_peak_rss_mb": m.added_peak_rss_mb, "times_s": []})
+            entry["times_s"] += times
+            if r == rounds - 1:
+                entry["timeline"] = record_timeline(m)
+            results["batch_size"] = m.workload.batch_size
+            say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {_median(entry['times_s']) * 1e3:.1f} ms", flush=True)
+            del m
+            gc.collect()
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -79,6 +75,7 @@ def main(config_path: str) -> None:
 
 def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int) -> PreparedMode:
     """Build ``mode`` on its own copy of the workload, run its first iteration (compiles) and the warm-up."""
+    torch._dynamo.reset()
     rss_before = _rss_mb("VmRSS")
     _reset_peak_rss()
     workload = build_workload(config["workload"], size=config["size"], batch_size=config["batch_size"], seed=0)
@@ -113,7 +110,6 @@ def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, float]] | No
     # "done" events come from future callbacks on gloo's threads and may trail the step: let them land.
     dist.barrier()
     time.sleep(0.05)
-    m.ddp.reducer.events = NullEvents()
     t0 = log.events[0].t_ns
     return [(e.kind, e.bucket, (e.t_ns - t0) / 1e6) for e in log.events]
 
