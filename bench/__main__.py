@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
-    parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp only; = --bucket-cap-mb for PyTorch's layout")
+    parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp's (and the comm mode's) last bucket cap; --no-bucket-ramps for PyTorch's layout")
     parser.add_argument("--no-bucket-ramps", action="store_true", help="graphddp with PyTorch's bucket layout (Note [Bucket ramps])")
     parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from graphddp.passes import BucketCaps
+
 from .link import Link, LinkSpec
 from .modes import MODES
 
@@ -56,6 +58,7 @@ class BenchOptions:
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
+        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # bad caps: one line, before any rank starts
         if not 1 <= self.rounds <= self.iters:
             raise ValueError(f"rounds must be between 1 and iters ({self.iters}), got {self.rounds}")
         if self.link != "loopback":

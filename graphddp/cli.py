@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
     demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
     demo.add_argument("--last-bucket-cap-mb", type=float, default=defaults.last_bucket_cap_mb)
+    demo.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
     demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
 
     inspect = commands.add_parser(
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 bucket_cap_mb=args.bucket_cap_mb,
                 first_bucket_cap_mb=args.first_bucket_cap_mb,
                 last_bucket_cap_mb=args.last_bucket_cap_mb,
+                bucket_ramps=not args.no_bucket_ramps,
                 inner=args.inner,
             )
         except (TypeError, ValueError) as e:

@@ -88,9 +88,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         first_bucket_cap_mb: float = 1,
+        *,
         last_bucket_cap_mb: float = 1,
         bucket_ramps: bool = True,
-        *,
         dim: int = 0,
     ) -> None:
         super().__init__()

@@ -45,6 +45,8 @@ class DemoOptions:
     """First bucket cap."""
     last_bucket_cap_mb: float = 0.25
     """Last bucket cap (Note [Bucket ramps])."""
+    bucket_ramps: bool = True
+    """False: PyTorch's bucket layout (Note [Bucket ramps])."""
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
     inner: str = "inductor"
@@ -65,6 +67,7 @@ class DemoOptions:
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "last_bucket_cap_mb": self.last_bucket_cap_mb,
+            "bucket_ramps": self.bucket_ramps,
         }
 
 

@@ -14,7 +14,10 @@ One iteration, on every rank:
 3. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current
    ``.grad``) so every bucket is launched on every rank (never a hang), launch the usage all-reduce, wait on
    the futures in bucket order, write the averages back (parameters unused on *every* rank keep ``.grad`` as it
-   was), and turn a missing gradient into an error for the next forward when the policy forbids it.
+   was), and turn a missing gradient into an error for the next forward when the policy forbids it. A bucket's
+   averages are written back as soon as it is awaited, for the gradients this rank produced, while later buckets
+   are still in flight; the rest once the usage all-reduce has said which parameters some rank used. A hook
+   result that fails validation raises with the earlier buckets already written back.
 
 Custom comm hooks may chain further collectives in future callbacks (PowerSGD does, from gloo's threads). If
 bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
@@ -403,10 +406,10 @@ class Reducer:
                 assert bucket.future is not None, f"bucket {bucket.index} was never launched"
                 reduced = self._check_hook_result(self._comm.wait(bucket.future), bucket)
                 self.events.record("wait", bucket.index)
+                self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
                 if reduced.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(reduced.reshape(-1))
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
-                self._comm.join_compute()
                 self._write_back(bucket, lambda i: used_here[i])
                 self.events.record("written", bucket.index)
             counts = self._global_usage_counts()

@@ -10,9 +10,10 @@ gradient is ready, so the network works while backward is still computing the ea
 that order into buckets, each up to a byte cap (``BucketCaps``):
 
 * one sequence per (dtype, device): a flat buffer holds a single dtype on a single device;
-* the first bucket is capped at ``caps.first`` (small, so the first all-reduce starts early);
+* the first bucket of each (dtype, device) is capped at ``caps.first`` (small, so the first all-reduce starts
+  early);
 * the caps ramp up from there and down again at the end (Note [Bucket ramps]), with ``caps.bucket`` in the
-  middle: no bucket but the first has a cap above ``caps.bucket``;
+  middle: no bucket but the first of each (dtype, device) has a cap above ``caps.bucket``;
 * a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
   a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
   *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
@@ -40,6 +41,12 @@ The order of cutting: the first bucket from the start, then the tail from the en
 middle on what is left. The price is a few more collectives (and, compiled, more graph segments): at the default
 caps (25, 1, 1 MiB) up to four more at the head and five at the tail. ``BucketCaps(ramps=False)`` (DDP's
 ``bucket_ramps=False``) gives PyTorch's layout.
+
+The ramps step by bucket, not by bytes: a parameter larger than its slot's cap takes the slot alone, and the
+next, doubled cap may then hold only a little (a 0.25 MB bucket between the 3 MB and 16 MB ones of the bench
+GPT's tail). That is deliberate at the tail, where every layer's gradients should leave as soon as they are
+ready, and costs one small collective at the head. With graph breaks, each captured graph is planned with its
+own ramps (``compose_plans`` keeps them), so a break adds a few small buckets in the middle of backward.
 
 Every rank must build the very same plan; ``BucketPlan.fingerprint`` is a digest of its content (parameter
 names, shapes, dtypes and their grouping) that ranks compare instead of the plan itself.
@@ -131,8 +138,8 @@ class BucketCaps:
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 MiB, got {value!r}")
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of MiB > 0, got {value!r}")
         bucket, first, last = (max(1, int(v * MiB)) for v in values.values())
         return cls(bucket=bucket, first=first, last=last, ramps=ramps)
 

@@ -46,7 +46,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
         "graph": graph,
         "fingerprint": plan.fingerprint,
         "source": plan.source,
-        "caps_bytes": dataclasses.asdict(plan.caps),
+        "caps": dataclasses.asdict(plan.caps),
         "buckets": [
             {
                 "index": b.index,

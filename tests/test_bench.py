@@ -43,3 +43,6 @@ def test_bench_rejects_bad_input_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--iters", "2", "--rounds", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "bench: rounds must be between 1 and iters (2), got 3"
+    result = subprocess.run([sys.executable, "-m", "bench", "--last-bucket-cap-mb", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "bench: last_bucket_cap_mb must be a finite number of MiB > 0, got 0.0"

@@ -34,6 +34,8 @@ class CompileCase:
     inner: str = "aot_eager"
     ddp: tuple[tuple[str, Any], ...] = TINY
     first_bucket_cap_mb: float | None = 0.001
+    last_bucket_cap_mb: float | None = 0.0005
+    """With the TINY caps, both ramps (Note [Bucket ramps]) are cut; None: graphddp's default."""
     steps: int = 5
     optim: str = "sgd"
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -108,6 +110,8 @@ def train(impl: str, case: CompileCase, rank: int) -> tuple[torch.nn.Module, Any
     else:
         if case.first_bucket_cap_mb is not None:
             kwargs["first_bucket_cap_mb"] = case.first_bucket_cap_mb
+        if case.last_bucket_cap_mb is not None:
+            kwargs["last_bucket_cap_mb"] = case.last_bucket_cap_mb
         ddp = model = graphddp.DDP(module, **kwargs)
         backend = graphddp.backend(case.inner)
         if impl == "compiled":

@@ -13,12 +13,14 @@ from ranks import run_on_ranks
 from training import Case, assert_same_on_all_ranks, state_of, train_ddp, train_single_process
 
 TINY_CAPS = (("bucket_cap_mb", 0.002),)  # ~2 KiB: several buckets even for these small models
+# graphddp's own caps: a 1 KiB first bucket and a 0.5 KiB last one, so both ramps (Note [Bucket ramps]) are cut.
+RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
 
 
 def tiny(**fields) -> Case:
-    """A case with ~1-2 KiB buckets (graphddp's first bucket included) so the small models get several."""
+    """A case with ~0.5-2 KiB buckets so the small models get several, graphddp's ramps included."""
     extra = fields.pop("ddp", ())
-    return Case(ddp=TINY_CAPS + extra, first_bucket_cap_mb=0.001, **fields)
+    return Case(ddp=TINY_CAPS + extra, graphddp=fields.pop("graphddp", RAMPED), **fields)
 
 
 CASES = {
@@ -31,6 +33,7 @@ CASES = {
     "batchnorm": tiny(model="bn"),
     "mixed_dtypes": tiny(model="mixed"),
     "ready_order_differs": tiny(model="unordered"),
+    "pytorch_layout": tiny(graphddp=(("first_bucket_cap_mb", 0.001), ("bucket_ramps", False))),
     # Hooks (bf16_compress_hook refuses to run without NCCL, so it is checked on CUDA: tests/cuda_check.py).
     # PowerSGD compresses per bucket, so both implementations must cut the same buckets. PyTorch's DDP hangs
     # with PowerSGD and several buckets on gloo (tests/test_features.py shows graphddp does not), so: one bucket.
@@ -47,7 +50,7 @@ CASES = {
 }
 
 # Cases whose result single-process training on the concatenated batch reproduces exactly.
-SINGLE_PROCESS_EQUIVALENT = {"default", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
+SINGLE_PROCESS_EQUIVALENT = {"default", "pytorch_layout", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
 
 
 def check_parity(rank: int, world: int, case_name: str, optim: str) -> int:

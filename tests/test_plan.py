@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphddp.passes import BucketCaps, MiB, ParamSpec, plan_buckets
+from graphddp.passes import BucketCaps, MiB, ParamSpec, plan_bucket_groups, plan_buckets
 
 
 def spec(name: str, numel: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ParamSpec:
@@ -87,14 +87,16 @@ def test_bad_input_is_a_clear_error() -> None:
         BucketCaps(last=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="caps must be a BucketCaps"):
         plan_buckets([spec("a", 1)], caps=(25, 1))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a finite number of MiB > 0"):
         BucketCaps.from_mb(0, 1, 1)
-    with pytest.raises(ValueError, match="first_bucket_cap_mb must be > 0"):
+    with pytest.raises(ValueError, match="first_bucket_cap_mb must be a finite number of MiB > 0"):
         BucketCaps.from_mb(25, -1, 1)
-    with pytest.raises(ValueError, match="last_bucket_cap_mb must be > 0"):
+    with pytest.raises(ValueError, match="last_bucket_cap_mb must be a finite number of MiB > 0"):
         BucketCaps.from_mb(25, 1, float("nan"))
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
         BucketCaps.from_mb("25", 1, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="first_bucket_cap_mb must be a finite number"):
+        BucketCaps.from_mb(25, float("inf"), 1)
     assert BucketCaps.from_mb(0.25, 1, 2) == BucketCaps(bucket=MiB // 4, first=MiB, last=2 * MiB)
 
 
@@ -129,22 +131,38 @@ def test_without_ramps_the_layout_is_pytorchs_and_large_caps_end_a_ramp_early() 
         BucketCaps(ramps=1)  # type: ignore[arg-type]
 
 
-def test_plan_contract_holds_for_random_sizes_and_caps() -> None:
+def test_plan_contract_holds_for_random_sizes_caps_groups_and_lanes() -> None:
     gen = torch.Generator().manual_seed(0)
-    for trial in range(200):
+    lanes = [(torch.float32, "cpu"), (torch.float64, "cpu"), (torch.float32, "meta")]
+    for trial in range(300):
         n = int(torch.randint(1, 30, (1,), generator=gen))
         sizes = torch.randint(1, 600, (n,), generator=gen).tolist()
+        lane_of = torch.randint(0, 3 if trial % 2 else 1, (n,), generator=gen).tolist()
         bucket, first, last = (int(v) for v in torch.randint(4, 3000, (3,), generator=gen))
-        params = [spec(f"p{i}", s) for i, s in enumerate(sizes)]
-        p = plan(params, bucket, first, last)
-        assert p.param_names == tuple(f"p{i}" for i in range(n)), trial  # every parameter once, in ready order
-        assert p.buckets[0].cap_bytes == first
-        for b in p.buckets:
-            assert b.cap_bytes <= bucket or b.index == 0, (trial, b)  # only the head may have a larger cap
-            assert b.nbytes <= b.cap_bytes or len(b.params) == 1, (trial, b)
-        caps = [b.cap_bytes for b in p.buckets[1:]]
-        top = caps.index(max(caps)) if caps else 0
-        assert caps[:top] == sorted(caps[:top]) and caps[top:] == sorted(caps[top:], reverse=True), (trial, caps)
+        params = [spec(f"p{i}", s, *lanes[k]) for i, (s, k) in enumerate(zip(sizes, lane_of))]
+        cuts = sorted(set(torch.randint(1, n + 1, (n // 3,), generator=gen).tolist()) | {n})
+        groups = [params[a:b] for a, b in zip([0, *cuts], cuts)]  # a node's parameters, kept together
+        p = plan_bucket_groups(groups, caps=BucketCaps(bucket=bucket, first=first, last=last))
+        assert sorted(p.param_names) == sorted(f"p{i}" for i in range(n)), trial  # every parameter once
+        firsts = [min(int(q.name[1:]) for q in b.params) for b in p.buckets]
+        assert firsts == sorted(firsts), trial  # numbered by the ready position of their first parameter
+        for group in groups:
+            for lane in {(q.dtype, q.device) for q in group}:
+                assert len({p.bucket_of(q.name) for q in group if (q.dtype, q.device) == lane}) == 1, trial
+        for lane in lanes:
+            mine = [b for b in p.buckets if (b.dtype, b.device) == lane]
+            if not mine:
+                continue
+            assert mine[0].cap_bytes == first, trial  # the lane's first bucket
+            for b in mine[1:]:
+                assert b.cap_bytes <= bucket, (trial, b)
+            for b in mine:  # over its cap only when one node's parameters alone are
+                assert b.nbytes <= b.cap_bytes or any(set(b.names) <= {q.name for q in g} for g in groups), (trial, b)
+            caps = [b.cap_bytes for b in mine[1:]]
+            top = caps.index(max(caps)) if caps else 0  # ramps: up to the middle, then down
+            assert caps[:top] == sorted(caps[:top]) and caps[top:] == sorted(caps[top:], reverse=True), (trial, caps)
+            if len(mine) > 2 and bucket > 2 * last:
+                assert mine[-1].cap_bytes == last, trial  # the tail ramp ends at the last cap
 
 
 def test_bucket_of_and_table() -> None:

@@ -63,8 +63,10 @@ def test_construction_logs_one_info_line_and_the_table_at_debug(caplog: pytest.L
     ("kwargs", "error", "match"),
     [
         ({"module": "not a module"}, TypeError, "wraps an nn.Module"),
-        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
-        ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be > 0"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number of MiB > 0, got 0"),
+        ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be a finite number of MiB > 0"),
+        ({"last_bucket_cap_mb": float("nan")}, ValueError, "last_bucket_cap_mb must be a finite number of MiB > 0"),
+        ({"bucket_ramps": "no"}, TypeError, "bucket_ramps must be True or False"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
         ({"device_ids": [0]}, ValueError, "device_ids must be None for a module on the CPU"),
         ({"dim": 1}, ValueError, "dim must be 0"),

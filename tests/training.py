@@ -106,8 +106,8 @@ class Case:
     extra_batches_per_rank: int = 0
     """Rank r gets ``r * extra_batches_per_rank`` more steps, inside ``join()``."""
     join_kwargs: tuple[tuple[str, Any], ...] = ()
-    first_bucket_cap_mb: float | None = None
-    """graphddp only (PyTorch's DDP has no such argument)."""
+    graphddp: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for)."""
     tolerance: tuple[tuple[str, float], ...] = ()
     """``assert_close`` tolerances when the defaults are too tight for the case (fp16 sums, ...)."""
 
@@ -155,9 +155,7 @@ def forward_loss(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor,
 def wrap(impl: str, model: nn.Module, case: Case) -> nn.Module:
     kwargs = case.ddp_kwargs
     if impl == "graphddp":
-        if case.first_bucket_cap_mb is not None:
-            kwargs = {**kwargs, "first_bucket_cap_mb": case.first_bucket_cap_mb}
-        ddp = graphddp.DDP(model, **kwargs)
+        ddp = graphddp.DDP(model, **kwargs, **dict(case.graphddp))
     elif impl == "torch":
         ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
     else:
