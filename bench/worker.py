@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,7 +66,7 @@ def main(config_path: str) -> None:
             if r == rounds - 1:
                 entry["timeline"] = record_timeline(m)
             results["batch_size"] = m.workload.batch_size
-            say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {_median(entry['times_s']) * 1e3:.1f} ms", flush=True)
+            say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)
             del m
             gc.collect()
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(results))
@@ -119,10 +120,6 @@ def _reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def _rss_mb(field: str) -> float | None:
