@@ -14,23 +14,17 @@ import torch.distributed as dist
 from torch import nn
 
 import graphddp
-from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
+from graphddp.ddp import BucketCapOptions
+from graphddp.passes import ParamSpec, plan_buckets
 
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModeConfig:
-    """What every mode shares."""
+class ModeConfig(BucketCapOptions):
+    """What every mode shares. The caps are graphddp's and the ``comm`` mode's; PyTorch's DDP takes
+    ``bucket_cap_mb`` only (its first bucket is its own 1 MiB, with no ramps)."""
 
-    bucket_cap_mb: float = 25
-    """Bucket cap for every DDP mode (and the ``comm`` mode's buckets)."""
-    first_bucket_cap_mb: float = 1
-    """First bucket cap (graphddp; PyTorch's DDP uses its own 1 MiB default)."""
-    last_bucket_cap_mb: float = 1
-    """Last bucket cap (graphddp only, Note [Bucket ramps]; also the ``comm`` mode's buckets)."""
-    bucket_ramps: bool = True
-    """graphddp's bucket ramps (and the ``comm`` mode's buckets); False: PyTorch's layout."""
     inner: str = "inductor"
     """Inner compiler of both compiled modes."""
 
@@ -49,24 +43,15 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "torch-compiled": lambda m, c: _trained(
             nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb), compile_with=c.inner
         ),
-        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **_graphddp_caps(c))),
+        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.cap_kwargs())),
         "graphddp-compiled": lambda m, c: _trained(
-            graphddp.DDP(m, **_graphddp_caps(c)),
+            graphddp.DDP(m, **c.cap_kwargs()),
             graphddp_backend=graphddp.backend(c.inner),
         ),
     }
     if mode not in builders:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return builders[mode](model, cfg)
-
-
-def _graphddp_caps(cfg: ModeConfig) -> dict[str, float]:
-    return {
-        "bucket_cap_mb": cfg.bucket_cap_mb,
-        "first_bucket_cap_mb": cfg.first_bucket_cap_mb,
-        "last_bucket_cap_mb": cfg.last_bucket_cap_mb,
-        "bucket_ramps": cfg.bucket_ramps,
-    }
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -122,9 +107,8 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
-    caps = BucketCaps.from_mb(cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.last_bucket_cap_mb, ramps=cfg.bucket_ramps)
     specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    plan = plan_buckets(specs, caps=caps)
+    plan = plan_buckets(specs, caps=cfg.caps)
     buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]
 
     def step(batch: tuple, log: Any = None) -> None:

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from graphddp.passes import BucketCaps
+from graphddp.ddp import BucketCapOptions
 
 from .link import Link, LinkSpec
 from .modes import MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchOptions:
-    """One benchmark run."""
+class BenchOptions(BucketCapOptions):
+    """One benchmark run (bucket caps: see ``bench.modes.ModeConfig``)."""
 
     workload: str = "gpt"
     """gpt, mlp or cnn (``graphddp.workloads``)."""
@@ -41,24 +41,18 @@ class BenchOptions:
     rounds: int = 2
     """The timed iterations are spread over this many rounds through all modes (bench/worker.py)."""
     warmup: int = 2
-    bucket_cap_mb: float = 25
-    first_bucket_cap_mb: float = 1
-    last_bucket_cap_mb: float = 1
-    """graphddp's last bucket cap (Note [Bucket ramps]); PyTorch's DDP has none."""
-    bucket_ramps: bool = True
-    """graphddp's bucket ramps; False gives graphddp PyTorch's bucket layout (to see what the ramps buy)."""
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
     out: str = "bench-out"
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # bad caps: one line, before any rank starts
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
-        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # bad caps: one line, before any rank starts
         if not 1 <= self.rounds <= self.iters:
             raise ValueError(f"rounds must be between 1 and iters ({self.iters}), got {self.rounds}")
         if self.link != "loopback":
@@ -77,13 +71,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "rounds": options.rounds,
         "warmup": options.warmup,
         "out": str(out.resolve()),
-        "mode_config": {
-            "bucket_cap_mb": options.bucket_cap_mb,
-            "first_bucket_cap_mb": options.first_bucket_cap_mb,
-            "last_bucket_cap_mb": options.last_bucket_cap_mb,
-            "bucket_ramps": options.bucket_ramps,
-            "inner": options.inner,
-        },
+        "mode_config": {**options.cap_kwargs(), "inner": options.inner},
     }
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config, indent=2))

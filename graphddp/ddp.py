@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPOptions:
-    """How a ``DistributedDataParallel`` synchronises; validated once, never mutated."""
+class BucketCapOptions:
+    """The bucket caps as users give them (MiB), shared by ``DDPOptions`` and every tool that builds a DDP."""
 
     bucket_cap_mb: float = 25
     """Cap of the buckets in the middle of backward, in MiB."""
@@ -39,6 +39,27 @@ class DDPOptions:
     bucket_ramps: bool = True
     """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
     (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_ramps, bool):
+            raise TypeError(f"bucket_ramps must be True or False, got {self.bucket_ramps!r}")
+        self.caps  # raises on a bad cap
+
+    @property
+    def caps(self) -> BucketCaps:
+        return BucketCaps.from_mb(
+            self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb, ramps=self.bucket_ramps
+        )
+
+    def cap_kwargs(self) -> dict[str, Any]:
+        """The caps as ``graphddp.DDP`` keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(BucketCapOptions)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPOptions(BucketCapOptions):
+    """How a ``DistributedDataParallel`` synchronises; validated once, never mutated."""
+
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward."""
     find_unused_parameters: bool = False
@@ -49,17 +70,11 @@ class DDPOptions:
     """Promise that the set of used parameters never changes: search once, then skip the search."""
 
     def __post_init__(self) -> None:
-        for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph", "bucket_ramps"):
+        for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise TypeError(f"graphddp.DDP: {field} must be True or False, got {value!r}")
-        self.caps  # raises on a bad cap
-
-    @property
-    def caps(self) -> BucketCaps:
-        return BucketCaps.from_mb(
-            self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb, ramps=self.bucket_ramps
-        )
+        super().__post_init__()
 
     def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
         if self.static_graph:

@@ -21,15 +21,14 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from .backend import GraphDDPBackend, compile
-from .ddp import DistributedDataParallel
+from .ddp import BucketCapOptions, DistributedDataParallel
 from .launch import run_ranks
-from .passes import BucketCaps
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DemoOptions:
-    """What ``graphddp demo`` runs."""
+class DemoOptions(BucketCapOptions):
+    """What ``graphddp demo`` runs (its bucket caps are smaller than DDP's defaults)."""
 
     workload: str = "gpt"
     """One of ``graphddp.workloads.WORKLOADS``."""
@@ -42,17 +41,14 @@ class DemoOptions:
     bucket_cap_mb: float = 1.0
     """Bucket cap; small by default so the small model gets several buckets to show."""
     first_bucket_cap_mb: float = 0.25
-    """First bucket cap."""
     last_bucket_cap_mb: float = 0.25
-    """Last bucket cap (Note [Bucket ramps])."""
-    bucket_ramps: bool = True
-    """False: PyTorch's bucket layout (Note [Bucket ramps])."""
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
     inner: str = "inductor"
     """Inner compiler for each segment (``aot_eager``, ``inductor``, ``eager``); see the module docstring."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         if self.size not in SIZES:
@@ -60,15 +56,6 @@ class DemoOptions:
         for name in ("steps", "world_size", "timed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        BucketCaps.from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb)  # raises on a bad cap
-
-    def caps_mb(self) -> dict[str, float]:
-        return {
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "first_bucket_cap_mb": self.first_bucket_cap_mb,
-            "last_bucket_cap_mb": self.last_bucket_cap_mb,
-            "bucket_ramps": self.bucket_ramps,
-        }
 
 
 def run_demo(options: DemoOptions) -> None:
@@ -81,7 +68,7 @@ def _demo_rank(options: DemoOptions) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     workload = build_workload(options.workload, size=options.size, seed=0)
-    ddp = DistributedDataParallel(workload.model, **options.caps_mb())
+    ddp = DistributedDataParallel(workload.model, **options.cap_kwargs())
     backend = GraphDDPBackend(options.inner)
     model = compile(ddp, backend)
     say(f"graphddp demo: {workload.description}, {world} gloo ranks, batch {workload.batch_size} per rank")
@@ -108,7 +95,7 @@ def _demo_rank(options: DemoOptions) -> None:
 
     compiled = _time_steps(model, optimizer, workload, data, options.timed_steps)
     reference = build_workload(options.workload, size=options.size, seed=0)
-    eager_ddp = DistributedDataParallel(reference.model, **options.caps_mb())
+    eager_ddp = DistributedDataParallel(reference.model, **options.cap_kwargs())
     eager = _time_steps(
         eager_ddp, torch.optim.AdamW(eager_ddp.parameters(), lr=3e-3), reference, data, options.timed_steps
     )

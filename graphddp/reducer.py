@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -410,12 +409,15 @@ class Reducer:
                 if reduced.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(reduced.reshape(-1))
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
-                self._write_back(bucket, lambda i: used_here[i])
+                for i in bucket.param_indices:
+                    if used_here[i]:
+                        self._write_back(i)
                 self.events.record("written", bucket.index)
             counts = self._global_usage_counts()
             self._comm.join_compute()
-            for bucket in self._buckets:  # the rest, once the ranks' usage is known
-                self._write_back(bucket, lambda i: not used_here[i] and counts[i] > 0)  # unused everywhere: keep .grad
+            for i, used in enumerate(used_here):  # the rest, once the ranks' usage is known
+                if not used and counts[i] > 0:  # unused everywhere: keep .grad as it was
+                    self._write_back(i)
             self._check_all_used(counts, missing)
             self.usage_policy.observe(self._local_unused, counts)
             if self._ready_order is not None:
@@ -429,11 +431,10 @@ class Reducer:
             self.active.clear()
             self.iterations += 1
 
-    def _write_back(self, bucket: FlatBucket, wanted: Callable[[int], bool]) -> None:
-        """Averaged gradients from ``bucket`` into ``param.grad``, for the parameters ``wanted(index)`` picks."""
-        for slot, i in enumerate(bucket.param_indices):
-            if wanted(i):
-                self._layout.from_bucket(self._params[i], bucket.views[slot])
+    def _write_back(self, i: int) -> None:
+        """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``."""
+        bucket_index, slot = self._slot[i]
+        self._layout.from_bucket(self._params[i], self._buckets[bucket_index].views[slot])
 
     def _check_hook_result(self, value: Any, bucket: FlatBucket) -> torch.Tensor:
         if isinstance(value, (list, tuple)) and len(value) == 1:
