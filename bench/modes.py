@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 import graphddp
-from graphddp.ddp import BucketCapOptions
+from graphddp.ddp import BucketOptions
 from graphddp.passes import ParamSpec, plan_buckets
 
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModeConfig(BucketCapOptions):
+class ModeConfig(BucketOptions):
     """What every mode shares. The caps are graphddp's and the ``comm`` mode's; PyTorch's DDP takes
     ``bucket_cap_mb`` only (its first bucket is its own 1 MiB, with no ramps)."""
 
@@ -43,9 +43,9 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "torch-compiled": lambda m, c: _trained(
             nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb), compile_with=c.inner
         ),
-        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.cap_kwargs())),
+        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.bucket_kwargs())),
         "graphddp-compiled": lambda m, c: _trained(
-            graphddp.DDP(m, **c.cap_kwargs()),
+            graphddp.DDP(m, **c.bucket_kwargs()),
             graphddp_backend=graphddp.backend(c.inner),
         ),
     }

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from graphddp.ddp import BucketCapOptions
+from graphddp.ddp import BucketOptions
 
 from .link import Link, LinkSpec
 from .modes import MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchOptions(BucketCapOptions):
+class BenchOptions(BucketOptions):
     """One benchmark run (bucket caps: see ``bench.modes.ModeConfig``)."""
 
     workload: str = "gpt"
@@ -71,7 +71,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "rounds": options.rounds,
         "warmup": options.warmup,
         "out": str(out.resolve()),
-        "mode_config": {**options.cap_kwargs(), "inner": options.inner},
+        "mode_config": {**options.bucket_kwargs(), "inner": options.inner},
     }
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config, indent=2))

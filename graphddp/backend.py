@@ -9,12 +9,14 @@ forward, the backend
 
 1. finds the trainable parameters among the graph's inputs and the earliest node using each
    (``graphddp.passes.find_graph_params``, Note [Earliest use]);
-2. plans buckets in backward order with the DDP's caps, a node's parameters kept together
-   (``plan_bucket_groups``, Note [Bucket plan]);
+2. plans buckets in backward order with the DDP's caps, a node's parameters kept together (Note [Bucket
+   plan]), embedding tables as row-sparse gradients and a tied table's other uses as parts of their own
+   (Note [Row-sparse gradients]), and decides where to cut (``plan_graph``, Note [Split at buckets]);
 3. proposes that plan to the Reducer, which adopts it once all ranks agree (Note [Plan agreement]);
-4. cuts the graph so each bucket completes at a segment boundary (``assign_segments``/``split_at_buckets``,
-   Note [Split at buckets]) and compiles each segment with the inner backend (AOTAutograd for
-   ``"aot_eager"``/``"inductor"``), propagating fake tensors from one segment to the next;
+4. cuts the graph so each bucket completes at a segment boundary (``split_at_buckets``), feeds tied tables to
+   the segments of their parts through taps (``tap_parts``, ``graphddp.taps``), and compiles each segment with
+   the inner backend (AOTAutograd for ``"aot_eager"``/``"inductor"``), propagating fake tensors from one
+   segment to the next;
 5. returns the stitched module: during backward each segment is its own autograd node, so bucket k's
    all-reduce starts before the segment in front of it runs its backward.
 
@@ -34,17 +36,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .passes import (
-    GraphSplit,
-    assign_segments,
-    BucketCaps,
-    find_graph_params,
-    plan_bucket_groups,
-    ready_groups,
-    split_at_buckets,
-)
+from .passes import GraphSplit, BucketCaps, find_graph_params, plan_graph, split_at_buckets, tap_parts
 from .capture import as_fake
 from .dump import DebugDump
+from .taps import GradientTap
 from .trace import EventLog
 
 logger = logging.getLogger(__name__)
@@ -111,19 +106,21 @@ class GraphDDPBackend:
                 stacklevel=2,
             )
             names = _parameter_names_without_ddp(gm, example_inputs)
-            caps = BucketCaps()
+            caps, row_sparse = BucketCaps(), False  # no Reducer: nothing to take parts
             reducer = None
         else:
             names = {id(p): n for n, p in zip(ddp.reducer.param_names(), ddp.reducer.params())}
-            caps = ddp.options.caps
+            # With a custom comm hook every bucket is reduced dense: a tied table's part would travel twice.
+            caps, row_sparse = ddp.options.caps, ddp._row_sparse and not ddp.reducer.has_custom_comm_hook
             reducer = ddp.reducer
 
         params = find_graph_params(gm, example_inputs, names)
         if not params:
             logger.debug("graphddp.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
-        plan = plan_bucket_groups(ready_groups(params), caps=caps)
-        split = assign_segments(gm, params, plan)
+        world_size = reducer.world_size if reducer is not None else 1
+        split = plan_graph(gm, params, caps, world_size=world_size, row_sparse=row_sparse)
+        plan = split.plan
         self.splits.append(split)
         graph_key = f"graph{next(_graph_ids)}"
         if reducer is not None:
@@ -145,6 +142,7 @@ class GraphDDPBackend:
             compiled = self.inner(gm, example_inputs)
             return _traced(compiled, 0, reducer) if reducer is not None else compiled
         split_gm = split_at_buckets(gm, split)
+        tap_parts(split_gm, split, lambda tap: GradientTap(reducer, tap.param, tap.part))
         if folder is not None:
             self.dump.write_graph(folder, graph=graph_key, captured=gm, plan=plan, split=split, split_gm=split_gm)
         segments = _compile_segments(split_gm, example_inputs, self.inner, reducer)
@@ -227,7 +225,7 @@ class _SegmentCompiler(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args = tuple(as_fake(a, self.fake_mode, static_shapes=False) for a in args)
-        if n.op != "call_module":
+        if n.op != "call_module" or not str(n.target).startswith("submod_"):  # taps run as they are
             return getattr(self, n.op)(n.target, args, kwargs)
         assert not kwargs, "split_module passes segment inputs positionally"
         segment: fx.GraphModule = self.fetch_attr(str(n.target))

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
     demo.add_argument("--last-bucket-cap-mb", type=float, default=defaults.last_bucket_cap_mb)
     demo.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
+    demo.add_argument("--no-sparse-embedding-grads", action="store_true", help="every bucket all-reduced dense (Note [Row-sparse gradients])")
     demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
 
     inspect = commands.add_parser(
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--first-bucket-cap-mb", type=float, default=1)
     inspect.add_argument("--last-bucket-cap-mb", type=float, default=1)
     inspect.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
+    inspect.add_argument("--no-sparse-embedding-grads", action="store_true", help="no row-sparse buckets, no parts (Note [Row-sparse gradients])")
+    inspect.add_argument("--world-size", type=int, default=2, help="ranks of the run to plan for (embedding tables are row-sparse when few enough rows are touched on all ranks together)")
     inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 first_bucket_cap_mb=args.first_bucket_cap_mb,
                 last_bucket_cap_mb=args.last_bucket_cap_mb,
                 bucket_ramps=not args.no_bucket_ramps,
+                sparse_embedding_grads=not args.no_sparse_embedding_grads,
                 inner=args.inner,
             )
         except (TypeError, ValueError) as e:
@@ -77,6 +81,8 @@ def _inspect(args: argparse.Namespace) -> int:
             first_bucket_cap_mb=args.first_bucket_cap_mb,
             last_bucket_cap_mb=args.last_bucket_cap_mb,
             bucket_ramps=not args.no_bucket_ramps,
+            sparse_embedding_grads=not args.no_sparse_embedding_grads,
+            world_size=args.world_size,
             batch=args.batch,
             size=args.size,
             dump=args.dump,

@@ -76,7 +76,10 @@ def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) 
     Two small collectives when the models agree (a digest each); on a mismatch, every rank gathers the full
     lists and raises the same ``ModelMismatchError`` naming the first differing entry and the ranks involved.
     """
-    rows = [f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" for s in specs]
+    rows = [
+        f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" + (" row-sparse" if s.row_sparse else "")
+        for s in specs
+    ]
     digest = hashlib.sha256("\n".join(rows).encode()).digest()
     digests = all_gather_bytes(digest, group=group)
     if all(d == digests[0] for d in digests):

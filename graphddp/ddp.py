@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BucketCapOptions:
-    """The bucket caps as users give them (MiB), shared by ``DDPOptions`` and every tool that builds a DDP."""
+class BucketOptions:
+    """How gradients are bucketed and reduced, as users give it (caps in MiB); shared by ``DDPOptions`` and every
+    tool that builds a DDP (demo, benchmark)."""
 
     bucket_cap_mb: float = 25
     """Cap of the buckets in the middle of backward, in MiB."""
@@ -39,10 +40,15 @@ class BucketCapOptions:
     bucket_ramps: bool = True
     """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
     (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
+    sparse_embedding_grads: bool = True
+    """Reduce embedding tables' gradients as the rows some rank touched, and, compiled, send a tied table's other
+    contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.rows``). The
+    result equals the dense all-reduce up to the order of floating-point sums. False: every bucket dense."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bucket_ramps, bool):
-            raise TypeError(f"bucket_ramps must be True or False, got {self.bucket_ramps!r}")
+        for field in ("bucket_ramps", "sparse_embedding_grads"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
         self.caps  # raises on a bad cap
 
     @property
@@ -51,13 +57,13 @@ class BucketCapOptions:
             self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb, ramps=self.bucket_ramps
         )
 
-    def cap_kwargs(self) -> dict[str, Any]:
-        """The caps as ``graphddp.DDP`` keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(BucketCapOptions)}
+    def bucket_kwargs(self) -> dict[str, Any]:
+        """These options as ``graphddp.DDP`` keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(BucketOptions)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPOptions(BucketCapOptions):
+class DDPOptions(BucketOptions):
     """How a ``DistributedDataParallel`` synchronises; validated once, never mutated."""
 
     broadcast_buffers: bool = True
@@ -106,6 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         *,
         last_bucket_cap_mb: float = 1,
         bucket_ramps: bool = True,
+        sparse_embedding_grads: bool = True,
         dim: int = 0,
     ) -> None:
         super().__init__()
@@ -126,6 +133,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             first_bucket_cap_mb=first_bucket_cap_mb,
             last_bucket_cap_mb=last_bucket_cap_mb,
             bucket_ramps=bucket_ramps,
+            sparse_embedding_grads=sparse_embedding_grads,
             broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,  # None: PyTorch's default
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -145,8 +153,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device = _single_device([p for _, p in module.named_parameters()], self.rank)
         self.device_ids = _check_device_ids(device_ids, output_device, self.device, self.rank)
 
+        # Row-sparse reduction needs a side group (several ranks) and runs on CPU buckets (CUDA: not measured yet).
+        self._row_sparse = self.options.sparse_embedding_grads and self.world_size > 1 and self.device.type == "cpu"
+        row_sparse = embedding_tables(module) if self._row_sparse else frozenset()
         verify_same_params(
-            [ParamSpec.of(f"parameter {n}", p) for n, p in module.named_parameters()]
+            [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in module.named_parameters()]
             + [ParamSpec.of(f"buffer {n}", b) for n, b in module.named_buffers()],
             group=self.process_group,
         )
@@ -156,7 +167,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             broadcast_coalesced(state, src=0, group=self.process_group)
 
         plan = plan_buckets(
-            [ParamSpec.of(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration"
+            [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in reversed(named)],
+            caps=self.options.caps,
+            source="registration",
         )
         self.reducer = Reducer(
             named,
@@ -165,6 +178,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             usage=self.options.usage_policy(),
             comm=comm_for(self.device),
+            row_sparse=row_sparse,
         )
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
@@ -354,6 +368,26 @@ class _DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
+
+
+def embedding_tables(module: nn.Module) -> frozenset[str]:
+    """Trainable weights of ``nn.Embedding`` modules that no other module shares: their gradients touch only the
+    looked-up rows (Note [Row-sparse gradients]). A tied table (also an output layer's weight) is left out: its
+    gradient is dense unless the compile backend splits the other use off."""
+    owners: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    names = {id(p): n for n, p in module.named_parameters()}
+    return frozenset(
+        names[id(m.weight)]
+        for m in module.modules()
+        if isinstance(m, nn.Embedding)
+        and not m.sparse
+        and m.max_norm is None
+        and m.weight.requires_grad
+        and m.weight.dim() == 2
+        and owners[id(m.weight)] == 1
+    )
 
 
 def _single_device(params: list[nn.Parameter], rank: int) -> torch.device:

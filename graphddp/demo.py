@@ -21,13 +21,13 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from .backend import GraphDDPBackend, compile
-from .ddp import BucketCapOptions, DistributedDataParallel
+from .ddp import BucketOptions, DistributedDataParallel
 from .launch import run_ranks
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DemoOptions(BucketCapOptions):
+class DemoOptions(BucketOptions):
     """What ``graphddp demo`` runs (its bucket caps are smaller than DDP's defaults)."""
 
     workload: str = "gpt"
@@ -68,7 +68,7 @@ def _demo_rank(options: DemoOptions) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     workload = build_workload(options.workload, size=options.size, seed=0)
-    ddp = DistributedDataParallel(workload.model, **options.cap_kwargs())
+    ddp = DistributedDataParallel(workload.model, **options.bucket_kwargs())
     backend = GraphDDPBackend(options.inner)
     model = compile(ddp, backend)
     say(f"graphddp demo: {workload.description}, {world} gloo ranks, batch {workload.batch_size} per rank")
@@ -95,7 +95,7 @@ def _demo_rank(options: DemoOptions) -> None:
 
     compiled = _time_steps(model, optimizer, workload, data, options.timed_steps)
     reference = build_workload(options.workload, size=options.size, seed=0)
-    eager_ddp = DistributedDataParallel(reference.model, **options.cap_kwargs())
+    eager_ddp = DistributedDataParallel(reference.model, **options.bucket_kwargs())
     eager = _time_steps(
         eager_ddp, torch.optim.AdamW(eager_ddp.parameters(), lr=3e-3), reference, data, options.timed_steps
     )

@@ -19,17 +19,18 @@ from torch import nn
 
 from .capture import capture_graphs, parameter_names
 from .dump import DebugDump, versions
+from .taps import GradientTap
+from .ddp import embedding_tables
 from .passes import (
     BucketPlan,
     GraphSplit,
     ParamSpec,
-    assign_segments,
     BucketCaps,
     compose_plans,
     find_graph_params,
-    plan_bucket_groups,
-    ready_groups,
+    plan_graph,
     split_at_buckets,
+    tap_parts,
 )
 from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .workloads import SIZES, WORKLOADS, build_workload
@@ -81,27 +82,32 @@ def inspect_target(
     first_bucket_cap_mb: float = 1,
     last_bucket_cap_mb: float = 1,
     bucket_ramps: bool = True,
+    sparse_embedding_grads: bool = True,
+    world_size: int = 2,
     batch: int | None = None,
     size: str = "small",
     dump: str | None = None,
 ) -> Inspection:
     caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb, ramps=bucket_ramps)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InspectError(f"world size must be a whole number >= 1, got {world_size!r}")
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:
         raise InspectError(f"{target}: the model has no parameter that requires a gradient; there is nothing to plan")
     writer = DebugDump(dump) if dump is not None else None
+    row_sparse = sparse_embedding_grads and world_size > 1  # as graphddp.DDP decides (on CPU)
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
         params = find_graph_params(captured.gm, captured.example_inputs, names)
         if not params:
             continue
-        plan = plan_bucket_groups(ready_groups(params), caps=caps)
-        split = assign_segments(captured.gm, params, plan)
-        graphs.append(GraphReport(f"graph{i}", plan, split))
+        split = plan_graph(captured.gm, params, caps, world_size=world_size, row_sparse=row_sparse)
+        graphs.append(GraphReport(f"graph{i}", split.plan, split))
         if writer is not None:
-            _dump(writer, f"graph{i}", captured, plan, split)
-    specs = [ParamSpec.of(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            _dump(writer, f"graph{i}", captured, split.plan, split)
+    tables = embedding_tables(model) if row_sparse else frozenset()
+    specs = [ParamSpec.of(n, p, row_sparse=n in tables) for n, p in model.named_parameters() if p.requires_grad]
     # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.proposals).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
     return Inspection(target, graphs, plan)
@@ -138,9 +144,11 @@ def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module
 def _dump(writer: DebugDump, name: str, captured: Any, plan: BucketPlan, split: GraphSplit) -> None:
     folder = writer.graph_folder(name)
     split_gm = split_at_buckets(captured.gm, split) if split.num_segments > 1 else None
+    if split_gm is not None:
+        tap_parts(split_gm, split, lambda tap: GradientTap(None, tap.param, tap.part))  # as the backend does
     writer.write_graph(folder, graph=name, captured=captured.gm, plan=plan, split=split, split_gm=split_gm)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    modules = {n: m for n, m in split_gm.named_children()} if split_gm is not None else {"graph": captured.gm}
+    modules = {n: m for n, m in split_gm.named_children() if n.startswith("submod_")} if split_gm is not None else {"graph": captured.gm}
     # Inputs of each segment: run the stitched module once with an interpreter that records them, in fake mode.
     inputs = _segment_inputs(split_gm, captured.example_inputs, fake_mode) if split_gm is not None else {"graph": captured.example_inputs}
     writer.write_aot(folder, {n: (m, inputs[n]) for n, m in modules.items()}, fake_mode)

@@ -19,6 +19,14 @@ One iteration, on every rank:
    are still in flight; the rest once the usage all-reduce has said which parameters some rank used. A hook
    result that fails validation raises with the earlier buckets already written back.
 
+Two kinds of slot besides a parameter's ``.grad`` (Note [Row-sparse gradients] in ``graphddp/passes/rows.py``):
+a *part* of a tied weight's gradient arrives from a tap in the compiled graph (``take_part``), not from a hook;
+it is reduced with its bucket and added into the parameter's averaged gradient at write-back (the plan puts
+parts in earlier buckets, so they are reduced by then). A *row-sparse* bucket is launched in two steps
+(``graphddp.rows``): the mask of touched rows goes out when the bucket is complete, and the rows themselves
+just before the next bucket is launched (or at the end of backward), so the main group still sees one order of
+collectives on every rank.
+
 Custom comm hooks may chain further collectives in future callbacks (PowerSGD does, from gloo's threads). If
 bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
 a collective mismatch (PyTorch's DDP hangs this way with PowerSGD on gloo and several buckets). So with a
@@ -48,6 +56,7 @@ from .comm import AverageState, CudaCommStream, HostComm, all_gather_bytes, aver
 from .grad_layout import BucketViewGrads, CopiedGrads
 from .passes import BucketPlan, ParamSpec, first_difference_across, plan_buckets
 from .proposals import GraphPlans, agreed, agreement_entries
+from .rows import RowSparseLaunch, RowSparsePolicy
 from .trace import NullEvents
 from .unused import ExpectAllUsed
 
@@ -104,11 +113,13 @@ class Reducer:
         usage: Any = None,
         comm: HostComm | CudaCommStream | None = None,
         divide_by_initial_world_size: bool = True,
+        row_sparse: frozenset[str] = frozenset(),
     ) -> None:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
         self._index_of_name = {n: i for i, n in enumerate(self._names)}
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
+        self._row_sparse = row_sparse  # parameters planned as row-sparse gradients when re-planned eagerly
         self._group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -126,10 +137,15 @@ class Reducer:
         self.has_custom_comm_hook = False
         self._launch_policy: EagerLaunch | ChainedLaunch = EagerLaunch()
         self._prescale: float | None = None
+        # Row-sparse buckets (Note [Row-sparse gradients]): only under the default hook, between CPU ranks.
+        self._rows: RowSparsePolicy | None = RowSparsePolicy() if self._usage_group is not None else None
+        self._rows_pending: tuple[FlatBucket, RowSparseLaunch] | None = None
 
         self.plan: BucketPlan | None = None
         self._buckets: list[FlatBucket] = []
         self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)
+        self._part_slot: dict[tuple[str, str], tuple[int, int]] = {}
+        self._parts_of: dict[int, list[tuple[int, int]]] = {}
         self.adopt(plan)
 
         # Per-iteration state.
@@ -145,7 +161,7 @@ class Reducer:
         self._ready_order: list[int] | None = []
         self._rebuild_order: list[int] | None = None
         # Plans proposed by the compile backend (Note [Plan agreement] in graphddp.proposals).
-        self.graph_plans = GraphPlans([ParamSpec.of(n, p) for n, p in named_params])
+        self.graph_plans = GraphPlans([ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in named_params])
         self._tokens: tuple[int, int] = (0, 0)
         self._agreed_plan: BucketPlan | None = None
         self._plan_mismatch = False
@@ -177,12 +193,19 @@ class Reducer:
         for spec in plan.buckets:
             indices = [self._index_of_name[p.name] for p in spec.params]
             buckets.append(FlatBucket(spec, [self._params[i] for i in indices], indices))
+        self._part_slot, self._parts_of = {}, {}
         for bucket in buckets:
-            for slot, i in enumerate(bucket.param_indices):
-                self._slot[i] = (bucket.index, slot)
-                self._layout.move(self._params[i], bucket.views[slot])
+            for slot, (i, spec) in enumerate(zip(bucket.param_indices, bucket.spec.params)):
+                if spec.part:  # a part of a tied weight's gradient (Note [Row-sparse gradients])
+                    self._part_slot[spec.key] = (bucket.index, slot)
+                    self._parts_of.setdefault(i, []).append((bucket.index, slot))
+                else:
+                    self._slot[i] = (bucket.index, slot)
+                    self._layout.move(self._params[i], bucket.views[slot])
         self._buckets = buckets
         self.plan = plan
+        if self._rows is not None:
+            self._rows = RowSparsePolicy()  # new buckets: every row-sparse one tries rows again
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "[rank %d] bucket plan (%s, fingerprint %s):\n%s",
@@ -207,7 +230,7 @@ class Reducer:
         if self.world_size > 1:
             dist.broadcast(order, group=self._group, group_src=0)
         self._rebuild_order = None
-        specs = [ParamSpec.of(self._names[i], self._params[i]) for i in order.tolist()]
+        specs = [ParamSpec.of(self._names[i], self._params[i], row_sparse=self._names[i] in self._row_sparse) for i in order.tolist()]
         plan = plan_buckets(
             specs,
             caps=self.plan.caps,
@@ -228,6 +251,15 @@ class Reducer:
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook, self._hook_state, self.has_custom_comm_hook = hook, state, True
         self._launch_policy = EagerLaunch() if hook in _single_collective_hooks() else ChainedLaunch()
+        self._rows = None  # a hook reduces dense buckets, as PyTorch hands them over
+        if self.plan is not None and self.plan.parts:
+            logger.warning(
+                "[rank %d] graphddp: a comm hook was registered after torch.compile split tied tables' gradients "
+                "into parts (%s); with a hook every bucket is reduced dense, so those tables now travel twice. "
+                "Register the hook before the first compiled forward.",
+                self.rank,
+                ", ".join(p.label for p in self.plan.parts),
+            )
 
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
@@ -303,6 +335,7 @@ class Reducer:
             bucket.reset()
         self._next_launch = 0
         self._usage_work = None
+        self._rows_pending = None
         self._finalize_queued = False
         if self._ready_order is not None:
             self._ready_order = []  # a backward that failed part-way leaves no stale order behind
@@ -315,6 +348,8 @@ class Reducer:
         self._local_unused = self.usage_policy.locally_unused(outputs, self._index_of_id)
         for i in self._local_unused:
             self._mark_ready(i)
+            for where in self._parts_of.get(i, ()):  # no gradient reaches it, through a tap neither
+                self._mark_part_ready(*where, None)
 
     def _queue_finalize(self) -> None:
         self._finalize_queued = True
@@ -353,6 +388,31 @@ class Reducer:
         if bucket.mark_ready(slot):
             self._launch_ready_buckets()
 
+    def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
+        """A tap's backward offers one part of a tied weight's gradient (``graphddp.taps``). True: it is in its
+        slot; False: the tap must pass it on to ``.grad`` (not synchronising, no such slot, or already filled)."""
+        where = self._part_slot.get(key) if self._armed else None
+        if where is None or self._buckets[where[0]].is_ready(where[1]):
+            return False
+        self._used[self._buckets[where[0]].param_indices[where[1]]] = True
+        if not self._finalize_queued:
+            self._queue_finalize()
+        self._mark_part_ready(*where, grad)
+        return True
+
+    def _mark_part_ready(self, bucket_index: int, slot: int, grad: torch.Tensor | None) -> None:
+        bucket = self._buckets[bucket_index]
+        view = bucket.views[slot]
+        if grad is None:  # no contribution this iteration
+            view.zero_()
+        elif self._prescale is None:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, self._prescale, out=view)
+        self.events.record("ready", bucket_index, bucket.spec.params[slot].label)
+        if bucket.mark_ready(slot):
+            self._launch_ready_buckets()
+
     def _launch_ready_buckets(self) -> None:
         buckets, policy = self._buckets, self._launch_policy
         while (
@@ -360,6 +420,7 @@ class Reducer:
             and buckets[self._next_launch].complete
             and policy.may_launch(buckets[self._next_launch - 1] if self._next_launch else None)
         ):
+            self._finish_row_sparse()  # its rows go before the next bucket, on every rank
             self._launch(buckets[self._next_launch])
             self._next_launch += 1
         if self._next_launch == len(buckets) and self._usage_work is None and self._reduces_usage():
@@ -377,8 +438,40 @@ class Reducer:
 
     def _launch(self, bucket: FlatBucket) -> None:
         self.events.record("launch", bucket.index)
+        if self._reduces_rows(bucket):
+            # Step one of two (graphddp.rows): the rows touched here; the rest waits for the union.
+            assert self._usage_group is not None
+            launch = RowSparseLaunch(bucket.buffer, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
+            launch.begin()
+            self._rows_pending = (bucket, launch)
+            return
+        self._start(bucket, self._launch_dense(bucket))
+
+    def _reduces_rows(self, bucket: FlatBucket) -> bool:
+        """Row-sparse buckets (Note [Row-sparse gradients]) under the default hook, on CPU, between ranks."""
+        return (
+            self._rows is not None
+            and bucket.spec.row_sparse
+            and bucket.spec.device == "cpu"
+            and self._rows.wants(bucket.index)
+        )
+
+    def _launch_dense(self, bucket: FlatBucket) -> Any:
         grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.index == len(self._buckets) - 1)
-        future = self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket))
+        return self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket))
+
+    def _finish_row_sparse(self) -> None:
+        """Step two for the row-sparse bucket launched last, if any: its rows, or the whole bucket, all-reduced."""
+        if self._rows_pending is None:
+            return
+        (bucket, launch), self._rows_pending = self._rows_pending, None
+        future = launch.finish(lambda: self._launch_dense(bucket))
+        assert self._rows is not None
+        self._rows.observe(bucket.index, launch.sparse)
+        self.events.record("rows" if launch.sparse else "dense", bucket.index, f"{launch.touched}/{launch.table.shape[0]}")
+        self._start(bucket, future)
+
+    def _start(self, bucket: FlatBucket, future: Any) -> None:
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
             raise TypeError(
                 f"[rank {self.rank}] graphddp: the communication hook returned {type(future).__name__} for "
@@ -393,11 +486,15 @@ class Reducer:
         """End of backward (step 3 of Note [Reducer])."""
         try:
             self.events.record("finalize")
-            missing = [
-                i for b in self._buckets for slot in b.missing_slots() for i in (b.param_indices[slot],)
-            ]
-            for i in missing:
-                self._mark_ready(i)
+            missing = []
+            for b in self._buckets:
+                for slot in b.missing_slots():
+                    if b.spec.params[slot].part:
+                        self._mark_part_ready(b.index, slot, None)  # no contribution from that use here
+                    else:
+                        missing.append(b.param_indices[slot])
+                        self._mark_ready(missing[-1])
+            self._finish_row_sparse()
             used_here = self._used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             for bucket in self._buckets:
                 if not bucket.started:  # held back by ChainedLaunch: its predecessor was just awaited
@@ -409,8 +506,8 @@ class Reducer:
                 if reduced.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(reduced.reshape(-1))
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
-                for i in bucket.param_indices:
-                    if used_here[i]:
+                for i, spec in zip(bucket.param_indices, bucket.spec.params):
+                    if used_here[i] and not spec.part:
                         self._write_back(i)
                 self.events.record("written", bucket.index)
             counts = self._global_usage_counts()
@@ -432,9 +529,13 @@ class Reducer:
             self.iterations += 1
 
     def _write_back(self, i: int) -> None:
-        """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``."""
+        """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
+        their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
         bucket_index, slot = self._slot[i]
-        self._layout.from_bucket(self._params[i], self._buckets[bucket_index].views[slot])
+        view = self._buckets[bucket_index].views[slot]
+        for part_bucket, part_slot in self._parts_of.get(i, ()):
+            view.add_(self._buckets[part_bucket].views[part_slot])
+        self._layout.from_bucket(self._params[i], view)
 
     def _check_hook_result(self, value: Any, bucket: FlatBucket) -> torch.Tensor:
         if isinstance(value, (list, tuple)) and len(value) == 1:
@@ -505,7 +606,16 @@ class Reducer:
         for bucket in self._buckets:
             zeros = torch.zeros_like(bucket.buffer)
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.index == len(self._buckets) - 1)
-            self._comm.wait(self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket)))
+            dense = lambda: self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket))  # noqa: E731
+            if self._reduces_rows(bucket):
+                assert self._usage_group is not None
+                launch = RowSparseLaunch(zeros, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
+                launch.begin()
+                self._comm.wait(launch.finish(dense))
+                assert self._rows is not None
+                self._rows.observe(bucket.index, launch.sparse)
+            else:
+                self._comm.wait(dense())
         if self._reduces_usage():
             unused = torch.zeros(len(self._params) + len(agreement_entries((0, 0))), dtype=torch.int64)
             dist.all_reduce(unused, group=self._usage_group)

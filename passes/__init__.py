@@ -4,7 +4,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
-from .graph_params import GraphParam, find_graph_params, ready_groups
+from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
 from .plan import (
     Bucket,
     BucketCaps,
@@ -16,24 +16,33 @@ from .plan import (
     plan_bucket_groups,
     plan_buckets,
 )
-from .split import GraphSplit, Segment, assign_segments, split_at_buckets, tensor_bytes
+from .rows import ROW_SPARSE_MAX_DENSITY, RowSparseParam, misplaced_parts, plan_graph, row_sparse_params, tap_parts
+from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 
 __all__ = [
+    "ROW_SPARSE_MAX_DENSITY",
     "Bucket",
     "BucketCaps",
     "BucketPlan",
     "GraphParam",
     "GraphSplit",
+    "GraphUse",
     "MiB",
     "ParamSpec",
+    "RowSparseParam",
     "Segment",
+    "Tap",
     "assign_segments",
     "compose_plans",
     "find_graph_params",
     "first_difference_across",
+    "misplaced_parts",
     "plan_bucket_groups",
     "plan_buckets",
+    "plan_graph",
     "ready_groups",
+    "row_sparse_params",
     "split_at_buckets",
+    "tap_parts",
     "tensor_bytes",
 ]

@@ -23,6 +23,21 @@ from .plan import ParamSpec
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphUse:
+    """One node that uses a parameter."""
+
+    position: int
+    """Position of the node in ``graph.nodes``."""
+    node: str
+    """The node's name."""
+    embedding: bool
+    """The node is an embedding lookup with the parameter as its table, whose gradient touches only the looked-up
+    rows (``F.embedding``/``torch.embedding`` without ``max_norm`` or ``sparse``)."""
+    indices: int | None = None
+    """For a lookup: how many rows it looks up (the index tensor's size), None when not known statically."""
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphParam:
     """A trainable parameter as the graph sees it."""
 
@@ -34,6 +49,8 @@ class GraphParam:
     """Position (in ``graph.nodes`` order) of the earliest node that uses it; see Note [Earliest use]."""
     first_user: str
     """That node's name."""
+    uses: tuple[GraphUse, ...] = ()
+    """Every node that uses it, in graph order (the first is ``first_user``)."""
 
 
 def find_graph_params(
@@ -62,22 +79,75 @@ def find_graph_params(
         if not users:
             continue
         seen.add(id(value))
-        first = min(users, key=position.__getitem__)
-        found.append(GraphParam(ParamSpec.of(names_by_id[id(value)], value), node.name, position[first], first.name))
+        users.sort(key=position.__getitem__)
+        uses = tuple(_use(u, node, position[u]) for u in users)
+        found.append(GraphParam(ParamSpec.of(names_by_id[id(value)], value), node.name, uses[0].position, uses[0].node, uses))
     found.sort(key=lambda p: (position[_node(gm, p.node)], p.spec.name))
     return found
 
 
-def ready_groups(params: Sequence[GraphParam]) -> list[list[ParamSpec]]:
+def ready_groups(
+    params: Sequence[GraphParam], row_sparse: Mapping[str, Sequence[GraphUse]] | None = None
+) -> list[list[ParamSpec]]:
     """Parameters in expected gradient-ready order, grouped by their earliest-use node.
 
     Groups come last-used-first (backward order). A group is indivisible: a node's parameters become ready
     together, so splitting them over two buckets could not give the two buckets different segments.
+    ``row_sparse`` names the parameters whose gradient is reduced as rows, each with the uses whose
+    contributions are split off as parts (Note [Row-sparse gradients] in ``passes/rows.py``); a part is ready
+    with the other parameters of its node.
     """
+    row_sparse = row_sparse or {}
     by_node: dict[int, list[ParamSpec]] = {}
     for p in params:
-        by_node.setdefault(p.first_use, []).append(p.spec)
+        spec = p.spec
+        if spec.name in row_sparse:
+            for use in row_sparse[spec.name]:
+                by_node.setdefault(use.position, []).append(spec.part_at(use.node))
+            spec = dataclasses.replace(spec, row_sparse=True)
+        by_node.setdefault(p.first_use, []).append(spec)
     return [by_node[pos] for pos in sorted(by_node, reverse=True)]
+
+
+def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:
+    indices = _lookup_indices(user, table)
+    if indices is None:
+        return GraphUse(position, user.name, False)
+    value = indices.meta.get("example_value", indices.meta.get("val")) if isinstance(indices, fx.Node) else None
+    return GraphUse(position, user.name, True, _numel_hint(value))
+
+
+def _numel_hint(value: Any) -> int | None:
+    """A tensor's element count; for a dynamic shape, the size it was captured with (None if unknown)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    numel = value.numel()
+    if isinstance(numel, int):
+        return numel
+    hint = getattr(getattr(numel, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
+def _lookup_indices(user: fx.Node, table: fx.Node) -> Any:
+    """The index argument when ``user`` looks rows of ``table`` up and its gradient for ``table`` touches only
+    those rows; None otherwise."""
+    if user.op != "call_function":
+        return None
+    if user.target is torch.nn.functional.embedding:
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    elif user.target is torch.embedding:
+        names = ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse")
+    else:
+        return None
+    args = dict(zip(names, user.args)) | dict(user.kwargs)
+    # max_norm renormalises the looked-up rows in place; sparse=True makes a sparse gradient tensor.
+    lookup = (
+        args.get("weight") is table
+        and args.get("input") is not table
+        and args.get("max_norm") is None
+        and not args.get("sparse", False)
+    )
+    return args.get("input") if lookup else None
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

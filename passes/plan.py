@@ -17,7 +17,11 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
 * a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
   a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
   *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
-* buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first.
+* buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first;
+* every parameter's gradient is in exactly one bucket; besides, a tied embedding table may have *parts* (the
+  contribution of one other use, ``ParamSpec.part``), each in a bucket no later than the table's own, and a
+  row-sparse gradient (``ParamSpec.row_sparse``) is alone in its bucket (Note [Row-sparse gradients] in
+  ``passes/rows.py``).
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
@@ -75,7 +79,7 @@ __all__ = ["MiB", "ParamSpec", "Bucket", "BucketCaps", "BucketPlan", "plan_bucke
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """What the planner needs to know about one trainable parameter."""
+    """What the planner needs to know about one trainable parameter, or about one part of its gradient."""
 
     name: str
     """Fully qualified name, as ``module.named_parameters()`` gives it."""
@@ -85,6 +89,13 @@ class ParamSpec:
     """Gradient dtype; a bucket holds one dtype only."""
     device: str
     """Device as a string (``"cpu"``, ``"cuda:0"``); a bucket lives on one device only."""
+    part: str = ""
+    """Empty for the gradient autograd accumulates into ``.grad``. Otherwise a *part*: the contribution of the
+    graph node named here to a tied weight's gradient, reduced on its own as soon as that node's backward has
+    run and added to the parameter's gradient afterwards (Note [Row-sparse gradients] in ``passes/rows.py``)."""
+    row_sparse: bool = False
+    """The gradient is expected to touch few rows (an embedding table's): its bucket holds it alone, and the
+    Reducer may reduce only the rows some rank touched (Note [Row-sparse gradients])."""
 
     @property
     def numel(self) -> int:
@@ -97,9 +108,23 @@ class ParamSpec:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies a slot of the plan: a parameter has one whole gradient and at most one part per node."""
+        return (self.name, self.part)
+
+    @property
+    def label(self) -> str:
+        """``name``, ``name@node`` for a part, ``name[rows]`` for a row-sparse gradient (tables and errors)."""
+        return f"{self.name}@{self.part}" if self.part else f"{self.name}[rows]" if self.row_sparse else self.name
+
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> ParamSpec:
-        return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device))
+    def of(cls, name: str, tensor: torch.Tensor, *, row_sparse: bool = False) -> ParamSpec:
+        return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device), row_sparse=row_sparse)
+
+    def part_at(self, node: str) -> ParamSpec:
+        """The part of this parameter's gradient that graph node ``node`` contributes."""
+        return dataclasses.replace(self, part=node, row_sparse=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,7 +208,13 @@ class Bucket:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(p.name for p in self.params)
+        """Labels of its slots (``ParamSpec.label``): parameter names, marked when a part or row-sparse."""
+        return tuple(p.label for p in self.params)
+
+    @property
+    def row_sparse(self) -> bool:
+        """The bucket is one row-sparse gradient (the planner keeps those alone)."""
+        return len(self.params) == 1 and self.params[0].row_sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,24 +229,34 @@ class BucketPlan:
     """Where the order came from: ``"registration"``, ``"ready-order"`` or ``"graph"`` (for logs and dumps)."""
 
     def __post_init__(self) -> None:
-        seen: set[str] = set()
+        seen: dict[tuple[str, str], int] = {}
         for k, bucket in enumerate(self.buckets):
             assert bucket.index == k, f"bucket {bucket.index} stored at position {k}"
             assert bucket.params, f"bucket {k} is empty"
+            assert not any(p.row_sparse for p in bucket.params) or len(bucket.params) == 1, f"bucket {k}: a row-sparse gradient shares it"
             for p in bucket.params:
-                assert p.name not in seen, f"parameter {p.name} planned twice"
+                assert p.key not in seen, f"{p.label} planned twice"
                 assert (p.dtype, p.device) == (bucket.dtype, bucket.device), f"bucket {k} mixes dtypes/devices"
-                seen.add(p.name)
+                seen[p.key] = k
+        for (name, part), k in seen.items():
+            # A part is added into the whole gradient once both are reduced: its bucket must not come later.
+            assert not part or seen.get((name, ""), -1) >= k, f"part {name}@{part} (bucket {k}) without a whole gradient in it or after it"
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return tuple(name for b in self.buckets for name in b.names)
+        """Every parameter once (its whole gradient's slot), in bucket order; parts are not listed."""
+        return tuple(p.name for b in self.buckets for p in b.params if not p.part)
 
-    def bucket_of(self, name: str) -> int:
+    @property
+    def parts(self) -> tuple[ParamSpec, ...]:
+        """The parts of tied weights' gradients (``ParamSpec.part``), in bucket order."""
+        return tuple(p for b in self.buckets for p in b.params if p.part)
+
+    def bucket_of(self, name: str, part: str = "") -> int:
         for b in self.buckets:
-            if name in b.names:
+            if any(p.key == (name, part) for p in b.params):
                 return b.index
-        raise KeyError(f"parameter {name!r} is in no bucket of this plan")
+        raise KeyError(f"{name!r}{f' part {part!r}' if part else ''} is in no bucket of this plan")
 
     @property
     def fingerprint(self) -> str:
@@ -224,12 +265,12 @@ class BucketPlan:
         for b in self.buckets:
             h.update(f"[{b.index}]".encode())
             for p in b.params:
-                h.update(f"{p.name}:{p.shape}:{p.dtype}:{p.device};".encode())
+                h.update(f"{p.name}:{p.shape}:{p.dtype}:{p.device}:{p.part}:{int(p.row_sparse)};".encode())
         return h.hexdigest()[:16]
 
     def describe(self) -> list[tuple[str, str]]:
         """One ``(bucket, content)`` line per bucket, used to name the first differing bucket between ranks."""
-        return [(f"bucket {b.index}", ", ".join(f"{p.name}{list(p.shape)}" for p in b.params)) for b in self.buckets]
+        return [(f"bucket {b.index}", ", ".join(f"{p.label}{list(p.shape)}" for p in b.params)) for b in self.buckets]
 
     def table_rows(self) -> list[list[object]]:
         """Rows for a tabulate table: index, bytes, parameter count, dtype, device, names."""
@@ -263,15 +304,21 @@ def plan_bucket_groups(
     """Like ``plan_buckets``, but the parameters of a group always share a bucket (per dtype and device).
 
     The graph planner groups parameters by the node that first uses them: they become ready together, so
-    separating them could not make either bucket ready earlier.
+    separating them could not make either bucket ready earlier. A row-sparse gradient (``ParamSpec.row_sparse``)
+    leaves its group and gets a bucket of its own, at the same place in the order.
     """
     if not isinstance(caps, BucketCaps):
         raise TypeError(f"caps must be a BucketCaps, got {type(caps).__name__}")
-    groups = [list(g) for g in groups_in_ready_order if g]
-    names = [p.name for g in groups for p in g]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"parameter {dup!r} appears twice in the planning order")
+    groups = [
+        split
+        for g in groups_in_ready_order
+        for split in ([p for p in g if not p.row_sparse], *([p] for p in g if p.row_sparse))
+        if split
+    ]
+    keys = [p.key for g in groups for p in g]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"parameter {dup[0]!r}{f' part {dup[1]!r}' if dup[1] else ''} appears twice in the planning order")
 
     # One lane per (dtype, device), in ready order; a group's members of one lane stay together.
     lanes: dict[tuple[torch.dtype, str], list[list[ParamSpec]]] = {}
@@ -284,8 +331,8 @@ def plan_bucket_groups(
     cut = [bucket for lane in lanes.values() for bucket in _cut_lane(lane, caps)]
 
     # Bucket 0 is the one whose first gradient is ready first (see the Note).
-    position = {name: i for i, name in enumerate(names)}
-    cut.sort(key=lambda item: position[item[0][0].name])
+    position = {key: i for i, key in enumerate(keys)}
+    cut.sort(key=lambda item: position[item[0][0].key])
     buckets = tuple(Bucket(k, tuple(params), cap) for k, (params, cap) in enumerate(cut))
     return BucketPlan(buckets, caps, source)
 
@@ -313,9 +360,14 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list
 
 
 def _fitting(items: Sequence[list[ParamSpec]], cap: int) -> int:
-    """How many leading items fit in ``cap`` bytes; at least one (a parameter larger than the cap goes alone)."""
+    """How many leading items fit in ``cap`` bytes; at least one (a parameter larger than the cap goes alone).
+    A row-sparse gradient is always alone."""
+    if items[0][0].row_sparse:
+        return 1
     total = 0
     for n, members in enumerate(items):
+        if members[0].row_sparse:
+            return n
         total += sum(p.nbytes for p in members)
         if total > cap and n > 0:
             return n
@@ -353,16 +405,18 @@ def compose_plans(
     Graphs run in forward order and their backwards in reverse, so the composite takes their buckets last graph
     first, renumbered. A parameter several graphs use (a weight tied across a graph break) belongs to the graph
     that runs first in forward: its gradient completes only when that graph's backward has run (Note [Earliest
-    use]); later graphs drop it. Parameters no graph covers (used eagerly) follow, planned from
-    ``rest_in_ready_order``.
+    use]); later graphs drop it. They keep their parts of it (Note [Row-sparse gradients]): those are reduced
+    before the whole gradient, which is what the plan requires. Of two parts with the same key, the first graph's
+    is kept (the other graph's tap then finds the slot taken and lets its gradient through to ``.grad``).
+    Parameters no graph covers (used eagerly) follow, planned from ``rest_in_ready_order``.
     """
-    claimed: set[str] = set()
+    claimed: set[tuple[str, str]] = set()
     kept: list[list[tuple[tuple[ParamSpec, ...], int]]] = []
     for plan in graph_plans_in_forward_order:
-        buckets = [(tuple(p for p in b.params if p.name not in claimed), b.cap_bytes) for b in plan.buckets]
+        buckets = [(tuple(p for p in b.params if p.key not in claimed), b.cap_bytes) for b in plan.buckets]
         kept.append([(params, cap) for params, cap in buckets if params])
-        claimed |= set(plan.param_names)
-    rest = [p for p in rest_in_ready_order if p.name not in claimed]
+        claimed |= {p.key for b in plan.buckets for p in b.params}
+    rest = [p for p in rest_in_ready_order if p.key not in claimed]
     eager = plan_buckets(rest, caps=caps) if rest else None
     groups = [group for graph in reversed(kept) for group in graph]
     groups += [(b.params, b.cap_bytes) for b in eager.buckets] if eager else []

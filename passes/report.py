@@ -54,8 +54,9 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
                 "dtype": _dtype(b.dtype),
                 "device": b.device,
                 "segment": segment.get(b.index),
+                "row_sparse": b.row_sparse,
                 "params": [
-                    {"name": p.name, "shape": list(p.shape), "dtype": _dtype(p.dtype), "bytes": p.nbytes}
+                    {"name": p.name, "part": p.part, "shape": list(p.shape), "dtype": _dtype(p.dtype), "bytes": p.nbytes}
                     for p in b.params
                 ],
             }
@@ -74,6 +75,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
             }
             for s in split.segments
         ],
+        "taps": [] if split is None else [dataclasses.asdict(t) for t in split.taps],
         "versions": dict(versions),
     }
 

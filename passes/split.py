@@ -32,7 +32,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from .graph_params import GraphParam
-from .plan import BucketPlan
+from .plan import BucketPlan, ParamSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,21 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tap:
+    """A tied weight's input to one segment goes through a tap, whose backward takes that segment's
+    contribution to the weight's gradient as a part of its own (Note [Row-sparse gradients])."""
+
+    param: str
+    """The parameter's name."""
+    placeholder: str
+    """The graph input that brings the parameter in."""
+    part: str
+    """The part's key (``ParamSpec.part``): the node whose contribution it is."""
+    segment: int
+    """The segment fed through the tap."""
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphSplit:
     """Where to cut one captured graph; pure data, computed without running anything."""
 
@@ -62,6 +77,8 @@ class GraphSplit:
     segments: tuple[Segment, ...]
     partition: dict[str, int]
     """Node name to segment index, for every node ``split_module`` asks about."""
+    taps: tuple[Tap, ...] = ()
+    """Where the parts of tied weights' gradients are taken off (Note [Row-sparse gradients])."""
 
     @property
     def num_segments(self) -> int:
@@ -71,8 +88,17 @@ class GraphSplit:
 def assign_segments(gm: fx.GraphModule, params: Sequence[GraphParam], plan: BucketPlan) -> GraphSplit:
     """Decide which segment every node goes to (see Note [Split at buckets])."""
     nodes = list(gm.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
     first_use = {p.spec.name: p.first_use for p in params}
-    completes_at = {b.index: min(first_use[n] for n in b.names if n in first_use) for b in plan.buckets if any(n in first_use for n in b.names)}
+
+    def ready_at(spec: ParamSpec) -> int | None:  # a part is ready after its own node's backward
+        return position[spec.part] if spec.part else first_use.get(spec.name)
+
+    completes_at = {
+        b.index: min(at for at in map(ready_at, b.params) if at is not None)
+        for b in plan.buckets
+        if any(ready_at(p) is not None for p in b.params)
+    }
     regions = _mode_regions(nodes)
     cuts = sorted({_outside_regions(pos, regions) for pos in completes_at.values()}) or [0]
     cuts[0] = 0  # nodes before the first parameter use belong to the first segment

@@ -1,0 +1,48 @@
+"""Taps: how a part of a tied weight's gradient reaches its own bucket (Note [Row-sparse gradients] in
+``graphddp/passes/rows.py``).
+
+``tap_parts`` puts a ``GradientTap`` between the weight and a segment of the stitched graph that uses it. Forward,
+the tap is the identity (a view of the weight). Backward, it receives that segment's contribution to the weight's
+gradient and offers it to the Reducer: taken, the contribution goes into the part's slot and the tap passes
+nothing on to ``.grad``; declined (no synchronised backward, no such slot in the plan running now, slot already
+filled), it passes the contribution on, and autograd adds it to ``.grad`` with the weight's other
+contributions, as if there were no tap.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class GradientTap(nn.Module):
+    """Identity forward; backward hands the gradient to ``reducer.take_part(key, grad)``."""
+
+    def __init__(self, reducer: Any, param: str, part: str) -> None:
+        super().__init__()
+        self._reducer = weakref.ref(reducer) if reducer is not None else None
+        self.key = (param, part)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return _Tap.apply(weight, self)
+
+    def take(self, grad: torch.Tensor) -> bool:
+        reducer = self._reducer() if self._reducer is not None else None
+        return reducer is not None and reducer.take_part(self.key, grad)
+
+    def extra_repr(self) -> str:
+        return f"{self.key[0]}@{self.key[1]}"
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, tap: GradientTap) -> torch.Tensor:
+        ctx.tap = tap
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return (None if ctx.tap.take(grad) else grad), None

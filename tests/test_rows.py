@@ -1,0 +1,379 @@
+"""Row-sparse embedding gradients and tied tables' parts (Note [Row-sparse gradients] in passes/rows.py).
+
+In layers: the passes on captured graphs (no process), the two-step reduction in one gloo process, then parity
+on spawned ranks against PyTorch's DDP and against graphddp with ``sparse_embedding_grads=False``, with the
+order of events recorded by the Reducer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import graphddp
+from graphddp.capture import capture_graphs, parameter_names
+from graphddp.ddp import embedding_tables
+from graphddp.passes import (
+    BucketCaps,
+    BucketPlan,
+    Bucket,
+    ParamSpec,
+    compose_plans,
+    find_graph_params,
+    misplaced_parts,
+    plan_buckets,
+    plan_graph,
+    row_sparse_params,
+    split_at_buckets,
+    tap_parts,
+)
+from graphddp.rows import DENSE_STREAK_LIMIT, RowSparseLaunch
+from graphddp.taps import GradientTap
+from graphddp.trace import EventLog
+from graphddp.workloads import GPT, GPTConfig
+from ranks import run_on_ranks
+
+VOCAB = 512  # 4 x 16 tokens per rank: at most 192 of 512 rows on 3 ranks, so the table is row-sparse
+TINY = BucketCaps(bucket=2048, first=1024, last=512)
+
+
+def tied_gpt(vocab: int = VOCAB) -> GPT:
+    torch.manual_seed(0)
+    # No biases: the attention key bias's gradient is zero up to rounding, which Adam would amplify into noise.
+    return GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False))
+
+
+class Bag(nn.Module):
+    """An untied embedding table (the mean of the looked-up rows) and a linear head."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(idx).mean(1)), target)  # idx [B, 8] -> [B, 16] -> [B, 8]
+
+
+class TwoHeads(nn.Module):
+    """A table looked up once and used by two output layers at the end of forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.mid = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.mid(self.emb(idx)))  # [B, T, 16]
+        return (h @ self.emb.weight.t()).logsumexp(-1).mean() + (self.norm(h) @ self.emb.weight.t()).mean()
+
+
+class UsedBeforeLookup(nn.Module):
+    """The table is multiplied with before it is looked up: its gradient is dense from the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        scale = self.emb.weight.sum()
+        return (self.emb(idx) * scale).mean()
+
+
+def tokens(model: str, step: int, micro: int, rank: int, vocab: int = VOCAB) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank + 1)
+    if model == "bag":
+        return torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, 8, (4,), generator=g)
+    return torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g)
+
+
+def capture(model: nn.Module, *inputs: Any):
+    (captured,) = capture_graphs(model, *inputs)
+    return captured, find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+
+
+# -- the passes, no process -------------------------------------------------------------------------------------
+def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() -> None:
+    model = tied_gpt()
+    captured, params = capture(model, *tokens("gpt", 0, 0, 0))
+    (table,) = row_sparse_params(params, world_size=2)
+    assert table.name == "wte.weight" and [u.node for u in table.parts] == ["logits"]
+    split = plan_graph(captured.gm, params, TINY, world_size=2)
+    plan = split.plan
+    assert plan.buckets[0].names == ("wte.weight@logits",)  # ready first: the output layer's backward
+    assert plan.buckets[-1].names == ("wte.weight[rows]",) and plan.buckets[-1].row_sparse
+    assert plan.parts == (ParamSpec.of("wte.weight", model.wte.weight).part_at("logits"),)
+    assert sorted(plan.param_names) == sorted(n for n, _ in model.named_parameters())  # parts are not params
+    assert len(split.taps) == 1 and split.taps[0].segment == split.num_segments - 1  # feeds the last segment
+    assert split.segments[-1].buckets == (0,) and split.segments[0].buckets == (len(plan.buckets) - 1,)
+    # The position table is looked up with arange(16) in a 16-row table: every row, so it stays dense.
+    assert not any(b.row_sparse for b in plan.buckets[:-1])
+
+
+def test_the_row_bound_counts_every_rank() -> None:
+    captured, params = capture(tied_gpt(), *tokens("gpt", 0, 0, 0))
+    # 64 lookups per rank in 512 rows: sparse for 4 ranks (256 rows at most), not for 5.
+    assert [r.name for r in row_sparse_params(params, world_size=4)] == ["wte.weight"]
+    assert row_sparse_params(params, world_size=5) == []
+    assert "@" not in "".join(n for b in plan_graph(captured.gm, params, TINY, world_size=5).plan.buckets for n in b.names)
+
+
+def test_the_stitched_graph_with_taps_computes_the_same_values_and_gradients() -> None:
+    model = tied_gpt()
+    captured, params = capture(model, *tokens("gpt", 0, 0, 0))
+    split = plan_graph(captured.gm, params, TINY, world_size=2)
+    (reference,) = captured.gm(*captured.example_inputs)  # Dynamo's graphs return a tuple
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    class TakesParts:  # stands in for the Reducer
+        taken: dict[tuple[str, str], torch.Tensor] = {}
+
+        def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
+            self.taken[key] = grad.clone()
+            return True
+
+    reducer = TakesParts()
+    split_gm = split_at_buckets(captured.gm, split)
+    tap_parts(split_gm, split, lambda tap: GradientTap(reducer, tap.param, tap.part))
+    assert "tap_0" in dict(split_gm.named_children())
+    (out,) = split_gm(*captured.example_inputs)
+    torch.testing.assert_close(out, reference)
+    out.backward()
+    part = reducer.taken[("wte.weight", "logits")]
+    assert part.shape == model.wte.weight.shape and part.abs().amax(1).ne(0).all()  # the output layer: dense
+    lookup = model.wte.weight.grad  # what .grad got: the lookups' rows only
+    touched = lookup.abs().amax(1).ne(0)
+    assert 0 < touched.sum() <= 64 and torch.equal(touched, torch.isin(torch.arange(VOCAB), captured.example_inputs[0]))
+    torch.testing.assert_close(lookup + part, expected["wte.weight"])
+    for name, p in model.named_parameters():
+        if name != "wte.weight":
+            torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+    # A tap without a Reducer (or one that declines) lets the gradient through: .grad is the whole gradient.
+    model.zero_grad(set_to_none=True)
+    plain = split_at_buckets(captured.gm, split)
+    tap_parts(plain, split, lambda tap: GradientTap(None, tap.param, tap.part))
+    plain(*captured.example_inputs)[0].backward()
+    torch.testing.assert_close(model.wte.weight.grad, expected["wte.weight"])
+
+
+def test_parts_that_the_cut_cannot_separate_are_planned_dense() -> None:
+    captured, params = capture(TwoHeads(), tokens("gpt", 0, 0, 0)[0])
+    (table,) = row_sparse_params(params, world_size=2)
+    assert len(table.parts) == 2  # the two output products
+    fine = plan_graph(captured.gm, params, BucketCaps(bucket=1, first=1, last=1), world_size=2)
+    assert len(fine.taps) == 2 and len({t.segment for t in fine.taps}) == 2 and not misplaced_parts(fine, [table])
+    # One bucket for everything: one segment, so no tap can separate anything: no parts, no rows.
+    whole = plan_graph(captured.gm, params, BucketCaps(bucket=1 << 30, first=1 << 30, last=1 << 30), world_size=2)
+    assert whole.taps == () and not any(b.row_sparse for b in whole.plan.buckets) and whole.plan.parts == ()
+
+
+def test_a_use_before_the_lookup_or_a_forbidden_lookup_keeps_the_table_dense() -> None:
+    captured, params = capture(UsedBeforeLookup(), tokens("gpt", 0, 0, 0)[0])
+    assert row_sparse_params(params, world_size=2) == []
+
+    class MaxNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 8, max_norm=1.0)  # renormalises rows in place
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.emb(idx).sum()
+
+    captured, params = capture(MaxNorm(), tokens("gpt", 0, 0, 0)[0])
+    assert row_sparse_params(params, world_size=2) == []
+
+
+def test_eager_candidates_are_unshared_embedding_tables() -> None:
+    assert embedding_tables(Bag()) == {"emb.weight"}
+    assert embedding_tables(tied_gpt()) == {"wpe.weight"}  # wte is also lm_head's weight
+    sparse = nn.Embedding(10, 4, sparse=True)
+    assert embedding_tables(nn.ModuleDict({"a": sparse, "b": nn.Embedding(10, 4, max_norm=2.0)})) == frozenset()
+
+
+def spec(name: str, numel: int, **kw: Any) -> ParamSpec:
+    return ParamSpec(name, (numel, 4), torch.float32, "cpu", **kw)
+
+
+def test_a_row_sparse_gradient_gets_a_bucket_of_its_own_and_the_plan_guards_parts() -> None:
+    params = [spec("a", 1), spec("table", 100, row_sparse=True), spec("b", 1), spec("c", 1)]
+    plan = plan_buckets(params, caps=BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20))
+    assert [b.names for b in plan.buckets] == [("a",), ("table[rows]",), ("b", "c")]
+    assert [b.row_sparse for b in plan.buckets] == [False, True, False]
+    dense = plan_buckets([dataclasses.replace(p, row_sparse=False) for p in params], caps=plan.caps)
+    assert dense.fingerprint != plan.fingerprint and len(dense.buckets) == 1
+    part = spec("table", 100).part_at("head")
+    with_part = plan_buckets([part, *params], caps=plan.caps)
+    assert with_part.bucket_of("table", "head") < with_part.bucket_of("table") and with_part.parts == (part,)
+    assert with_part.fingerprint != plan.fingerprint
+    with pytest.raises(AssertionError, match="without a whole gradient in it or after it"):
+        BucketPlan((Bucket(0, (spec("table", 100),), 1), Bucket(1, (part,), 1)), plan.caps)
+    with pytest.raises(AssertionError, match="row-sparse gradient shares"):
+        BucketPlan((Bucket(0, (spec("a", 1), spec("t", 1, row_sparse=True)), 1),), plan.caps)
+    with pytest.raises(ValueError, match="'table' part 'head' appears twice"):
+        plan_buckets([part, part, *params], caps=plan.caps)
+
+
+def test_compose_keeps_each_part_once_and_the_whole_gradient_with_the_first_graph() -> None:
+    caps = BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20)
+    table, part = spec("table", 10, row_sparse=True), spec("table", 10).part_at("head")
+    lookups = plan_buckets([spec("x", 1), table], caps=caps)
+    heads = plan_buckets([part, spec("y", 1), spec("table", 10)], caps=caps)  # a later graph using it densely
+    composite = compose_plans([lookups, heads, heads], [], caps=caps)
+    labels = [n for b in composite.buckets for n in b.names]
+    assert labels.count("table@head") == 1 and labels.count("table[rows]") == 1 and "table" not in labels
+    assert composite.bucket_of("table", "head") < composite.bucket_of("table")
+
+
+# -- the two-step reduction, one process --------------------------------------------------------------------------
+@pytest.mark.usefixtures("one_rank_group")
+def test_row_sparse_launch_sends_rows_or_falls_back_and_keeps_nans() -> None:
+    table = torch.zeros(8, 3)
+    table[[1, 6]] = torch.tensor([[1.0, -2.0, 0.0], [float("nan"), 0.0, 0.0]])
+    expected = table.clone()
+    launch = RowSparseLaunch(table.view(-1), 8, group=dist.group.WORLD, mask_group=dist.group.WORLD)
+    launch.begin()
+    dense_calls = []
+    result = launch.finish(lambda: dense_calls.append(1)).wait()
+    assert launch.touched == 2 and launch.sparse and not dense_calls
+    assert result.data_ptr() == table.data_ptr()
+    torch.testing.assert_close(table, expected, equal_nan=True)
+
+    full = torch.ones(8, 3)
+    launch = RowSparseLaunch(full.view(-1), 8, group=dist.group.WORLD, mask_group=dist.group.WORLD)
+    launch.begin()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(full.view(-1))
+    assert launch.finish(lambda: done) is done and launch.touched == 8 and not launch.sparse
+
+
+# -- spawned ranks ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RowsCase:
+    model: str = "gpt"
+    """``gpt`` (tied table, compiled) or ``bag`` (untied table)."""
+    compiled: bool = True
+    vocab: int = VOCAB
+    optim: str = "sgd"
+    steps: int = 4
+    accumulate: int = 1
+    """Micro-batches per step; all but the last under ``no_sync()``."""
+    extra_steps_per_rank: int = 0
+    """Rank r trains r * this many more steps, inside ``join()``."""
+    ddp: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments for both DDPs."""
+
+
+CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001, "last_bucket_cap_mb": 0.0005}
+
+
+def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[Any]]:
+    module = tied_gpt(case.vocab) if case.model == "gpt" else Bag(case.vocab)
+    if impl == "torch":
+        ddp = model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=CAPS["bucket_cap_mb"], **dict(case.ddp))
+    else:
+        ddp = model = graphddp.DDP(module, **CAPS, sparse_embedding_grads=impl == "graphddp", **dict(case.ddp))
+        if case.compiled:
+            model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if case.optim == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01)
+    events: list[Any] = []
+    join = ddp.join() if case.extra_steps_per_rank else contextlib.nullcontext()
+    with join:
+        for step in range(case.steps + rank * case.extra_steps_per_rank):
+            log = EventLog()
+            if impl != "torch":
+                ddp.reducer.events = log
+            for micro in range(case.accumulate):
+                with contextlib.nullcontext() if micro == case.accumulate - 1 else ddp.no_sync():
+                    model(*tokens(case.model, step, micro, rank, case.vocab)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            events.append([(e.kind, e.bucket, e.param) for e in log.events])
+    return ddp, events
+
+
+def check_rows(rank: int, world: int, case: RowsCase) -> dict[str, Any]:
+    torch._dynamo.reset()
+    ours, events = train_rows("graphddp", case, rank)
+    dense, _ = train_rows("graphddp-dense", case, rank)
+    theirs, _ = train_rows("torch", case, rank)
+    torch.testing.assert_close(ours.module.state_dict(), theirs.module.state_dict())
+    torch.testing.assert_close(ours.module.state_dict(), dense.module.state_dict())
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {n: p.detach() for n, p in ours.module.named_parameters()})
+    for other in gathered[1:]:
+        torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
+    return {"buckets": [b.names for b in ours.bucket_plan.buckets], "events": events}
+
+
+def outcomes(events: list[tuple[str, int | None, str | None]]) -> list[str]:
+    return [kind for kind, _, _ in events if kind in ("rows", "dense")]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_compiled_tied_table_sends_its_part_early_and_its_rows_last(world: int, optim: str) -> None:
+    results = run_on_ranks(check_rows, world, RowsCase(optim=optim), timeout=300)
+    buckets = results[0]["buckets"]
+    assert buckets[0] == ("wte.weight@logits",) and buckets[-1] == ("wte.weight[rows]",)
+    for result in results:
+        last = result["events"][-1]  # a step with the graph plan adopted
+        assert outcomes(last) == ["rows"], last
+        kinds = [(kind, bucket) for kind, bucket, _ in last]
+        part_ready = next(i for i, e in enumerate(last) if e[0] == "ready" and e[2] == "wte.weight@logits")
+        backwards = [i for i, (kind, _) in enumerate(kinds) if kind == "segment_backward"]
+        # The part is taken and launched in the first segment's backward, before any other segment's runs.
+        assert backwards[0] < part_ready < kinds.index(("launch", 0)) < backwards[1]
+        rows = next(e for e in last if e[0] == "rows")
+        assert rows[1] == len(buckets) - 1 and int(rows[2].split("/")[0]) <= world * 64
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eager_untied_table_is_reduced_as_rows(world: int) -> None:
+    results = run_on_ranks(check_rows, world, RowsCase(model="bag", compiled=False, optim="adam"), timeout=300)
+    assert ("emb.weight[rows]",) in results[0]["buckets"]
+    for result in results:
+        assert all(outcomes(step) == ["rows"] for step in result["events"][1:]), result["events"]
+
+
+def test_a_table_every_rank_touches_densely_falls_back_to_the_dense_all_reduce_and_stops_trying() -> None:
+    results = run_on_ranks(check_rows, 2, RowsCase(model="bag", compiled=False, vocab=16, steps=5), timeout=300)
+    assert ("emb.weight[rows]",) in results[0]["buckets"]  # eagerly, any unshared table is tried
+    for result in results:
+        steps = [outcomes(step) for step in result["events"]]
+        # Dense every time it tries; after DENSE_STREAK_LIMIT dense outcomes in a row it stops trying.
+        assert steps[0] == ["dense"] and all(o in ([], ["dense"]) for o in steps) and steps[-1] == [], steps
+        assert sum(map(len, steps)) <= DENSE_STREAK_LIMIT + 1, steps  # + 1: the plan may be rebuilt once
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(RowsCase(accumulate=3), id="no_sync_accumulation"),
+        pytest.param(RowsCase(ddp=(("gradient_as_bucket_view", True),)), id="gradient_as_bucket_view"),
+        pytest.param(RowsCase(ddp=(("find_unused_parameters", True),), optim="adam"), id="find_unused_parameters"),
+        pytest.param(RowsCase(model="bag", compiled=False, extra_steps_per_rank=2), id="join_uneven_inputs"),
+        pytest.param(RowsCase(model="bag", compiled=True, ddp=(("static_graph", True),)), id="compiled_untied_static_graph"),
+    ],
+)
+def test_features_keep_parity_with_rows_and_parts(case: RowsCase) -> None:
+    results = run_on_ranks(check_rows, 2, case, timeout=300)
+    steps = [outcomes(step) for step in results[0]["events"][: case.steps]]
+    if case.accumulate > 1:
+        # .grad held the accumulated micro-batches: dense (the part sent on top), twice, then no more tries.
+        assert steps[1:] == [["dense"], ["dense"], []], steps
+    else:
+        assert steps[-1] == ["rows"], steps
