@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
     parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp's (and the comm mode's) last bucket cap; --no-bucket-ramps for PyTorch's layout")
     parser.add_argument("--no-bucket-ramps", action="store_true", help="graphddp with PyTorch's bucket layout (Note [Bucket ramps])")
+    parser.add_argument("--no-sparse-embedding-grads", action="store_true", help="graphddp reduces every bucket dense (Note [Row-sparse gradients])")
+    parser.add_argument("--no-pin", action="store_true", help="let the OS place the ranks (default: each rank on a CPU of its own, when there are enough)")
     parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
@@ -41,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup,
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup, pin=not args.no_pin,
             bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-            last_bucket_cap_mb=args.last_bucket_cap_mb, bucket_ramps=not args.no_bucket_ramps, inner=args.inner,
+            last_bucket_cap_mb=args.last_bucket_cap_mb, bucket_ramps=not args.no_bucket_ramps,
+            sparse_embedding_grads=not args.no_sparse_embedding_grads, inner=args.inner,
             link=args.link, out=args.out,
         )  # fmt: skip
         if options.link != "loopback":

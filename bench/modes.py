@@ -30,7 +30,9 @@ class ModeConfig(BucketOptions):
 
 
 Step = Callable[..., None]
-"""``step(batch, log=None)``: one iteration; modes with a graphddp Reducer record phases into ``log``."""
+"""``step(batch, log=None)``: one iteration; every mode marks the start of its phases in ``log`` (forward,
+backward, optimizer, ...; ``end`` last). With a graphddp Reducer whose events go to the same log, the timeline
+gets the buckets' events too."""
 
 
 def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
@@ -67,20 +69,22 @@ def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: 
         model = torch.compile(ddp, backend=compile_with)
 
     def step(batch: tuple, log: Any = None) -> None:
-        if log is not None:
-            log.record("forward")
+        _mark(log, "forward")
         loss = model(*batch)
-        if log is not None:
-            log.record("backward")
+        _mark(log, "backward")  # for DDP modes: until the averaged gradients are in .grad
         loss.backward()
-        if log is not None:
-            log.record("optimizer")
+        _mark(log, "optimizer")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if log is not None:
-            log.record("end")
+        _mark(log, "end")
 
     return step, ddp
+
+
+def _mark(log: Any, phase: str) -> None:
+    """The start of ``phase`` (``end``: the end of the iteration), when the caller records phases."""
+    if log is not None:
+        log.record(phase)
 
 
 def _local(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
@@ -94,13 +98,19 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     world = dist.get_world_size()
 
     def step(batch: tuple, log: Any = None) -> None:
-        model(*batch).backward()
+        _mark(log, "forward")
+        loss = model(*batch)
+        _mark(log, "backward")
+        loss.backward()
+        _mark(log, "allreduce")
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
+        _mark(log, "optimizer")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _mark(log, "end")
 
     return step, None
 
@@ -112,8 +122,10 @@ def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]
 
     def step(batch: tuple, log: Any = None) -> None:
+        _mark(log, "allreduce")
         works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
         for w in works:
             w.wait()
+        _mark(log, "end")
 
     return step, None

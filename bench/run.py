@@ -41,6 +41,9 @@ class BenchOptions(BucketOptions):
     rounds: int = 2
     """The timed iterations are spread over this many rounds through all modes (bench/worker.py)."""
     warmup: int = 2
+    pin: bool = True
+    """Pin each rank to a CPU of its own (when there are at least as many CPUs as ranks): every emulated host gets
+    its own processor, and the OS cannot stack two ranks' compute threads on one CPU (bench/worker.py)."""
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
@@ -53,6 +56,8 @@ class BenchOptions(BucketOptions):
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
+        if not isinstance(self.pin, bool):
+            raise TypeError(f"pin must be True or False, got {self.pin!r}")
         if not 1 <= self.rounds <= self.iters:
             raise ValueError(f"rounds must be between 1 and iters ({self.iters}), got {self.rounds}")
         if self.link != "loopback":
@@ -70,6 +75,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "iters": options.iters,
         "rounds": options.rounds,
         "warmup": options.warmup,
+        "pin": options.pin,
         "out": str(out.resolve()),
         "mode_config": {**options.bucket_kwargs(), "inner": options.inner},
     }
@@ -134,13 +140,17 @@ def _free_port() -> int:
 
 # -- the report --------------------------------------------------------------------------------------------------
 def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per mode: iteration time (slowest rank per iteration), spread, throughput, compile time, overlap, memory."""
+    """Per mode: iteration time (slowest rank per iteration), spread, throughput, compile time, overlap, memory,
+    and the median time of each phase; the ratios, also round by round (modes of one round ran back to back)."""
     per_rank_batch = ranks[0]["batch_size"]
     modes: dict[str, dict[str, Any]] = {}
+    per_round: dict[str, list[float]] = {}
     for mode in options.modes:
         iteration = [max(r["modes"][mode]["times_s"][i] for r in ranks) for i in range(options.iters)]
         median = statistics.median(iteration)
         rss = [r["modes"][mode]["added_peak_rss_mb"] for r in ranks if r["modes"][mode]["added_peak_rss_mb"] is not None]
+        round_of = ranks[0]["modes"][mode]["round_of"]
+        per_round[mode] = [statistics.median(t for t, k in zip(iteration, round_of) if k == r) for r in range(options.rounds)]
         modes[mode] = {
             "median_s": median,
             "min_s": min(iteration),
@@ -148,6 +158,9 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             "samples_per_s": per_rank_batch * options.world_size / median,
             "compile_s": max(r["modes"][mode]["first_s"] for r in ranks) - median,
             "added_peak_rss_mb": max(rss) if rss else None,
+            "phases_s": _median_phases([p for r in ranks for p in r["modes"][mode]["phases_s"]]),
+            "round_medians_s": per_round[mode],
+            "tail_s": _median_tail([r["modes"][mode]["phases_s"] for r in ranks]),
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
@@ -155,23 +168,28 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             m["exposed_comm_s"] = m["median_s"] - local
             if comm:
                 m["overlap"] = min(1.0, max(0.0, (local + comm - m["median_s"]) / comm))
-    ratios = {}
+    ratios, ratio_rounds = {}, {}
     for label, a, b in [
         ("graphddp-compiled / torch-compiled", "graphddp-compiled", "torch-compiled"),
         ("graphddp-eager / torch-eager", "graphddp-eager", "torch-eager"),
     ]:
         if a in modes and b in modes:
             ratios[label] = modes[a]["median_s"] / modes[b]["median_s"]
+            ratio_rounds[label] = [x / y for x, y in zip(per_round[a], per_round[b])]
     if "graphddp-compiled" in modes and local is not None and comm is not None:
-        ratios["graphddp-compiled / max(local, comm)"] = modes["graphddp-compiled"]["median_s"] / max(local, comm)
+        label = "graphddp-compiled / max(local, comm)"
+        ratios[label] = modes["graphddp-compiled"]["median_s"] / max(local, comm)
+        ratio_rounds[label] = [x / max(y, z) for x, y, z in zip(per_round["graphddp-compiled"], per_round["local"], per_round["comm"])]
     return {
         "options": dataclasses.asdict(options),
         "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "rank_cpus": [r["cpus"] for r in ranks],
         "torch": torch.__version__,
         "link": options.link,
         "modes": modes,
         "ratios": ratios,
+        "ratio_rounds": ratio_rounds,
         "timelines": {
             mode: [r["modes"][mode]["timeline"] for r in ranks] for mode in options.modes if ranks[0]["modes"][mode]["timeline"]
         },
@@ -186,9 +204,40 @@ def table(summary: dict[str, Any]) -> str:
             f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("added_peak_rss_mb")),
         ])  # fmt: skip
     headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB"]
-    lines = [tabulate(rows, headers=headers)]
-    lines += [f"{k}: {v:.3f}" for k, v in summary["ratios"].items()]
+    lines = [tabulate(rows, headers=headers), "", phase_table(summary), ""]
+    for label, value in summary["ratios"].items():
+        rounds = summary.get("ratio_rounds", {}).get(label, [])
+        spread = f" (round by round: {min(rounds):.3f}-{max(rounds):.3f}, {len(rounds)} rounds)" if len(rounds) > 1 else ""
+        lines.append(f"{label}: {value:.3f}{spread}")
     return "\n".join(lines)
+
+
+PHASES = ("forward", "backward", "allreduce", "optimizer")
+
+
+def phase_table(summary: dict[str, Any]) -> str:
+    """Median ms of each phase per mode (all ranks' iterations): where communication shows up, if anywhere."""
+    seen = {n for m in summary["modes"].values() for n in m["phases_s"]}
+    names = [n for n in PHASES if n in seen] + sorted(seen - set(PHASES))
+    rows = [[mode, *(_ms(m["phases_s"].get(n)) for n in names), _ms(m.get("tail_s"))] for mode, m in summary["modes"].items()]
+    return tabulate(rows, headers=["phase ms", *names, "tail after backward"])
+
+
+def _median_phases(iterations: list[dict[str, float]]) -> dict[str, float]:
+    names: list[str] = []
+    for phases in iterations:
+        names += [n for n in phases if n not in names and not n.endswith("_ns")]
+    return {n: statistics.median(p[n] for p in iterations if n in p) for n in names}
+
+
+def _median_tail(per_rank: list[list[dict[str, float]]]) -> float | None:
+    """graphddp modes: the median time from the end of the slowest rank's backward compute to the last averaged
+    gradient written on any rank: the communication nothing hid. None for other modes."""
+    tails = []
+    for iteration in zip(*per_rank):
+        if all("finalize_ns" in p for p in iteration):
+            tails.append((max(p["written_ns"] for p in iteration) - max(p["finalize_ns"] for p in iteration)) / 1e9)
+    return statistics.median(tails) if tails else None
 
 
 def _ms(v: float | None) -> str:

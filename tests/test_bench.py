@@ -20,13 +20,23 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "results.json").read_text())
     assert list(summary["modes"]) == ["local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled"]
-    for mode in summary["modes"].values():
+    for name, mode in summary["modes"].items():
         assert mode["median_s"] > 0 and mode["min_s"] <= mode["median_s"] <= mode["max_s"]
-    assert set(summary["ratios"]) == {
+        assert len(mode["round_medians_s"]) == 2  # --rounds 2 (the default)
+        phases = set(mode["phases_s"])
+        expected = {"comm": {"allreduce"}, "naive": {"forward", "backward", "allreduce", "optimizer"}}
+        assert phases == expected.get(name, {"forward", "backward", "optimizer"}), (name, phases)
+        assert (mode["tail_s"] is not None) == name.startswith("graphddp"), name  # only a graphddp Reducer says
+    assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
         "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local, comm)"
     }
+    assert all(len(r) == 2 for r in summary["ratio_rounds"].values())
+    if len(os.sched_getaffinity(0)) >= 2:  # each rank on a CPU of its own (--no-pin lets the OS place them)
+        cpus = summary["rank_cpus"]
+        assert all(len(c) == 1 for c in cpus) and len({c[0] for c in cpus}) == len(cpus), cpus
     out = result.stdout.splitlines()
     assert out[-2].startswith("graphddp-compiled / max(local, comm):")  # the ratios come last, before the file list
+    assert "round by round" in out[-2] and any(line.startswith("phase ms") for line in out)
     timeline = summary["timelines"]["graphddp-compiled"][0]
     kinds = {kind for kind, _, _ in timeline}
     # "done" comes from a future callback on gloo's thread: usually there, but not ordered with the rest.
