@@ -53,7 +53,7 @@ def main(config_path: str) -> None:
         _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if config.get("pin", False) else world)))
     say = print if rank == 0 else (lambda *a, **k: None)
     mode_config = ModeConfig(**config["mode_config"])
     modes, rounds = config["modes"], config["rounds"]
@@ -113,21 +113,39 @@ def timed_step(m: PreparedMode) -> tuple[float, dict[str, float]]:
     ``written_ns``, when the last averaged gradient was in ``.grad``.
     """
     batch = m.workload.make_batch(m.data)
-    log = EventLog()
+    log = PhaseMarks()
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = log
     dist.barrier()
     start = time.perf_counter()
     m.step(batch, log)
     elapsed = time.perf_counter() - start
-    marks = [e for e in log.events if e.kind in PHASES]
-    phases = {a.kind: (b.t_ns - a.t_ns) / 1e9 for a, b in zip(marks, marks[1:])}
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = NullEvents()
-        finalize, written = log.of_kind("finalize"), log.of_kind("written")
-        if finalize and written:
-            phases |= {"finalize_ns": finalize[-1].t_ns, "written_ns": written[-1].t_ns}
-    return elapsed, phases
+    return elapsed, log.phases()
+
+
+class PhaseMarks:
+    """What a timed iteration records: the start of each phase, and, from a graphddp Reducer, when backward's
+    compute ended (``finalize``) and when the last average was written. ``recording`` is False, so nothing that
+    only timelines need (segment-backward prehooks, completion callbacks on gloo's threads) runs: the timed
+    graphddp modes carry no instrumentation the PyTorch modes do not."""
+
+    recording = False
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, int]] = []
+        self.instants: dict[str, int] = {}
+
+    def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None:
+        if kind in PHASES:
+            self.marks.append((kind, time.perf_counter_ns()))
+        elif kind in ("finalize", "written"):
+            self.instants[f"{kind}_ns"] = time.perf_counter_ns()  # the last one wins
+
+    def phases(self) -> dict[str, float]:
+        durations = {a: (tb - ta) / 1e9 for (a, ta), (_, tb) in zip(self.marks, self.marks[1:])}
+        return durations | (self.instants if len(self.instants) == 2 else {})
 
 
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, float]] | None:
@@ -145,15 +163,18 @@ def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, float]] | No
 
 
 def _pin_to_own_cpu(rank: int, world: int) -> None:
-    """Rank r runs on the r-th CPU of those this process may use, if there is one for every rank.
+    """Rank r runs on the r-th slice of ``cpus // world`` of the CPUs this process may use (when there is at least
+    one for every rank); it then computes with that many threads.
 
     Called before the process group exists, so gloo's threads (created with it) inherit the affinity: each rank
-    computes and communicates on its own CPU, as on a host of its own. Unpinned, the scheduler sometimes stacks
-    both ranks' compute threads on one CPU for a while, which shows up as one rank running 30-50 % slower.
+    computes and communicates on CPUs of its own, as on a host with that many cores, where gloo's threads also
+    take cycles from compute. Unpinned, the scheduler sometimes stacks both ranks' compute threads on one CPU
+    for a while, which shows up as one rank running 30-50 % slower.
     """
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= world:
-        os.sched_setaffinity(0, {cpus[rank]})
+    share = len(cpus) // world
+    if share >= 1:
+        os.sched_setaffinity(0, set(cpus[rank * share : (rank + 1) * share]))
 
 
 def _reset_peak_rss() -> None:

@@ -111,7 +111,7 @@ class GraphDDPBackend:
         else:
             names = {id(p): n for n, p in zip(ddp.reducer.param_names(), ddp.reducer.params())}
             # With a custom comm hook every bucket is reduced dense: a tied table's part would travel twice.
-            caps, row_sparse = ddp.options.caps, ddp._row_sparse and not ddp.reducer.has_custom_comm_hook
+            caps, row_sparse = ddp.options.caps, ddp._reduces_rows and not ddp.reducer.has_custom_comm_hook
             reducer = ddp.reducer
 
         params = find_graph_params(gm, example_inputs, names)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .comm import broadcast_coalesced, comm_for, verify_same_params
-from .passes import BucketCaps, ParamSpec, plan_buckets
+from .passes import BucketCaps, ParamSpec, embedding_tables, plan_buckets
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
@@ -43,7 +43,8 @@ class BucketOptions:
     sparse_embedding_grads: bool = True
     """Reduce embedding tables' gradients as the rows some rank touched, and, compiled, send a tied table's other
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.rows``). The
-    result equals the dense all-reduce up to the order of floating-point sums. False: every bucket dense."""
+    result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
+    ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense."""
 
     def __post_init__(self) -> None:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
@@ -154,8 +155,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids = _check_device_ids(device_ids, output_device, self.device, self.rank)
 
         # Row-sparse reduction needs a side group (several ranks) and runs on CPU buckets (CUDA: not measured yet).
-        self._row_sparse = self.options.sparse_embedding_grads and self.world_size > 1 and self.device.type == "cpu"
-        row_sparse = embedding_tables(module) if self._row_sparse else frozenset()
+        self._reduces_rows = self.options.sparse_embedding_grads and self.world_size > 1 and self.device.type == "cpu"
+        row_sparse = embedding_tables(module) if self._reduces_rows else frozenset()
         verify_same_params(
             [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in module.named_parameters()]
             + [ParamSpec.of(f"buffer {n}", b) for n, b in module.named_buffers()],
@@ -368,26 +369,6 @@ class _DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
-
-
-def embedding_tables(module: nn.Module) -> frozenset[str]:
-    """Trainable weights of ``nn.Embedding`` modules that no other module shares: their gradients touch only the
-    looked-up rows (Note [Row-sparse gradients]). A tied table (also an output layer's weight) is left out: its
-    gradient is dense unless the compile backend splits the other use off."""
-    owners: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
-    names = {id(p): n for n, p in module.named_parameters()}
-    return frozenset(
-        names[id(m.weight)]
-        for m in module.modules()
-        if isinstance(m, nn.Embedding)
-        and not m.sparse
-        and m.max_norm is None
-        and m.weight.requires_grad
-        and m.weight.dim() == 2
-        and owners[id(m.weight)] == 1
-    )
 
 
 def _single_device(params: list[nn.Parameter], rank: int) -> torch.device:

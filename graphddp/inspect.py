@@ -20,13 +20,13 @@ from torch import nn
 from .capture import capture_graphs, parameter_names
 from .dump import DebugDump, versions
 from .taps import GradientTap
-from .ddp import embedding_tables
 from .passes import (
     BucketPlan,
     GraphSplit,
     ParamSpec,
     BucketCaps,
     compose_plans,
+    embedding_tables,
     find_graph_params,
     plan_graph,
     split_at_buckets,
@@ -89,8 +89,10 @@ def inspect_target(
     dump: str | None = None,
 ) -> Inspection:
     caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb, ramps=bucket_ramps)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InspectError(f"world size must be a whole number >= 1, got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world size must be a whole number, got {type(world_size).__name__} {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:

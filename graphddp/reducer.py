@@ -19,13 +19,14 @@ One iteration, on every rank:
    are still in flight; the rest once the usage all-reduce has said which parameters some rank used. A hook
    result that fails validation raises with the earlier buckets already written back.
 
-Two kinds of slot besides a parameter's ``.grad`` (Note [Row-sparse gradients] in ``graphddp/passes/rows.py``):
+Two kinds of slot besides a parameter's ``.grad`` (Note [Row-sparse gradients] in ``passes/rows.py``):
 a *part* of a tied weight's gradient arrives from a tap in the compiled graph (``take_part``), not from a hook;
 it is reduced with its bucket and added into the parameter's averaged gradient at write-back (the plan puts
 parts in earlier buckets, so they are reduced by then). A *row-sparse* bucket is launched in two steps
 (``graphddp.rows``): the mask of touched rows goes out when the bucket is complete, and the rows themselves
 just before the next bucket is launched (or at the end of backward), so the main group still sees one order of
-collectives on every rank.
+collectives on every rank. A table that keeps going dense stops trying rows, and its parts are dropped from the
+plan at the next forward (they would travel on top of the dense table).
 
 Custom comm hooks may chain further collectives in future callbacks (PowerSGD does, from gloo's threads). If
 bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
@@ -56,7 +57,7 @@ from .comm import AverageState, CudaCommStream, HostComm, all_gather_bytes, aver
 from .grad_layout import BucketViewGrads, CopiedGrads
 from .passes import BucketPlan, ParamSpec, first_difference_across, plan_buckets
 from .proposals import GraphPlans, agreed, agreement_entries
-from .rows import RowSparseLaunch, RowSparsePolicy
+from .rows import DENSE_STREAK_LIMIT, RowSparseLaunch, RowSparsePolicy
 from .trace import NullEvents
 from .unused import ExpectAllUsed
 
@@ -119,7 +120,7 @@ class Reducer:
         self._params = [p for _, p in named_params]
         self._index_of_name = {n: i for i, n in enumerate(self._names)}
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
-        self._row_sparse = row_sparse  # parameters planned as row-sparse gradients when re-planned eagerly
+        self._row_sparse_names = row_sparse  # parameters planned as row-sparse gradients when re-planned eagerly
         self._group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -138,8 +139,10 @@ class Reducer:
         self._launch_policy: EagerLaunch | ChainedLaunch = EagerLaunch()
         self._prescale: float | None = None
         # Row-sparse buckets (Note [Row-sparse gradients]): only under the default hook, between CPU ranks.
-        self._rows: RowSparsePolicy | None = RowSparsePolicy() if self._usage_group is not None else None
-        self._rows_pending: tuple[FlatBucket, RowSparseLaunch] | None = None
+        self._row_policy: RowSparsePolicy | None = RowSparsePolicy() if self._usage_group is not None else None
+        self._row_pending: tuple[FlatBucket, RowSparseLaunch] | None = None
+        self._row_launches: dict[int, RowSparseLaunch] = {}  # this iteration's, by bucket: unpacked when awaited
+        self._gone_dense: set[str] = set()  # tables with parts that gave up rows: re-planned at the next forward
 
         self.plan: BucketPlan | None = None
         self._buckets: list[FlatBucket] = []
@@ -204,8 +207,9 @@ class Reducer:
                     self._layout.move(self._params[i], bucket.views[slot])
         self._buckets = buckets
         self.plan = plan
-        if self._rows is not None:
-            self._rows = RowSparsePolicy()  # new buckets: every row-sparse one tries rows again
+        if self._row_policy is not None:
+            self._row_policy = RowSparsePolicy()  # new buckets: every row-sparse one tries rows again
+        self._gone_dense = set()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "[rank %d] bucket plan (%s, fingerprint %s):\n%s",
@@ -230,7 +234,7 @@ class Reducer:
         if self.world_size > 1:
             dist.broadcast(order, group=self._group, group_src=0)
         self._rebuild_order = None
-        specs = [ParamSpec.of(self._names[i], self._params[i], row_sparse=self._names[i] in self._row_sparse) for i in order.tolist()]
+        specs = [ParamSpec.of(self._names[i], self._params[i], row_sparse=self._names[i] in self._row_sparse_names) for i in order.tolist()]
         plan = plan_buckets(
             specs,
             caps=self.plan.caps,
@@ -251,14 +255,15 @@ class Reducer:
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook, self._hook_state, self.has_custom_comm_hook = hook, state, True
         self._launch_policy = EagerLaunch() if hook in _single_collective_hooks() else ChainedLaunch()
-        self._rows = None  # a hook reduces dense buckets, as PyTorch hands them over
-        if self.plan is not None and self.plan.parts:
+        self._row_policy = None  # a hook reduces dense buckets, as PyTorch hands them over
+        parts = {p.label for plan in (self.plan, self.graph_plans.proposed) if plan is not None for p in plan.parts}
+        if parts:
             logger.warning(
                 "[rank %d] graphddp: a comm hook was registered after torch.compile split tied tables' gradients "
                 "into parts (%s); with a hook every bucket is reduced dense, so those tables now travel twice. "
                 "Register the hook before the first compiled forward.",
                 self.rank,
-                ", ".join(p.label for p in self.plan.parts),
+                ", ".join(sorted(parts)),
             )
 
     # -- iteration -------------------------------------------------------------------------------------------
@@ -305,6 +310,22 @@ class Reducer:
             )
         elif self._rebuild_order is not None and grad_enabled:
             self.rebuild_from_ready_order()
+        if self._gone_dense:
+            self._drop_parts_of_dense_tables()
+
+    def _drop_parts_of_dense_tables(self) -> None:
+        """Tables that gave up rows (``graphddp.rows``) lose their parts: every rank saw the same outcomes, so every
+        rank re-plans alike, here, between iterations."""
+        assert self.plan is not None
+        names, self._gone_dense = sorted(self._gone_dense), set()
+        self.adopt(self.plan.without_rows(names))
+        logger.info(
+            "[rank %d] graphddp: %s went dense %d iterations in a row (gradients accumulated under no_sync?); "
+            "all-reduced dense from now on, without separate parts (Note [Row-sparse gradients])",
+            self.rank,
+            ", ".join(names),
+            DENSE_STREAK_LIMIT,
+        )
 
     def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
         """The compile backend's plan for one captured graph; adopted once every rank agrees."""
@@ -335,7 +356,8 @@ class Reducer:
             bucket.reset()
         self._next_launch = 0
         self._usage_work = None
-        self._rows_pending = None
+        self._row_pending = None
+        self._row_launches = {}
         self._finalize_queued = False
         if self._ready_order is not None:
             self._ready_order = []  # a backward that failed part-way leaves no stale order behind
@@ -443,17 +465,17 @@ class Reducer:
             assert self._usage_group is not None
             launch = RowSparseLaunch(bucket.buffer, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
             launch.begin()
-            self._rows_pending = (bucket, launch)
+            self._row_pending = (bucket, launch)
             return
         self._start(bucket, self._launch_dense(bucket))
 
     def _reduces_rows(self, bucket: FlatBucket) -> bool:
         """Row-sparse buckets (Note [Row-sparse gradients]) under the default hook, on CPU, between ranks."""
         return (
-            self._rows is not None
+            self._row_policy is not None
             and bucket.spec.row_sparse
             and bucket.spec.device == "cpu"
-            and self._rows.wants(bucket.index)
+            and self._row_policy.wants(bucket.index)
         )
 
     def _launch_dense(self, bucket: FlatBucket) -> Any:
@@ -462,14 +484,19 @@ class Reducer:
 
     def _finish_row_sparse(self) -> None:
         """Step two for the row-sparse bucket launched last, if any: its rows, or the whole bucket, all-reduced."""
-        if self._rows_pending is None:
+        if self._row_pending is None:
             return
-        (bucket, launch), self._rows_pending = self._rows_pending, None
+        (bucket, launch), self._row_pending = self._row_pending, None
         future = launch.finish(lambda: self._launch_dense(bucket))
-        assert self._rows is not None
-        self._rows.observe(bucket.index, launch.sparse)
+        self._observe_rows(bucket, launch.sparse)
+        self._row_launches[bucket.index] = launch
         self.events.record("rows" if launch.sparse else "dense", bucket.index, f"{launch.touched}/{launch.table.shape[0]}")
         self._start(bucket, future)
+
+    def _observe_rows(self, bucket: FlatBucket, sparse: bool) -> None:
+        assert self._row_policy is not None
+        if self._row_policy.observe(bucket.index, sparse) and self._parts_of.get(bucket.param_indices[0]):
+            self._gone_dense.add(self._names[bucket.param_indices[0]])
 
     def _start(self, bucket: FlatBucket, future: Any) -> None:
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
@@ -500,7 +527,10 @@ class Reducer:
                 if not bucket.started:  # held back by ChainedLaunch: its predecessor was just awaited
                     self._launch_ready_buckets()
                 assert bucket.future is not None, f"bucket {bucket.index} was never launched"
-                reduced = self._check_hook_result(self._comm.wait(bucket.future), bucket)
+                value = self._comm.wait(bucket.future)
+                if bucket.index in self._row_launches:
+                    value = self._row_launches[bucket.index].unpack(value)
+                reduced = self._check_hook_result(value, bucket)
                 self.events.record("wait", bucket.index)
                 self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
                 if reduced.data_ptr() != bucket.buffer.data_ptr():
@@ -612,8 +642,7 @@ class Reducer:
                 launch = RowSparseLaunch(zeros, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
                 launch.begin()
                 self._comm.wait(launch.finish(dense))
-                assert self._rows is not None
-                self._rows.observe(bucket.index, launch.sparse)
+                self._observe_rows(bucket, launch.sparse)
             else:
                 self._comm.wait(dense())
         if self._reduces_usage():

@@ -1,12 +1,14 @@
 """Taps: how a part of a tied weight's gradient reaches its own bucket (Note [Row-sparse gradients] in
-``graphddp/passes/rows.py``).
+``passes/rows.py``).
 
 ``tap_parts`` puts a ``GradientTap`` between the weight and a segment of the stitched graph that uses it. Forward,
 the tap is the identity (a view of the weight). Backward, it receives that segment's contribution to the weight's
 gradient and offers it to the Reducer: taken, the contribution goes into the part's slot and the tap passes
-nothing on to ``.grad``; declined (no synchronised backward, no such slot in the plan running now, slot already
-filled), it passes the contribution on, and autograd adds it to ``.grad`` with the weight's other
-contributions, as if there were no tap.
+nothing on to ``.grad``; declined, it passes the contribution on, and autograd adds it to ``.grad`` with the
+weight's other contributions, as if there were no tap. The Reducer declines outside a synchronised backward
+(``no_sync``), when the plan running now has no such slot, or when the slot is filled already; the tap itself
+declines when this backward will not accumulate into the weight at all (``torch.autograd.grad``, or
+``backward(inputs=...)`` without it): those gradients are the caller's, whole, and no bucket may move.
 """
 
 from __future__ import annotations
@@ -45,4 +47,15 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        return (None if ctx.tap.take(grad) else grad), None
+        accumulator = ctx.next_functions[0][0]  # the weight's AccumulateGrad (None if it needs no gradient)
+        if accumulator is not None and _accumulates(accumulator) and ctx.tap.take(grad):
+            return None, None
+        return grad, None
+
+
+def _accumulates(node: Any) -> bool:
+    """Will the running backward execute ``node`` (accumulate into the weight's ``.grad``)?"""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch.autograd.grad() with the weight among its inputs: nothing is accumulated
+        return False

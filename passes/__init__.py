@@ -16,7 +16,15 @@ from .plan import (
     plan_bucket_groups,
     plan_buckets,
 )
-from .rows import ROW_SPARSE_MAX_DENSITY, RowSparseParam, misplaced_parts, plan_graph, row_sparse_params, tap_parts
+from .rows import (
+    ROW_SPARSE_MAX_DENSITY,
+    RowSparseParam,
+    embedding_tables,
+    misplaced_parts,
+    plan_graph,
+    row_sparse_params,
+    tap_parts,
+)
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 
 __all__ = [
@@ -34,6 +42,7 @@ __all__ = [
     "Tap",
     "assign_segments",
     "compose_plans",
+    "embedding_tables",
     "find_graph_params",
     "first_difference_across",
     "misplaced_parts",

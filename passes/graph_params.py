@@ -30,11 +30,14 @@ class GraphUse:
     """Position of the node in ``graph.nodes``."""
     node: str
     """The node's name."""
-    embedding: bool
+    lookup: bool
     """The node is an embedding lookup with the parameter as its table, whose gradient touches only the looked-up
     rows (``F.embedding``/``torch.embedding`` without ``max_norm`` or ``sparse``)."""
     indices: int | None = None
-    """For a lookup: how many rows it looks up (the index tensor's size), None when not known statically."""
+    """For a lookup: how many rows it looks up (the index tensor's size; with a dynamic shape, the size the graph
+    was captured with), None when unknown."""
+    differentiable: bool = True
+    """Its output can carry a gradient back to the parameter (False for ``.detach()``, or inside ``no_grad``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class GraphParam:
     """That node's name."""
     uses: tuple[GraphUse, ...] = ()
     """Every node that uses it, in graph order (the first is ``first_user``)."""
+    is_input: bool = True
+    """``node`` is a placeholder (an input of the graph, as Dynamo lifts parameters), not a ``get_attr``."""
 
 
 def find_graph_params(
@@ -81,7 +86,11 @@ def find_graph_params(
         seen.add(id(value))
         users.sort(key=position.__getitem__)
         uses = tuple(_use(u, node, position[u]) for u in users)
-        found.append(GraphParam(ParamSpec.of(names_by_id[id(value)], value), node.name, uses[0].position, uses[0].node, uses))
+        found.append(
+            GraphParam(
+                ParamSpec.of(names_by_id[id(value)], value), node.name, uses[0].position, uses[0].node, uses, node.op == "placeholder"
+            )
+        )
     found.sort(key=lambda p: (position[_node(gm, p.node)], p.spec.name))
     return found
 
@@ -110,11 +119,24 @@ def ready_groups(
 
 
 def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:
+    differentiable = _carries_gradient(user)
     indices = _lookup_indices(user, table)
     if indices is None:
-        return GraphUse(position, user.name, False)
-    value = indices.meta.get("example_value", indices.meta.get("val")) if isinstance(indices, fx.Node) else None
-    return GraphUse(position, user.name, True, _numel_hint(value))
+        return GraphUse(position, user.name, False, differentiable=differentiable)
+    return GraphUse(position, user.name, True, _numel_hint(_value(indices)), differentiable)
+
+
+def _value(node: Any) -> Any:
+    """The fake value Dynamo recorded for ``node`` (None for constants and unknown nodes)."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _carries_gradient(node: fx.Node) -> bool:
+    """False when ``node``'s recorded output cannot carry a gradient (a detach, a use under ``no_grad``); True
+    when it can or when nothing was recorded (a use must not be ignored on a guess)."""
+    value = _value(node)
+    tensors = [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, torch.Tensor)]
+    return not tensors or any(t.requires_grad for t in tensors)
 
 
 def _numel_hint(value: Any) -> int | None:

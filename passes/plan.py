@@ -252,6 +252,21 @@ class BucketPlan:
         """The parts of tied weights' gradients (``ParamSpec.part``), in bucket order."""
         return tuple(p for b in self.buckets for p in b.params if p.part)
 
+    def without_rows(self, names: Iterable[str]) -> BucketPlan:
+        """This plan with the tables ``names`` reduced dense: their parts dropped (buckets left empty go, the
+        rest are renumbered), their row-sparse mark cleared (Note [Row-sparse gradients])."""
+        names = set(names)
+        kept = []
+        for b in self.buckets:
+            params = tuple(
+                dataclasses.replace(p, row_sparse=False) if p.name in names else p
+                for p in b.params
+                if not (p.part and p.name in names)
+            )
+            if params:
+                kept.append(Bucket(len(kept), params, b.cap_bytes))
+        return BucketPlan(tuple(kept), self.caps, self.source)
+
     def bucket_of(self, name: str, part: str = "") -> int:
         for b in self.buckets:
             if any(p.key == (name, part) for p in b.params):
@@ -406,8 +421,9 @@ def compose_plans(
     first, renumbered. A parameter several graphs use (a weight tied across a graph break) belongs to the graph
     that runs first in forward: its gradient completes only when that graph's backward has run (Note [Earliest
     use]); later graphs drop it. They keep their parts of it (Note [Row-sparse gradients]): those are reduced
-    before the whole gradient, which is what the plan requires. Of two parts with the same key, the first graph's
-    is kept (the other graph's tap then finds the slot taken and lets its gradient through to ``.grad``).
+    before the whole gradient, which is what the plan requires. Of two parts with the same key, one slot is kept
+    (the first graph's): in backward the later graph's tap fills it, and the first graph's tap, finding it taken,
+    lets its gradient through to ``.grad``. Either way every contribution is counted once.
     Parameters no graph covers (used eagerly) follow, planned from ``rest_in_ready_order``.
     """
     claimed: set[tuple[str, str]] = set()

@@ -18,10 +18,14 @@ Both steps depend only on all-reduced data, so every rank takes the same branch,
 on the gradient really being sparse: a table that some other code also uses simply goes dense.
 
 Which gradients are candidates (``ParamSpec.row_sparse``): eagerly, the weights of ``nn.Embedding`` modules
-that no other module shares (``graphddp.ddp.embedding_tables``; a table that turns out dense costs a scan and
-the mask); compiled, a 2-D parameter that a captured graph uses in embedding lookups taking so few indices that
-all ranks together cannot touch more than half of its rows (``row_sparse_params``, this module): those always
-go sparse, unless ``.grad`` held an accumulated (dense) gradient before backward.
+that no other module shares (``embedding_tables``; a table that turns out dense costs a scan and the mask, and
+stops being tried after a few iterations); compiled, a 2-D parameter that a captured graph brings in as an
+input and uses in embedding lookups taking so few indices that all ranks together cannot touch more than half
+of its rows (``row_sparse_params``). Those go sparse, except when ``.grad`` held a dense gradient before
+backward (accumulated under ``no_sync``), when another graph uses the table too (a graph break between the
+lookup and the output layer: no part can be split off across it), or when a dynamic batch grew past the size
+the graph was captured with. A table that goes dense twice in a row is reduced dense from then on, and its
+parts are dropped from the plan (``BucketPlan.without_rows``), so they do not travel on top of it.
 
 A **tied** table (the GPT's ``wte``, also the output layer's weight) receives, at the *start* of backward, a
 dense contribution from the output layer, which makes the sum dense. Compiled, graphddp splits it off: the
@@ -30,19 +34,20 @@ that computes it. A tap in the stitched graph (``tap_parts``) feeds the paramete
 backward hands the segment's contribution to the Reducer and passes nothing on to ``.grad``. The part is
 all-reduced early, hidden behind the rest of backward; the lookups' rows go last, and they are few. Once both
 are reduced, the Reducer adds the part into the parameter's gradient: all-reduce is linear, so the result is the
-all-reduce of the sum, as in PyTorch's DDP. The bench GPT sends 2 MB after backward instead of 16.8 MB. (In an
-iteration that synchronises gradients accumulated under ``no_sync``, ``.grad`` is dense already: the table goes
-dense, and the part is sent on top of it.)
+all-reduce of the sum, as in PyTorch's DDP. The bench GPT sends 2 MB after backward instead of 16.8 MB.
 
 A parameter is treated so only when every use that is not a lookup comes after the last lookup in forward (its
-part is then ready before the lookups' rows in backward) and, once the graph is cut, each part sits in a segment
-of its own, apart from the lookups' segments (a tap feeds one segment's input, so two uses in one segment
+part is then ready before the lookups' rows in backward; uses that send no gradient back, a ``.detach()`` or
+anything under ``no_grad``, do not count) and, once the graph is cut, each part sits in a segment of its own,
+apart from the lookups' segments (a tap feeds one segment's input, so two uses in one segment
 cannot be told apart). ``plan_graph`` re-plans without the parameters for which the cut fails that
 (``misplaced_parts``).
 
 A tap passes its gradient on to ``.grad`` unchanged when its slot is not in the Reducer's plan, is already
 filled, or the backward is not synchronised (``no_sync``): autograd then accumulates it with the parameter's
-other contributions, before the parameter's gradient is complete, which is always correct.
+other contributions, before the parameter's gradient is complete, which is always correct. It also passes it on
+when the backward will not accumulate into the parameter at all (``torch.autograd.grad``): that gradient is
+the caller's, whole, and no bucket may move (``graphddp.taps``).
 
 This module is pure: no ``torch.distributed``, no graphddp runtime module.
 """
@@ -52,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import fx, nn
 
 from .graph_params import GraphParam, GraphUse, ready_groups
@@ -83,10 +87,11 @@ def row_sparse_params(params: Sequence[GraphParam], world_size: int) -> list[Row
     looked up with ``arange(T)`` is left out)."""
     found = []
     for p in params:
-        lookups = [u for u in p.uses if u.embedding]
-        others = [u for u in p.uses if not u.embedding]
-        if len(p.spec.shape) != 2 or not lookups or any(u.position < lookups[-1].position for u in others):
-            continue
+        uses = [u for u in p.uses if u.differentiable]  # a detached or no_grad use sends no gradient back
+        lookups = [u for u in uses if u.lookup]
+        others = [u for u in uses if not u.lookup]
+        if len(p.spec.shape) != 2 or not p.is_input or not lookups or any(u.position < lookups[-1].position for u in others):
+            continue  # a get_attr table is copied into each segment: no segment input to tap
         if any(u.indices is None for u in lookups):
             continue
         if world_size * sum(u.indices or 0 for u in lookups) > ROW_SPARSE_MAX_DENSITY * p.spec.shape[0]:
@@ -149,3 +154,24 @@ def tap_parts(split_gm: fx.GraphModule, split: GraphSplit, make_tap: Callable[[T
         call.args = tuple(tapped if a is param else a for a in call.args)
     graph.lint()
     split_gm.recompile()
+
+
+def embedding_tables(module: nn.Module) -> frozenset[str]:
+    """Trainable weights of ``nn.Embedding`` modules that no other module shares: their gradients touch only the
+    looked-up rows (Note [Row-sparse gradients]). A tied table (also an output layer's weight) is left out: its
+    gradient is dense unless the compile backend splits the other use off. (A module-level question, asked
+    eagerly, where there is no graph: which tables to try as rows.)"""
+    owners: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    names = {id(p): n for n, p in module.named_parameters()}
+    return frozenset(
+        names[id(m.weight)]
+        for m in module.modules()
+        if isinstance(m, nn.Embedding)
+        and not m.sparse
+        and m.max_norm is None
+        and m.weight.requires_grad
+        and m.weight.dim() == 2
+        and owners[id(m.weight)] == 1
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -19,13 +20,13 @@ from torch import nn
 
 import graphddp
 from graphddp.capture import capture_graphs, parameter_names
-from graphddp.ddp import embedding_tables
 from graphddp.passes import (
     BucketCaps,
     BucketPlan,
     Bucket,
     ParamSpec,
     compose_plans,
+    embedding_tables,
     find_graph_params,
     misplaced_parts,
     plan_buckets,
@@ -91,6 +92,52 @@ class UsedBeforeLookup(nn.Module):
         return (self.emb(idx) * scale).mean()
 
 
+class MaxNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8, max_norm=1.0)  # renormalises the looked-up rows in place
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx).sum()
+
+
+class DetachedUse(nn.Module):
+    """The table is also read detached (a logged norm, say): that use sends no gradient back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)  # [B, T, 16]
+        return (h @ self.emb.weight.t()).logsumexp(-1).mean() * self.emb.weight.detach().norm()
+
+
+class BrokenGPT(GPT):
+    """The tied GPT with a graph break between the blocks and the output layer: lookup and lm_head in two graphs."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        torch._dynamo.graph_break()
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+
+
+class TakesParts:
+    """Stands in for the Reducer: takes every part a tap offers."""
+
+    def __init__(self) -> None:
+        self.taken: dict[tuple[str, str], torch.Tensor] = {}
+
+    def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
+        self.taken[key] = grad.clone()
+        return True
+
+
 def tokens(model: str, step: int, micro: int, rank: int, vocab: int = VOCAB) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank + 1)
     if model == "bag":
@@ -138,13 +185,6 @@ def test_the_stitched_graph_with_taps_computes_the_same_values_and_gradients() -
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    class TakesParts:  # stands in for the Reducer
-        taken: dict[tuple[str, str], torch.Tensor] = {}
-
-        def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
-            self.taken[key] = grad.clone()
-            return True
-
     reducer = TakesParts()
     split_gm = split_at_buckets(captured.gm, split)
     tap_parts(split_gm, split, lambda tap: GradientTap(reducer, tap.param, tap.part))
@@ -185,16 +225,18 @@ def test_a_use_before_the_lookup_or_a_forbidden_lookup_keeps_the_table_dense() -
     captured, params = capture(UsedBeforeLookup(), tokens("gpt", 0, 0, 0)[0])
     assert row_sparse_params(params, world_size=2) == []
 
-    class MaxNorm(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(VOCAB, 8, max_norm=1.0)  # renormalises rows in place
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            return self.emb(idx).sum()
-
     captured, params = capture(MaxNorm(), tokens("gpt", 0, 0, 0)[0])
     assert row_sparse_params(params, world_size=2) == []
+
+
+def test_a_detached_use_is_no_part_and_a_get_attr_table_is_not_tapped() -> None:
+    captured, params = capture(DetachedUse(), tokens("gpt", 0, 0, 0)[0])
+    (table,) = row_sparse_params(params, world_size=2)
+    assert len(table.parts) == 1  # the output product; the detached norm sends nothing back
+    # symbolic_trace brings parameters in with get_attr: copied into every segment, there is no input to tap.
+    traced = torch.fx.symbolic_trace(TwoHeads())
+    params = find_graph_params(traced, [], parameter_names(traced))
+    assert [p.is_input for p in params] == [False] * len(params) and row_sparse_params(params, world_size=2) == []
 
 
 def test_eager_candidates_are_unshared_embedding_tables() -> None:
@@ -227,6 +269,15 @@ def test_a_row_sparse_gradient_gets_a_bucket_of_its_own_and_the_plan_guards_part
         plan_buckets([part, part, *params], caps=plan.caps)
 
 
+def test_a_table_that_went_dense_loses_its_parts_and_its_mark() -> None:
+    caps = BucketCaps(bucket=1 << 20, first=1, last=1)
+    plan = plan_buckets([spec("t", 10).part_at("head"), spec("a", 1), spec("t", 10, row_sparse=True)], caps=caps)
+    assert [b.names for b in plan.buckets] == [("t@head",), ("a",), ("t[rows]",)]
+    dense = plan.without_rows(["t"])
+    assert [b.names for b in dense.buckets] == [("a",), ("t",)] and [b.index for b in dense.buckets] == [0, 1]
+    assert dense.parts == () and dense.caps == plan.caps and plan.without_rows([]) == plan
+
+
 def test_compose_keeps_each_part_once_and_the_whole_gradient_with_the_first_graph() -> None:
     caps = BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20)
     table, part = spec("table", 10, row_sparse=True), spec("table", 10).part_at("head")
@@ -238,26 +289,51 @@ def test_compose_keeps_each_part_once_and_the_whole_gradient_with_the_first_grap
     assert composite.bucket_of("table", "head") < composite.bucket_of("table")
 
 
-# -- the two-step reduction, one process --------------------------------------------------------------------------
+# -- the two-step reduction ---------------------------------------------------------------------------------------
+def reduce_rows(table: torch.Tensor, mask_group: Any) -> tuple[torch.Tensor, RowSparseLaunch]:
+    """``table`` reduced by ``RowSparseLaunch`` on the world group, as the Reducer drives it (dense: sum)."""
+    launch = RowSparseLaunch(table.view(-1), table.shape[0], group=dist.group.WORLD, mask_group=mask_group)
+    launch.begin()
+    dense = lambda: dist.all_reduce(table, async_op=True).get_future()  # noqa: E731
+    result = launch.unpack(launch.finish(dense).wait())
+    return (result if isinstance(result, torch.Tensor) else result[0]).view_as(table), launch
+
+
 @pytest.mark.usefixtures("one_rank_group")
-def test_row_sparse_launch_sends_rows_or_falls_back_and_keeps_nans() -> None:
+def test_row_sparse_launch_in_one_process_keeps_the_table_and_falls_back_when_dense() -> None:
     table = torch.zeros(8, 3)
     table[[1, 6]] = torch.tensor([[1.0, -2.0, 0.0], [float("nan"), 0.0, 0.0]])
     expected = table.clone()
-    launch = RowSparseLaunch(table.view(-1), 8, group=dist.group.WORLD, mask_group=dist.group.WORLD)
-    launch.begin()
-    dense_calls = []
-    result = launch.finish(lambda: dense_calls.append(1)).wait()
-    assert launch.touched == 2 and launch.sparse and not dense_calls
-    assert result.data_ptr() == table.data_ptr()
-    torch.testing.assert_close(table, expected, equal_nan=True)
+    result, launch = reduce_rows(table, dist.group.WORLD)
+    assert launch.touched == 2 and launch.sparse and result.data_ptr() == table.data_ptr()
+    torch.testing.assert_close(result, expected, equal_nan=True)
+    result, launch = reduce_rows(torch.ones(8, 3), dist.group.WORLD)
+    assert launch.touched == 8 and not launch.sparse and torch.equal(result, torch.ones(8, 3))
 
-    full = torch.ones(8, 3)
-    launch = RowSparseLaunch(full.view(-1), 8, group=dist.group.WORLD, mask_group=dist.group.WORLD)
-    launch.begin()
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(full.view(-1))
-    assert launch.finish(lambda: done) is done and launch.touched == 8 and not launch.sparse
+
+def rows_against_dense(rank: int, world: int) -> list[str]:
+    """Tables whose touched rows overlap, differ, hold a NaN on one rank, or are all zero: rows = dense sum."""
+    side = dist.new_group(backend="gloo")
+    tables = {
+        "overlapping": torch.zeros(16, 4).index_fill_(0, torch.tensor([1, 2 + rank]), float(rank + 1)),
+        "nan_on_rank_0": torch.zeros(16, 4).index_fill_(0, torch.tensor([3]), float("nan") if rank == 0 else 2.0),
+        "untouched": torch.zeros(16, 4),
+        "only_rank_1": torch.zeros(16, 4).index_fill_(0, torch.tensor([9]), 5.0 if rank == 1 else 0.0),
+    }
+    seen = []
+    for name, table in tables.items():
+        dense = table.clone()
+        dist.all_reduce(dense)
+        result, launch = reduce_rows(table, side)
+        torch.testing.assert_close(result, dense, equal_nan=True, msg=name)
+        seen.append(f"{name}:{launch.touched}")
+    dist.destroy_process_group(side)
+    return seen
+
+
+def test_row_sparse_launch_on_two_ranks_equals_the_dense_all_reduce() -> None:
+    seen = run_on_ranks(rows_against_dense, 2, timeout=120)
+    assert seen[0] == seen[1] == ["overlapping:3", "nan_on_rank_0:1", "untouched:0", "only_rank_1:1"]
 
 
 # -- spawned ranks ----------------------------------------------------------------------------------------------
@@ -275,13 +351,42 @@ class RowsCase:
     """Rank r trains r * this many more steps, inside ``join()``."""
     ddp: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments for both DDPs."""
+    grad_first: bool = False
+    """Each step also asks ``torch.autograd.grad`` for the loss's gradient (a penalty term, say) before backward."""
+    shrink_batch_at: int | None = None
+    """From this step on, half the batch: Dynamo recompiles, and the backend plans again."""
+    hook_at: int | None = None
+    """Register ``fp16_compress_hook`` before this step (both DDPs)."""
+    tolerance: tuple[tuple[str, float], ...] = ()
 
 
 CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001, "last_bucket_cap_mb": 0.0005}
 
 
-def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[Any]]:
-    module = tied_gpt(case.vocab) if case.model == "gpt" else Bag(case.vocab)
+def build_rows_model(case: RowsCase) -> nn.Module:
+    if case.model == "bag":
+        return Bag(case.vocab)
+    module = tied_gpt(case.vocab)
+    if case.model == "broken":
+        module.__class__ = BrokenGPT  # same parameters, a graph break before the output layer
+    return module
+
+
+def rows_step(model: nn.Module, case: RowsCase, step: int, micro: int, rank: int, grads: list[Any]) -> None:
+    batch = tokens("bag" if case.model == "bag" else "gpt", step, micro, rank, case.vocab)
+    if case.shrink_batch_at is not None and step >= case.shrink_batch_at:
+        batch = tuple(t[:2] for t in batch)
+    loss = model(*batch)
+    if case.grad_first:
+        table = dict(model.named_parameters())[next(n for n, _ in model.named_parameters() if n.endswith("wte.weight"))]
+        grads.append(torch.autograd.grad(loss, [table], retain_graph=True)[0])  # this rank's own, whole
+    loss.backward()
+
+
+def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[Any], list[Any]]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module = build_rows_model(case)
     if impl == "torch":
         ddp = model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=CAPS["bucket_cap_mb"], **dict(case.ddp))
     else:
@@ -290,33 +395,52 @@ def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[An
             model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if case.optim == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01)
     events: list[Any] = []
+    grads: list[Any] = []
     join = ddp.join() if case.extra_steps_per_rank else contextlib.nullcontext()
     with join:
         for step in range(case.steps + rank * case.extra_steps_per_rank):
+            if step == case.hook_at:
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             log = EventLog()
             if impl != "torch":
                 ddp.reducer.events = log
             for micro in range(case.accumulate):
                 with contextlib.nullcontext() if micro == case.accumulate - 1 else ddp.no_sync():
-                    model(*tokens(case.model, step, micro, rank, case.vocab)).backward()
+                    rows_step(model, case, step, micro, rank, grads)
             opt.step()
             opt.zero_grad(set_to_none=True)
             events.append([(e.kind, e.bucket, e.param) for e in log.events])
-    return ddp, events
+    return ddp, events, grads
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def check_rows(rank: int, world: int, case: RowsCase) -> dict[str, Any]:
     torch._dynamo.reset()
-    ours, events = train_rows("graphddp", case, rank)
-    dense, _ = train_rows("graphddp-dense", case, rank)
-    theirs, _ = train_rows("torch", case, rank)
-    torch.testing.assert_close(ours.module.state_dict(), theirs.module.state_dict())
-    torch.testing.assert_close(ours.module.state_dict(), dense.module.state_dict())
+    warnings = Warnings()
+    logging.getLogger("graphddp").addHandler(warnings)
+    try:
+        ours, events, our_grads = train_rows("graphddp", case, rank)
+    finally:
+        logging.getLogger("graphddp").removeHandler(warnings)
+    dense, _, _ = train_rows("graphddp-dense", case, rank)
+    theirs, _, their_grads = train_rows("torch", case, rank)
+    tolerance = dict(case.tolerance)
+    torch.testing.assert_close(ours.module.state_dict(), theirs.module.state_dict(), **tolerance)
+    torch.testing.assert_close(ours.module.state_dict(), dense.module.state_dict(), **tolerance)
+    torch.testing.assert_close(our_grads, their_grads, **tolerance)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {n: p.detach() for n, p in ours.module.named_parameters()})
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
-    return {"buckets": [b.names for b in ours.bucket_plan.buckets], "events": events}
+    return {"buckets": [b.names for b in ours.bucket_plan.buckets], "events": events, "warnings": warnings.messages}
 
 
 def outcomes(events: list[tuple[str, int | None, str | None]]) -> list[str]:
@@ -366,6 +490,7 @@ def test_a_table_every_rank_touches_densely_falls_back_to_the_dense_all_reduce_a
         pytest.param(RowsCase(ddp=(("gradient_as_bucket_view", True),)), id="gradient_as_bucket_view"),
         pytest.param(RowsCase(ddp=(("find_unused_parameters", True),), optim="adam"), id="find_unused_parameters"),
         pytest.param(RowsCase(model="bag", compiled=False, extra_steps_per_rank=2), id="join_uneven_inputs"),
+        pytest.param(RowsCase(extra_steps_per_rank=1, steps=3), id="compiled_join_uneven_inputs"),
         pytest.param(RowsCase(model="bag", compiled=True, ddp=(("static_graph", True),)), id="compiled_untied_static_graph"),
     ],
 )
@@ -373,7 +498,35 @@ def test_features_keep_parity_with_rows_and_parts(case: RowsCase) -> None:
     results = run_on_ranks(check_rows, 2, case, timeout=300)
     steps = [outcomes(step) for step in results[0]["events"][: case.steps]]
     if case.accumulate > 1:
-        # .grad held the accumulated micro-batches: dense (the part sent on top), twice, then no more tries.
+        # .grad held the accumulated micro-batches: dense (the part sent on top) twice, then the table's parts
+        # are dropped and it is all-reduced dense without trying.
         assert steps[1:] == [["dense"], ["dense"], []], steps
+        assert not any("@" in n for b in results[0]["buckets"] for n in b), results[0]["buckets"]
+        assert ("wte.weight",) in results[0]["buckets"]
     else:
         assert steps[-1] == ["rows"], steps
+
+
+def test_autograd_grad_gets_the_whole_gradient_and_backward_still_synchronises() -> None:
+    # torch.autograd.grad accumulates nothing: the tap must not take its part, nor may any bucket move.
+    results = run_on_ranks(check_rows, 2, RowsCase(grad_first=True), timeout=300)
+    assert outcomes(results[0]["events"][-1]) == ["rows"]
+
+
+def test_recompile_and_graph_break_keep_parity() -> None:
+    results = run_on_ranks(check_rows, 2, RowsCase(shrink_batch_at=2, steps=5), timeout=300)
+    assert outcomes(results[0]["events"][-1]) == ["rows"]  # the recompiled graph's plan, adopted
+    # The lookup and the output layer in two graphs: no part can be split off across the break, so the table's
+    # gradient is dense; it goes dense twice, then it stops trying.
+    results = run_on_ranks(check_rows, 2, RowsCase(model="broken", steps=5), timeout=300)
+    assert not any("@" in n for b in results[0]["buckets"] for n in b)
+    assert [outcomes(step) for step in results[0]["events"][1:]] == [["dense"], ["dense"], [], []]
+
+
+def test_a_hook_registered_after_compile_warns_and_reduces_parts_densely() -> None:
+    case = RowsCase(hook_at=2, tolerance=(("rtol", 1e-3), ("atol", 1e-4)))  # fp16 sums, associated differently
+    results = run_on_ranks(check_rows, 2, case, timeout=300)
+    for rank, result in enumerate(results):
+        (warning,) = [w for w in result["warnings"] if "comm hook was registered after torch.compile" in w]
+        assert f"[rank {rank}]" in warning and "wte.weight@logits" in warning
+        assert outcomes(result["events"][-1]) == []  # the hook reduces every bucket
