@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -17,9 +19,14 @@ class CopiedGrads:
         else:  # scale while copying: one pass over the gradient instead of two
             torch.mul(grad, scale, out=view)
 
-    def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
+        """``view``, plus the reduced ``parts`` of a tied weight's gradient, into ``param.grad``: one pass."""
         if param.grad is None:
-            param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(view)
+            param.grad = torch.empty_like(param, memory_format=torch.preserve_format)
+        if parts:
+            torch.add(view, parts[0], out=param.grad)
+            for part in parts[1:]:
+                param.grad.add_(part)
         else:
             param.grad.copy_(view)
 
@@ -45,7 +52,9 @@ class BucketViewGrads:
         elif scale is not None:
             view.mul_(scale)
 
-    def from_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
+        for part in parts:  # .grad is the view: the parts go into the bucket slice itself
+            view.add_(part)
         if param.grad is None:  # unused on this rank, used on another: the average is its gradient
             param.grad = view
 

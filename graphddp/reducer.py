@@ -562,10 +562,8 @@ class Reducer:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
         their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
         bucket_index, slot = self._slot[i]
-        view = self._buckets[bucket_index].views[slot]
-        for part_bucket, part_slot in self._parts_of.get(i, ()):
-            view.add_(self._buckets[part_bucket].views[part_slot])
-        self._layout.from_bucket(self._params[i], view)
+        parts = [self._buckets[b].views[s] for b, s in self._parts_of.get(i, ())]
+        self._layout.from_bucket(self._params[i], self._buckets[bucket_index].views[slot], parts)
 
     def _check_hook_result(self, value: Any, bucket: FlatBucket) -> torch.Tensor:
         if isinstance(value, (list, tuple)) and len(value) == 1:
