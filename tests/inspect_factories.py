@@ -38,3 +38,13 @@ class TiedAcrossBreak(nn.Module):
 
 def tied_across_break():
     return TiedAcrossBreak(), (torch.randint(0, 32, (2, 5)),)
+
+
+def wide_tied_gpt():
+    """A tied GPT whose table has 512 rows and 64 lookups per batch: row-sparse for up to 4 ranks."""
+    from graphddp.workloads import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    g = torch.Generator().manual_seed(0)
+    return model, (torch.randint(0, 512, (4, 16), generator=g), torch.randint(0, 512, (4, 16), generator=g))

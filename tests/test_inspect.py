@@ -105,3 +105,43 @@ def test_a_weight_tied_across_a_graph_break(capsys: pytest.CaptureFixture, monke
     record = inspect_json(capsys, "inspect_factories:tied_across_break", "--bucket-cap-mb", "1e-6", "--first-bucket-cap-mb", "1e-6")
     assert len(record["graphs"]) == 2
     assert [b["params"] for b in record["buckets"]][-1] == ["wte.weight"]  # complete only after the embedding's backward
+
+
+def adopted_wide_plan(rank: int, world: int) -> tuple[str, list[list[str]]]:
+    from inspect_factories import wide_tied_gpt
+
+    torch._dynamo.reset()
+    module, (idx, targets) = wide_tied_gpt()
+    ddp = graphddp.DDP(module, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    for _ in range(2):
+        model(idx, targets).backward()
+    assert ddp.bucket_plan.source == "graph"
+    return ddp.bucket_plan.fingerprint, [list(b.names) for b in ddp.bucket_plan.buckets]
+
+
+def test_row_sparse_table_and_its_part_match_a_real_run_and_show_in_the_dump(
+    tmp_path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    args = ("inspect_factories:wide_tied_gpt", "--bucket-cap-mb", "0.004", "--first-bucket-cap-mb", "0.002")
+    record = inspect_json(capsys, *args, "--dump", str(tmp_path))
+    (graph,) = record["graphs"]
+    assert graph["buckets"][0]["params"][0]["part"] == "logits" and graph["buckets"][-1]["row_sparse"]
+    assert [(t["param"], t["part"]) for t in graph["taps"]] == [("wte.weight", "logits")]
+    assert "self.tap_0(" in (tmp_path / "rank0" / "graph0" / "split.py").read_text()
+    adopted = run_on_ranks(adopted_wide_plan, 2, timeout=300)
+    assert [fingerprint for fingerprint, _ in adopted] == [record["fingerprint"]] * 2
+    assert adopted[0][1][0] == ["wte.weight@logits"] and adopted[0][1][-1] == ["wte.weight[rows]"]
+    # Five ranks could touch 320 of the 512 rows: no longer row-sparse, no part.
+    five = inspect_json(capsys, *args, "--world-size", "5")
+    assert not five["graphs"][0]["taps"] and five["fingerprint"] != record["fingerprint"]
+
+
+
+def test_a_bad_world_size_is_one_line_and_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "graphddp.cli", "inspect", "gpt", "--size", "tiny", "--world-size", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stderr.strip() == "graphddp inspect: world size must be >= 1, got 0"
