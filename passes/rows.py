@@ -90,12 +90,15 @@ def row_sparse_params(params: Sequence[GraphParam], world_size: int) -> list[Row
         uses = [u for u in p.uses if u.differentiable]  # a detached or no_grad use sends no gradient back
         lookups = [u for u in uses if u.lookup]
         others = [u for u in uses if not u.lookup]
-        if len(p.spec.shape) != 2 or not p.is_input or not lookups or any(u.position < lookups[-1].position for u in others):
-            continue  # a get_attr table is copied into each segment: no segment input to tap
-        if any(u.indices is None for u in lookups):
+        if len(p.spec.shape) != 2 or not lookups:
             continue
-        if world_size * sum(u.indices or 0 for u in lookups) > ROW_SPARSE_MAX_DENSITY * p.spec.shape[0]:
+        if not p.is_input:  # get_attr: copied into each segment, so there is no segment input to tap
             continue
+        if any(u.position < lookups[-1].position for u in others):  # its part would be ready after the rows
+            continue
+        indices = [u.indices for u in lookups]
+        if None in indices or world_size * sum(i or 0 for i in indices) > ROW_SPARSE_MAX_DENSITY * p.spec.shape[0]:
+            continue  # the ranks might touch more than that share of the rows
         found.append(RowSparseParam(p.spec.name, p.node, tuple(lookups), tuple(others)))
     return found
 

@@ -311,6 +311,14 @@ def test_row_sparse_launch_in_one_process_keeps_the_table_and_falls_back_when_de
     assert launch.touched == 8 and not launch.sparse and torch.equal(result, torch.ones(8, 3))
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_option_is_validated_and_one_rank_plans_no_rows() -> None:
+    with pytest.raises(TypeError, match="sparse_embedding_grads must be True or False, got 'yes'"):
+        graphddp.DDP(Bag(), sparse_embedding_grads="yes")  # type: ignore[arg-type]
+    # Nothing to send at world size 1: no side group, no rows, no isolated table bucket.
+    assert not any(b.row_sparse for b in graphddp.DDP(Bag()).bucket_plan.buckets)
+
+
 def rows_against_dense(rank: int, world: int) -> list[str]:
     """Tables whose touched rows overlap, differ, hold a NaN on one rank, or are all zero: rows = dense sum."""
     side = dist.new_group(backend="gloo")
