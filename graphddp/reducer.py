@@ -549,7 +549,7 @@ class Reducer:
             self.usage_policy.observe(self._local_unused, counts)
             if self._ready_order is not None:
                 seen = set(self._ready_order)
-                rest = [i for b in self._buckets for i in b.param_indices if i not in seen]
+                rest = [i for i in dict.fromkeys(i for b in self._buckets for i in b.param_indices) if i not in seen]
                 self._rebuild_order, self._ready_order = self._ready_order + rest, None
         finally:
             self._armed = False
