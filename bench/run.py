@@ -42,8 +42,8 @@ class BenchOptions(BucketOptions):
     """The timed iterations are spread over this many rounds through all modes (bench/worker.py)."""
     warmup: int = 2
     pin: bool = True
-    """Pin each rank to a CPU of its own (when there are at least as many CPUs as ranks): every emulated host gets
-    its own processor, and the OS cannot stack two ranks' compute threads on one CPU (bench/worker.py)."""
+    """Pin each rank to CPUs of its own (an equal slice, when there is at least one CPU per rank): every emulated
+    host gets its own processors, and the OS cannot stack two ranks' compute threads on one CPU (bench/worker.py)."""
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""

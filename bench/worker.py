@@ -49,11 +49,11 @@ class PreparedMode:
 
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
-    if config.get("pin", False):
-        _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    pinned = config.get("pin", False) and _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if config.get("pin", False) else world)))
+    # Pinned, the CPUs this rank may use are its own; unpinned, the ranks share them.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if pinned else world)))
     say = print if rank == 0 else (lambda *a, **k: None)
     mode_config = ModeConfig(**config["mode_config"])
     modes, rounds = config["modes"], config["rounds"]
@@ -162,9 +162,9 @@ def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, float]] | No
     return [(e.kind, e.bucket, (e.t_ns - t0) / 1e6) for e in log.events]
 
 
-def _pin_to_own_cpu(rank: int, world: int) -> None:
+def _pin_to_own_cpu(rank: int, world: int) -> bool:
     """Rank r runs on the r-th slice of ``cpus // world`` of the CPUs this process may use (when there is at least
-    one for every rank); it then computes with that many threads.
+    one for every rank; returns whether it pinned); it then computes with that many threads.
 
     Called before the process group exists, so gloo's threads (created with it) inherit the affinity: each rank
     computes and communicates on CPUs of its own, as on a host with that many cores, where gloo's threads also
@@ -173,8 +173,10 @@ def _pin_to_own_cpu(rank: int, world: int) -> None:
     """
     cpus = sorted(os.sched_getaffinity(0))
     share = len(cpus) // world
-    if share >= 1:
-        os.sched_setaffinity(0, set(cpus[rank * share : (rank + 1) * share]))
+    if share < 1:  # more ranks than CPUs: nothing of its own to give each
+        return False
+    os.sched_setaffinity(0, set(cpus[rank * share : (rank + 1) * share]))
+    return True
 
 
 def _reset_peak_rss() -> None:

@@ -462,12 +462,16 @@ class Reducer:
         self.events.record("launch", bucket.index)
         if self._reduces_rows(bucket):
             # Step one of two (graphddp.rows): the rows touched here; the rest waits for the union.
-            assert self._usage_group is not None
-            launch = RowSparseLaunch(bucket.buffer, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
-            launch.begin()
-            self._row_pending = (bucket, launch)
+            self._row_pending = (bucket, self._begin_rows(bucket, bucket.buffer))
             return
         self._start(bucket, self._launch_dense(bucket))
+
+    def _begin_rows(self, bucket: FlatBucket, buffer: torch.Tensor) -> RowSparseLaunch:
+        """Start a row-sparse bucket's reduction of ``buffer`` (its own, or a joined rank's zeros): the mask."""
+        assert self._usage_group is not None
+        launch = RowSparseLaunch(buffer, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
+        launch.begin()
+        return launch
 
     def _reduces_rows(self, bucket: FlatBucket) -> bool:
         """Row-sparse buckets (Note [Row-sparse gradients]) under the default hook, on CPU, between ranks."""
@@ -636,9 +640,7 @@ class Reducer:
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.index == len(self._buckets) - 1)
             dense = lambda: self._comm.launch(lambda: self._hook(self._hook_state, grad_bucket))  # noqa: E731
             if self._reduces_rows(bucket):
-                assert self._usage_group is not None
-                launch = RowSparseLaunch(zeros, bucket.spec.params[0].shape[0], group=self._group, mask_group=self._usage_group)
-                launch.begin()
+                launch = self._begin_rows(bucket, zeros)
                 self._comm.wait(launch.finish(dense))
                 self._observe_rows(bucket, launch.sparse)
             else:
