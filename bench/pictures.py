@@ -72,7 +72,7 @@ def draw(summary: dict[str, Any], out: Path) -> list[Path]:
         rows = {"compute": 0.0, "segments": 0.33, "comm": 0.66}
         colors = {"compute": "#69c", "segments": "#fb4", "comm": "#c44"}
         for rank, timeline in enumerate(per_rank):
-            for name, start, end, row in _spans(timeline):
+            for _name, start, end, row in _spans(timeline):
                 y = rank + rows[row]
                 ax.broken_barh([(start, max(end - start, 0.05))], (y, 0.28), facecolors=colors[row], edgecolor="k", linewidth=0.3)
         ax.set_yticks([r + 0.5 for r in range(len(per_rank))], [f"rank {r}" for r in range(len(per_rank))])

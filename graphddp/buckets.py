@@ -2,19 +2,23 @@
 
 Lifecycle of one bucket in one iteration (Note [Bucket lifecycle]):
 
-    reset() ──► mark_ready(slot) × len(params) ──► start(future) ──► finish() -> reduced buffer
-      ▲                                                                              │
-      └──────────────────────────────────── next iteration ◄────────────────────────┘
+    reset() ──► mark_ready(slot) × len(params) ──► start(in_flight) ──► in_flight.wait() -> reduced buffer
+      ▲                                                                                       │
+      └──────────────────────────────────────── next iteration ◄─────────────────────────────┘
 
-``mark_ready`` returns True when the last slot arrives; the Reducer then *starts* the bucket, but only when all
-buckets with a smaller index have started, so every rank launches collectives in the same order.
+``mark_ready`` returns True when the last slot arrives; the launcher (``graphddp.launcher``) then *starts* the
+bucket, but only when all buckets with a smaller index have started, so every rank launches collectives in the
+same order. ``BucketSlots`` says where each parameter's gradient (and each part of one) lives in a plan's
+buckets.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .passes import Bucket
+from .passes import Bucket, BucketPlan
 
 
 class FlatBucket:
@@ -35,13 +39,14 @@ class FlatBucket:
             offset += p.numel
         self._ready = [False] * len(params)
         self._pending = len(params)
-        self.future: torch.futures.Future | None = None
+        self.in_flight: Any = None
+        """This iteration's reduction (``graphddp.reductions.InFlight``), once started."""
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
-        self.future = None
+        self.in_flight = None
 
     def is_ready(self, slot: int) -> bool:
         return self._ready[slot]
@@ -60,13 +65,45 @@ class FlatBucket:
     def missing_slots(self) -> list[int]:
         return [i for i, ready in enumerate(self._ready) if not ready]
 
-    def start(self, future: torch.futures.Future) -> None:
-        assert self.future is None, f"bucket {self.index} started twice"
-        self.future = future
+    def start(self, in_flight: Any) -> None:
+        assert self.in_flight is None, f"bucket {self.index} started twice"
+        self.in_flight = in_flight
 
     @property
     def started(self) -> bool:
-        return self.future is not None
+        return self.in_flight is not None
+
+
+class BucketSlots:
+    """A plan's flat buckets for the Reducer's parameters, and where each gradient lives in them.
+
+    ``slot[i]`` is parameter ``i``'s ``(bucket, slot)``; ``parts_of[i]`` the slots of its parts (a tied weight's
+    contributions reduced on their own, Note [Row-sparse gradients]); ``part_slot[(name, node)]`` the same by key.
+    """
+
+    def __init__(self, plan: BucketPlan, params: list[torch.nn.Parameter], index_of_name: dict[str, int]) -> None:
+        self.buckets: list[FlatBucket] = []
+        self.slot: list[tuple[int, int]] = [(-1, -1)] * len(params)
+        self.part_slot: dict[tuple[str, str], tuple[int, int]] = {}
+        self.parts_of: dict[int, list[tuple[int, int]]] = {}
+        for spec in plan.buckets:
+            indices = [index_of_name[p.name] for p in spec.params]
+            bucket = FlatBucket(spec, [params[i] for i in indices], indices)
+            self.buckets.append(bucket)
+            for slot, (i, p) in enumerate(zip(indices, spec.params)):
+                if p.part:
+                    self.part_slot[p.key] = (bucket.index, slot)
+                    self.parts_of.setdefault(i, []).append((bucket.index, slot))
+                else:
+                    self.slot[i] = (bucket.index, slot)
+
+    def view(self, where: tuple[int, int]) -> torch.Tensor:
+        bucket, slot = where
+        return self.buckets[bucket].views[slot]
+
+    def parts(self, i: int) -> list[torch.Tensor]:
+        """The bucket views of parameter ``i``'s parts (reduced before its own bucket, so added at write-back)."""
+        return [self.view(where) for where in self.parts_of.get(i, ())]
 
 
 class GradBucket:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import InspectError, inspect_target, render
+    from .inspection import InspectError, inspect_target, render
 
     try:
         inspection = inspect_target(

@@ -7,8 +7,8 @@ Everything goes through ``torch.distributed`` process groups; graphddp has no tr
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -183,3 +183,15 @@ class CudaCommStream:
 
 def comm_for(device: torch.device) -> HostComm | CudaCommStream:
     return CudaCommStream(device) if device.type == "cuda" else HostComm()
+
+
+def collective_device(group: dist.ProcessGroup, param_device: torch.device) -> torch.device:
+    """Where small bookkeeping collectives run: NCCL needs CUDA tensors, gloo takes CPU ones."""
+    if param_device.type == "cuda" and dist.get_backend(group) != "gloo":
+        return param_device
+    return torch.device("cpu")
+
+
+def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over the same ranks, off the main group's queue: the usage map and row-sparse masks."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)

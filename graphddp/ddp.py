@@ -18,8 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .comm import broadcast_coalesced, comm_for, verify_same_params
-from .passes import BucketCaps, ParamSpec, embedding_tables, plan_buckets
+from . import compile_target
+from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
+from .iteration import ActiveRanks
+from .passes import BucketCaps, ParamSpec, embedding_tables, plan_buckets, rows_apply
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
@@ -42,7 +44,7 @@ class BucketOptions:
     (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
     sparse_embedding_grads: bool = True
     """Reduce embedding tables' gradients as the rows some rank touched, and, compiled, send a tied table's other
-    contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.rows``). The
+    contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
     result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
     ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense."""
 
@@ -50,7 +52,7 @@ class BucketOptions:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        self.caps  # raises on a bad cap
+        _ = self.caps  # raises on a bad cap
 
     @property
     def caps(self) -> BucketCaps:
@@ -154,9 +156,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device = _single_device([p for _, p in module.named_parameters()], self.rank)
         self.device_ids = _check_device_ids(device_ids, output_device, self.device, self.rank)
 
-        # Row-sparse reduction needs a side group (several ranks) and runs on CPU buckets (CUDA: not measured yet).
-        self._reduces_rows = self.options.sparse_embedding_grads and self.world_size > 1 and self.device.type == "cpu"
-        row_sparse = embedding_tables(module) if self._reduces_rows else frozenset()
+        reduces_rows = rows_apply(
+            enabled=self.options.sparse_embedding_grads,
+            world_size=self.world_size,
+            device=str(self.device),
+            custom_comm_hook=False,
+        )
+        row_sparse = embedding_tables(module) if reduces_rows else frozenset()
         verify_same_params(
             [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in module.named_parameters()]
             + [ParamSpec.of(f"buffer {n}", b) for n, b in module.named_buffers()],
@@ -172,14 +178,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             caps=self.options.caps,
             source="registration",
         )
+        self._collective_device = collective_device(self.process_group, self.device)
+        self._active_ranks = ActiveRanks(self.world_size)
         self.reducer = Reducer(
             named,
             plan,
             process_group=self.process_group,
+            collective_device=self._collective_device,
             gradient_as_bucket_view=gradient_as_bucket_view,
             usage=self.options.usage_policy(),
             comm=comm_for(self.device),
+            active_ranks=self._active_ranks,
             row_sparse=row_sparse,
+            sparse_embedding_grads=self.options.sparse_embedding_grads,
         )
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
@@ -193,9 +204,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     # -- forward ---------------------------------------------------------------------------------------------
-    _active: DistributedDataParallel | None = None
-    """The graphddp.DDP whose module is running now: the compile backend plans for it (graphddp.backend)."""
-
     # Dynamo does not trace this frame (it runs eagerly: collectives, Join, Reducer bookkeeping) but does trace
     # what it calls, so under torch.compile only the user's module is captured, with no graph break of ours.
     @torch.compiler.disable(recursive=False)
@@ -203,18 +211,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._pre_forward()
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
-        previous, DistributedDataParallel._active = DistributedDataParallel._active, self
+        compile_target.enter(self.reducer)  # graphs Dynamo captures now are planned for this Reducer
         try:
             output = self.module(*inputs, **kwargs)
         finally:
-            DistributedDataParallel._active = previous
+            compile_target.leave()
         return self._post_forward(output)
 
     @torch.compiler.disable  # collectives and bookkeeping: never captured
     def _pre_forward(self) -> None:
         work = Join.notify_join_context(self)
         if work is not None:
-            self.reducer.active.set_join_work(work)
+            self._active_ranks.set_join_work(work)
         self.reducer.begin_forward(torch.is_grad_enabled())
         if self._will_sync_buffers():
             src = self._find_common_rank(True) if self._join_config.enable else 0
@@ -307,7 +315,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self.reducer._coll_device
+        return self._collective_device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -338,7 +346,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _shadow_iteration(self) -> None:
         """What a joined rank does while others still train: mirror their forward and backward collectives."""
-        self.reducer.replan(grad_enabled=True)
+        self.reducer.switch_plan(grad_enabled=True)
         if self._will_sync_buffers():
             self._broadcast_buffers(self._find_common_rank(False))
         should_sync = self._agree_on_backward_sync(joined=True)
@@ -362,7 +370,7 @@ class _DDPJoinHook(JoinHook):
 
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
-        ddp.reducer.divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._active_ranks.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         self.ddp._shadow_iteration()

@@ -16,16 +16,17 @@ from .plan import (
     plan_bucket_groups,
     plan_buckets,
 )
-from .rows import (
+from .plan_graph import plan_graph
+from .row_sparse import (
     ROW_SPARSE_MAX_DENSITY,
     RowSparseParam,
     embedding_tables,
     misplaced_parts,
-    plan_graph,
     row_sparse_params,
-    tap_parts,
+    rows_apply,
 )
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
+from .taps import place_taps, tap_parts
 
 __all__ = [
     "ROW_SPARSE_MAX_DENSITY",
@@ -46,11 +47,13 @@ __all__ = [
     "find_graph_params",
     "first_difference_across",
     "misplaced_parts",
+    "place_taps",
     "plan_bucket_groups",
     "plan_buckets",
     "plan_graph",
     "ready_groups",
     "row_sparse_params",
+    "rows_apply",
     "split_at_buckets",
     "tap_parts",
     "tensor_bytes",

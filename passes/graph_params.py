@@ -33,11 +33,10 @@ class GraphUse:
     lookup: bool
     """The node is an embedding lookup with the parameter as its table, whose gradient touches only the looked-up
     rows (``F.embedding``/``torch.embedding`` without ``max_norm`` or ``sparse``)."""
-    indices: int | None = None
-    """For a lookup: how many rows it looks up (the index tensor's size; with a dynamic shape, the size the graph
-    was captured with), None when unknown."""
     differentiable: bool = True
     """Its output can carry a gradient back to the parameter (False for ``.detach()``, or inside ``no_grad``)."""
+    positions: bool = False
+    """A lookup whose indices are ``torch.arange(...)``: positions, every row up to the sequence length."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,7 @@ def ready_groups(
     Groups come last-used-first (backward order). A group is indivisible: a node's parameters become ready
     together, so splitting them over two buckets could not give the two buckets different segments.
     ``row_sparse`` names the parameters whose gradient is reduced as rows, each with the uses whose
-    contributions are split off as parts (Note [Row-sparse gradients] in ``passes/rows.py``); a part is ready
+    contributions are split off as parts (Note [Row-sparse gradients] in ``passes/row_sparse.py``); a part is ready
     with the other parameters of its node.
     """
     row_sparse = row_sparse or {}
@@ -119,11 +118,8 @@ def ready_groups(
 
 
 def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:
-    differentiable = _carries_gradient(user)
-    indices = _lookup_indices(user, table)
-    if indices is None:
-        return GraphUse(position, user.name, False, differentiable=differentiable)
-    return GraphUse(position, user.name, True, _numel_hint(_value(indices)), differentiable)
+    lookup = _is_lookup(user, table)
+    return GraphUse(position, user.name, lookup, _carries_gradient(user), lookup and _is_arange(_lookup_input(user)))
 
 
 def _value(node: Any) -> Any:
@@ -139,37 +135,35 @@ def _carries_gradient(node: fx.Node) -> bool:
     return not tensors or any(t.requires_grad for t in tensors)
 
 
-def _numel_hint(value: Any) -> int | None:
-    """A tensor's element count; for a dynamic shape, the size it was captured with (None if unknown)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    numel = value.numel()
-    if isinstance(numel, int):
-        return numel
-    hint = getattr(getattr(numel, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
+def _lookup_input(user: fx.Node) -> Any:
+    """The index argument of an embedding lookup node."""
+    if user.target is torch.nn.functional.embedding:
+        return user.args[0] if user.args else user.kwargs.get("input")
+    return user.args[1] if len(user.args) > 1 else user.kwargs.get("input")
 
 
-def _lookup_indices(user: fx.Node, table: fx.Node) -> Any:
-    """The index argument when ``user`` looks rows of ``table`` up and its gradient for ``table`` touches only
-    those rows; None otherwise."""
+def _is_arange(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start)
+
+
+def _is_lookup(user: fx.Node, table: fx.Node) -> bool:
+    """Does ``user`` look rows of ``table`` up, with a gradient for ``table`` that touches only those rows?"""
     if user.op != "call_function":
-        return None
+        return False
     if user.target is torch.nn.functional.embedding:
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
     elif user.target is torch.embedding:
         names = ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse")
     else:
-        return None
+        return False
     args = dict(zip(names, user.args)) | dict(user.kwargs)
     # max_norm renormalises the looked-up rows in place; sparse=True makes a sparse gradient tensor.
-    lookup = (
+    return (
         args.get("weight") is table
         and args.get("input") is not table
         and args.get("max_norm") is None
         and not args.get("sparse", False)
     )
-    return args.get("input") if lookup else None
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

@@ -21,7 +21,7 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
 * every parameter's gradient is in exactly one bucket; besides, a tied embedding table may have *parts* (the
   contribution of one other use, ``ParamSpec.part``), each in a bucket no later than the table's own, and a
   row-sparse gradient (``ParamSpec.row_sparse``) is alone in its bucket (Note [Row-sparse gradients] in
-  ``passes/rows.py``).
+  ``passes/row_sparse.py``).
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
@@ -92,7 +92,7 @@ class ParamSpec:
     part: str = ""
     """Empty for the gradient autograd accumulates into ``.grad``. Otherwise a *part*: the contribution of the
     graph node named here to a tied weight's gradient, reduced on its own as soon as that node's backward has
-    run and added to the parameter's gradient afterwards (Note [Row-sparse gradients] in ``passes/rows.py``)."""
+    run and added to the parameter's gradient afterwards (Note [Row-sparse gradients] in ``passes/row_sparse.py``)."""
     row_sparse: bool = False
     """The gradient is expected to touch few rows (an embedding table's): its bucket holds it alone, and the
     Reducer may reduce only the rows some rank touched (Note [Row-sparse gradients])."""

@@ -57,7 +57,7 @@ class Segment:
 @dataclasses.dataclass(frozen=True)
 class Tap:
     """A tied weight's input to one segment goes through a tap, whose backward takes that segment's
-    contribution to the weight's gradient as a part of its own (Note [Row-sparse gradients])."""
+    contribution to the weight's gradient as a part of its own (Note [Row-sparse gradients] in ``passes/row_sparse.py``)."""
 
     param: str
     """The parameter's name."""
@@ -92,7 +92,7 @@ def assign_segments(gm: fx.GraphModule, params: Sequence[GraphParam], plan: Buck
     first_use = {p.spec.name: p.first_use for p in params}
 
     def ready_at(spec: ParamSpec) -> int | None:  # a part is ready after its own node's backward
-        return position[spec.part] if spec.part else first_use.get(spec.name)
+        return position.get(spec.part) if spec.part else first_use.get(spec.name)
 
     completes_at = {
         b.index: min(at for at in map(ready_at, b.params) if at is not None)

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from training import MLP, Case, batch_for  # noqa: E402
+
 import graphddp  # noqa: E402
 from graphddp.comm import CudaCommStream  # noqa: E402
-from training import MLP, Case, batch_for  # noqa: E402
 
 
 def train(ddp, rank: int, steps: int = 4) -> dict:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import graphddp
 from training import MLP, Case, batch_for
 
+import graphddp
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
@@ -78,7 +77,7 @@ def test_a_custom_compiler_function_compiles_every_segment() -> None:
 
 
 def graphddp_segments(ddp: graphddp.DDP) -> int:
-    return len(ddp.reducer.graph_plans.graphs[next(iter(ddp.reducer.graph_plans.graphs))].buckets)
+    return len(ddp.reducer.plans.graph_plans.graphs[next(iter(ddp.reducer.plans.graph_plans.graphs))].buckets)
 
 
 def test_a_no_grad_region_is_never_cut_so_every_gradient_survives_compilation() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import expect_failure_on_every_rank
 from torch import nn
+from training import MLP, Branchy, Case, batch_for
 
 import graphddp
-from ranks import expect_failure_on_every_rank
-from training import MLP, Branchy, Case, batch_for
 
 TIMEOUT = 60
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ranks import expect_failure_on_every_rank, run_on_ranks
 from torch import nn
+from training import MLP, Case, batch_for, build_model, forward_loss, make_hook
 
 import graphddp
 from graphddp.trace import EventLog
-from ranks import expect_failure_on_every_rank, run_on_ranks
-from training import MLP, Case, batch_for, build_model, forward_loss, make_hook
 
 CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
 

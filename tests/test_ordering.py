@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import run_on_ranks
 from torch import nn
+from training import IN, OUT, Case, batch_for, build_model
 
 import graphddp
 from graphddp.trace import EventLog
-from ranks import run_on_ranks
-from training import IN, OUT, Case, batch_for, build_model
 
 CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
 
@@ -51,7 +51,7 @@ def test_launch_in_index_order_on_every_rank_even_when_readiness_is_not(world: i
     for rank_launches in launches:
         for it in rank_launches:
             assert it == sorted(it) == list(range(len(it))) and len(it) > 2, rank_launches
-    assert all(l == launches[0] for l in launches), "ranks launched buckets in different orders"
+    assert all(other == launches[0] for other in launches), "ranks launched buckets in different orders"
 
     # First iteration, registration-order plan: the model runs its layers out of registration order, so some
     # bucket k completes before an earlier bucket j, and still waits for j's launch.

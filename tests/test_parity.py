@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ranks import run_on_ranks
 from training import Case, assert_same_on_all_ranks, state_of, train_ddp, train_single_process
 

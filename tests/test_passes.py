@@ -6,10 +6,6 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from graphddp.capture import capture_graphs, parameter_names
 from graphddp.passes import (
     BucketCaps,
     BucketPlan,
@@ -23,7 +19,11 @@ from graphddp.passes import (
     ready_groups,
     split_at_buckets,
 )
-from graphddp.proposals import GraphPlans, agreed, agreement_entries
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphddp.capture import capture_graphs, parameter_names
+from graphddp.plans import GraphPlans, agreed, agreement_entries
 from graphddp.workloads import build_workload
 
 
@@ -151,14 +151,17 @@ def test_a_weight_tied_across_a_graph_break_belongs_to_the_graph_that_runs_first
     assert [b.names for b in composite.buckets] == [("ln",), ("pos",), ("wte",)]
 
 
-def test_graph_plans_replace_recompiles_and_agreement_needs_every_rank() -> None:
+def test_a_recompile_finds_its_graphs_plan_and_agreement_needs_every_rank() -> None:
     specs = [ParamSpec(n, (4,), torch.float32, "cpu") for n in ("a", "b", "c")]
     current = plan_buckets(specs[::-1], caps=SMALL)
     plans = GraphPlans(specs)
     plans.propose("g0", current, current)
     assert plans.proposed is None and plans.tokens() == (0, 0)  # same as what runs: nothing to agree on
+    # A recompile (same parameters) is cut by the plan made before and proposes nothing (Note [Plan agreement]).
+    assert plans.plan_for(frozenset("abc")) is current and plans.plan_for(frozenset("ab")) is None
     other = plan_buckets(specs, caps=SMALL)
-    plans.propose("g1", other, current)  # a recompile of the same code replaces g0
+    plans = GraphPlans(specs)
+    plans.propose("g1", other, current)
     assert list(plans.graphs) == ["g1"] and isinstance(plans.proposed, BucketPlan)
     mine = plans.tokens()
     everyone = [3 * v for v in agreement_entries(mine)]

@@ -16,14 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-import graphddp
-from graphddp.capture import capture_graphs, parameter_names
 from graphddp.passes import (
+    Bucket,
     BucketCaps,
     BucketPlan,
-    Bucket,
     ParamSpec,
     compose_plans,
     embedding_tables,
@@ -35,11 +31,17 @@ from graphddp.passes import (
     split_at_buckets,
     tap_parts,
 )
-from graphddp.rows import DENSE_STREAK_LIMIT, RowSparseLaunch
-from graphddp.taps import GradientTap
+from ranks import run_on_ranks
+from torch import nn
+
+import graphddp
+from graphddp.buckets import FlatBucket
+from graphddp.capture import capture_graphs, parameter_names
+from graphddp.comm import HostComm
+from graphddp.gradient_tap import GradientTap
+from graphddp.reductions import DENSE_STREAK_LIMIT, CommHook, DenseReduction, RowSparseReduction
 from graphddp.trace import EventLog
 from graphddp.workloads import GPT, GPTConfig
-from ranks import run_on_ranks
 
 VOCAB = 512  # 4 x 16 tokens per rank: at most 192 of 512 rows on 3 ranks, so the table is row-sparse
 TINY = BucketCaps(bucket=2048, first=1024, last=512)
@@ -138,11 +140,11 @@ class TakesParts:
         return True
 
 
-def tokens(model: str, step: int, micro: int, rank: int, vocab: int = VOCAB) -> tuple[torch.Tensor, ...]:
+def tokens(model: str, step: int, micro: int, rank: int, vocab: int = VOCAB, batch: int = 4) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank + 1)
     if model == "bag":
-        return torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, 8, (4,), generator=g)
-    return torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g)
+        return torch.randint(0, vocab, (batch, 8), generator=g), torch.randint(0, 8, (batch,), generator=g)
+    return torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g)
 
 
 def capture(model: nn.Module, *inputs: Any):
@@ -154,9 +156,9 @@ def capture(model: nn.Module, *inputs: Any):
 def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() -> None:
     model = tied_gpt()
     captured, params = capture(model, *tokens("gpt", 0, 0, 0))
-    (table,) = row_sparse_params(params, world_size=2)
+    (table,) = row_sparse_params(params)
     assert table.name == "wte.weight" and [u.node for u in table.parts] == ["logits"]
-    split = plan_graph(captured.gm, params, TINY, world_size=2)
+    split = plan_graph(captured.gm, params, TINY)
     plan = split.plan
     assert plan.buckets[0].names == ("wte.weight@logits",)  # ready first: the output layer's backward
     assert plan.buckets[-1].names == ("wte.weight[rows]",) and plan.buckets[-1].row_sparse
@@ -168,18 +170,22 @@ def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() ->
     assert not any(b.row_sparse for b in plan.buckets[:-1])
 
 
-def test_the_row_bound_counts_every_rank() -> None:
-    captured, params = capture(tied_gpt(), *tokens("gpt", 0, 0, 0))
-    # 64 lookups per rank in 512 rows: sparse for 4 ranks (256 rows at most), not for 5.
-    assert [r.name for r in row_sparse_params(params, world_size=4)] == ["wte.weight"]
-    assert row_sparse_params(params, world_size=5) == []
-    assert "@" not in "".join(n for b in plan_graph(captured.gm, params, TINY, world_size=5).plan.buckets for n in b.names)
+def test_the_plan_depends_on_the_graph_not_on_the_batch() -> None:
+    # How many rows a batch touches is left to the all-reduced mask each iteration, so ranks with different batch
+    # sizes (a short last batch, uneven shards) plan alike (Note [Row-sparse gradients], Note [Plan agreement]).
+    model = tied_gpt()
+    fingerprints = set()
+    for batch in (1, 4, 32):  # 32 x 16 lookups could touch every one of the 512 rows
+        captured, params = capture(model, *tokens("gpt", 0, 0, 0, batch=batch))
+        assert [r.name for r in row_sparse_params(params)] == ["wte.weight"]
+        fingerprints.add(plan_graph(captured.gm, params, TINY).plan.fingerprint)
+    assert len(fingerprints) == 1
 
 
 def test_the_stitched_graph_with_taps_computes_the_same_values_and_gradients() -> None:
     model = tied_gpt()
     captured, params = capture(model, *tokens("gpt", 0, 0, 0))
-    split = plan_graph(captured.gm, params, TINY, world_size=2)
+    split = plan_graph(captured.gm, params, TINY)
     (reference,) = captured.gm(*captured.example_inputs)  # Dynamo's graphs return a tuple
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -212,31 +218,31 @@ def test_the_stitched_graph_with_taps_computes_the_same_values_and_gradients() -
 
 def test_parts_that_the_cut_cannot_separate_are_planned_dense() -> None:
     captured, params = capture(TwoHeads(), tokens("gpt", 0, 0, 0)[0])
-    (table,) = row_sparse_params(params, world_size=2)
+    (table,) = row_sparse_params(params)
     assert len(table.parts) == 2  # the two output products
-    fine = plan_graph(captured.gm, params, BucketCaps(bucket=1, first=1, last=1), world_size=2)
+    fine = plan_graph(captured.gm, params, BucketCaps(bucket=1, first=1, last=1))
     assert len(fine.taps) == 2 and len({t.segment for t in fine.taps}) == 2 and not misplaced_parts(fine, [table])
     # One bucket for everything: one segment, so no tap can separate anything: no parts, no rows.
-    whole = plan_graph(captured.gm, params, BucketCaps(bucket=1 << 30, first=1 << 30, last=1 << 30), world_size=2)
+    whole = plan_graph(captured.gm, params, BucketCaps(bucket=1 << 30, first=1 << 30, last=1 << 30))
     assert whole.taps == () and not any(b.row_sparse for b in whole.plan.buckets) and whole.plan.parts == ()
 
 
 def test_a_use_before_the_lookup_or_a_forbidden_lookup_keeps_the_table_dense() -> None:
     captured, params = capture(UsedBeforeLookup(), tokens("gpt", 0, 0, 0)[0])
-    assert row_sparse_params(params, world_size=2) == []
+    assert row_sparse_params(params) == []
 
     captured, params = capture(MaxNorm(), tokens("gpt", 0, 0, 0)[0])
-    assert row_sparse_params(params, world_size=2) == []
+    assert row_sparse_params(params) == []
 
 
 def test_a_detached_use_is_no_part_and_a_get_attr_table_is_not_tapped() -> None:
     captured, params = capture(DetachedUse(), tokens("gpt", 0, 0, 0)[0])
-    (table,) = row_sparse_params(params, world_size=2)
+    (table,) = row_sparse_params(params)
     assert len(table.parts) == 1  # the output product; the detached norm sends nothing back
     # symbolic_trace brings parameters in with get_attr: copied into every segment, there is no input to tap.
     traced = torch.fx.symbolic_trace(TwoHeads())
     params = find_graph_params(traced, [], parameter_names(traced))
-    assert [p.is_input for p in params] == [False] * len(params) and row_sparse_params(params, world_size=2) == []
+    assert [p.is_input for p in params] == [False] * len(params) and row_sparse_params(params) == []
 
 
 def test_eager_candidates_are_unshared_embedding_tables() -> None:
@@ -290,13 +296,15 @@ def test_compose_keeps_each_part_once_and_the_whole_gradient_with_the_first_grap
 
 
 # -- the two-step reduction ---------------------------------------------------------------------------------------
-def reduce_rows(table: torch.Tensor, mask_group: Any) -> tuple[torch.Tensor, RowSparseLaunch]:
-    """``table`` reduced by ``RowSparseLaunch`` on the world group, as the Reducer drives it (dense: sum)."""
-    launch = RowSparseLaunch(table.view(-1), table.shape[0], group=dist.group.WORLD, mask_group=mask_group)
-    launch.begin()
-    dense = lambda: dist.all_reduce(table, async_op=True).get_future()  # noqa: E731
-    result = launch.unpack(launch.finish(dense).wait())
-    return (result if isinstance(result, torch.Tensor) else result[0]).view_as(table), launch
+def reduce_rows(table: torch.Tensor, mask_group: Any) -> tuple[torch.Tensor, Any]:
+    """``table`` reduced by ``RowSparseReduction`` on the world group, as the launcher drives it (dense: sum)."""
+    spec = plan_buckets([ParamSpec.of("t", table, row_sparse=True)], caps=TINY).buckets[0]
+    bucket = FlatBucket(spec, [nn.Parameter(table.clone())], [0])
+    summed = CommHook(None, lambda state, b: dist.all_reduce(b.buffer(), async_op=True).get_future(), custom=True)
+    reduction = RowSparseReduction(DenseReduction(summed, HostComm(), dist.get_rank()), group=dist.group.WORLD, mask_group=mask_group)
+    in_flight = reduction.start(bucket, table.view(-1), is_last=True)
+    in_flight.commit()
+    return in_flight.wait().view_as(table), in_flight
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -305,10 +313,10 @@ def test_row_sparse_launch_in_one_process_keeps_the_table_and_falls_back_when_de
     table[[1, 6]] = torch.tensor([[1.0, -2.0, 0.0], [float("nan"), 0.0, 0.0]])
     expected = table.clone()
     result, launch = reduce_rows(table, dist.group.WORLD)
-    assert launch.touched == 2 and launch.sparse and result.data_ptr() == table.data_ptr()
+    assert launch.touched == 2 and launch.outcome[0] == "rows" and result.data_ptr() == table.data_ptr()
     torch.testing.assert_close(result, expected, equal_nan=True)
     result, launch = reduce_rows(torch.ones(8, 3), dist.group.WORLD)
-    assert launch.touched == 8 and not launch.sparse and torch.equal(result, torch.ones(8, 3))
+    assert launch.touched == 8 and launch.outcome[0] == "dense" and torch.equal(result, torch.ones(8, 3))
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -365,6 +373,8 @@ class RowsCase:
     """From this step on, half the batch: Dynamo recompiles, and the backend plans again."""
     hook_at: int | None = None
     """Register ``fp16_compress_hook`` before this step (both DDPs)."""
+    batch_sizes: tuple[tuple[int, ...], ...] = ()
+    """Rank r's batch size at each step (``batch_sizes[r][step]``); empty: 4 everywhere."""
     tolerance: tuple[tuple[str, float], ...] = ()
 
 
@@ -375,13 +385,16 @@ def build_rows_model(case: RowsCase) -> nn.Module:
     if case.model == "bag":
         return Bag(case.vocab)
     module = tied_gpt(case.vocab)
+    if case.model == "gpt_untied":  # the output layer gets a weight of its own
+        module.lm_head.weight = nn.Parameter(module.wte.weight.detach().clone())
     if case.model == "broken":
         module.__class__ = BrokenGPT  # same parameters, a graph break before the output layer
     return module
 
 
 def rows_step(model: nn.Module, case: RowsCase, step: int, micro: int, rank: int, grads: list[Any]) -> None:
-    batch = tokens("bag" if case.model == "bag" else "gpt", step, micro, rank, case.vocab)
+    size = case.batch_sizes[rank][step] if case.batch_sizes else 4
+    batch = tokens("bag" if case.model == "bag" else "gpt", step, micro, rank, case.vocab, size)
     if case.shrink_batch_at is not None and step >= case.shrink_batch_at:
         batch = tuple(t[:2] for t in batch)
     loss = model(*batch)
@@ -391,7 +404,8 @@ def rows_step(model: nn.Module, case: RowsCase, step: int, micro: int, rank: int
     loss.backward()
 
 
-def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[Any], list[Any]]:
+def train_rows(impl: str, case: RowsCase, rank: int, states: list[Any] | None = None) -> tuple[nn.Module, list[Any], list[Any]]:
+    """Train ``case``; ``states`` (if given) receives the module's state after every optimizer step."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     module = build_rows_model(case)
@@ -418,6 +432,8 @@ def train_rows(impl: str, case: RowsCase, rank: int) -> tuple[nn.Module, list[An
             opt.step()
             opt.zero_grad(set_to_none=True)
             events.append([(e.kind, e.bucket, e.param) for e in log.events])
+            if states is not None:
+                states.append({k: v.detach().clone() for k, v in ddp.module.state_dict().items()})
     return ddp, events, grads
 
 
@@ -538,3 +554,41 @@ def test_a_hook_registered_after_compile_warns_and_reduces_parts_densely() -> No
         (warning,) = [w for w in result["warnings"] if "comm hook was registered after torch.compile" in w]
         assert f"[rank {rank}]" in warning and "wte.weight@logits" in warning
         assert outcomes(result["events"][-1]) == []  # the hook reduces every bucket
+
+
+# -- ranks that see different batch sizes (Note [Plan agreement]) --------------------------------------------------
+def uneven_batches(rank: int, world: int, case: RowsCase) -> dict[str, Any]:
+    """Parity with PyTorch's DDP after every step while the ranks' batch sizes differ (recompiles on some ranks)."""
+    torch._dynamo.reset()
+    ours_states: list[Any] = []
+    theirs_states: list[Any] = []
+    ours, events, _ = train_rows("graphddp", case, rank, ours_states)
+    train_rows("torch", case, rank, theirs_states)
+    for step, (a, b) in enumerate(zip(ours_states, theirs_states, strict=True)):
+        torch.testing.assert_close(a, b, msg=lambda m, step=step: f"step {step}: {m}")
+    return {"fingerprint": ours.bucket_plan.fingerprint, "source": ours.bucket_plan.source, "events": events}
+
+
+def schedule(world: int, kind: str, steps: int = 5) -> tuple[tuple[int, ...], ...]:
+    if kind == "fixed":  # 4, 6, 8 rows per rank, every step
+        return tuple((4 + 2 * r,) * steps for r in range(world))
+    if kind == "shrink_and_grow":  # rank 0 has one short batch in the middle
+        return tuple((6, 6, 4, 6, 6) if r == 0 else (6,) * steps for r in range(world))
+    if kind == "last_partial":  # DataLoader(drop_last=False) over uneven shards: a short last batch
+        return tuple((6,) * (steps - 1) + (1 + r,) for r in range(world))
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("model", ["gpt", "gpt_untied"])
+@pytest.mark.parametrize("kind", ["fixed", "shrink_and_grow", "last_partial"])
+def test_compiled_tables_train_when_ranks_see_different_batch_sizes(kind: str, model: str, world: int) -> None:
+    case = RowsCase(model=model, vocab=2048, steps=5, batch_sizes=schedule(world, kind))
+    results = run_on_ranks(uneven_batches, world, case, timeout=300)
+    assert len({r["fingerprint"] for r in results}) == 1 and {r["source"] for r in results} == {"graph"}
+    for result in results:
+        last = result["events"][-1]
+        # The table's rows (at most 3 ranks x 8 x 16 of 2048 rows) are still reduced as rows at the end.
+        assert outcomes(last) == ["rows"], last
+        if model == "gpt":
+            assert any(e[0] == "ready" and e[2] == "wte.weight@logits" for e in last), "the part was not taken"

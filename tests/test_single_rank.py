@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training import MLP, Branchy, Case, batch_for, forward_loss
 
 import graphddp
 from graphddp.trace import EventLog
-from training import MLP, Branchy, batch_for, Case, forward_loss
-
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
-def step(ddp: nn.Module, case: Case = Case(), seed: int = 0) -> torch.Tensor:
+def step(ddp: nn.Module, case: Case | None = None, seed: int = 0) -> torch.Tensor:
+    case = case or Case()
     x, y = batch_for(case, seed, 0, 0)
     loss = forward_loss(ddp, case, x, y, rank=0)
     loss.backward()

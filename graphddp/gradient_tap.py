@@ -1,5 +1,5 @@
 """Taps: how a part of a tied weight's gradient reaches its own bucket (Note [Row-sparse gradients] in
-``passes/rows.py``).
+``passes/row_sparse.py``).
 
 ``tap_parts`` puts a ``GradientTap`` between the weight and a segment of the stitched graph that uses it. Forward,
 the tap is the identity (a view of the weight). Backward, it receives that segment's contribution to the weight's
@@ -19,21 +19,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compile_target import PartSink
+
 
 class GradientTap(nn.Module):
-    """Identity forward; backward hands the gradient to ``reducer.take_part(key, grad)``."""
+    """Identity forward; backward hands the gradient to ``sink.take_part(key, grad)`` (the Reducer)."""
 
-    def __init__(self, reducer: Any, param: str, part: str) -> None:
+    def __init__(self, sink: PartSink | None, param: str, part: str) -> None:
         super().__init__()
-        self._reducer = weakref.ref(reducer) if reducer is not None else None
+        self._sink = weakref.ref(sink) if sink is not None else None
         self.key = (param, part)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return _Tap.apply(weight, self)
 
     def take(self, grad: torch.Tensor) -> bool:
-        reducer = self._reducer() if self._reducer is not None else None
-        return reducer is not None and reducer.take_part(self.key, grad)
+        sink = self._sink() if self._sink is not None else None
+        return sink is not None and sink.take_part(self.key, grad)
 
     def extra_repr(self) -> str:
         return f"{self.key[0]}@{self.key[1]}"

@@ -1,9 +1,9 @@
 """``graphddp inspect TARGET``: the bucket plan and split of a model, in one process, with no ranks.
 
 TARGET is a built-in workload (``gpt``, ``mlp``, ``cnn``) or ``package.module:factory``, a function returning
-``(model, example_inputs)``. The model is captured with Dynamo once, and the same passes the backend runs
-(``graphddp.passes``) produce the plan: the result equals what ``graphddp.backend`` adopts in a real run with the
-same caps. Nothing is compiled unless ``--dump`` asks for the AOT graphs.
+``(model, example_inputs)``. The model is captured with Dynamo once, and the same pipeline the backend runs
+(``graphddp.graph_pipeline``) produces the plan: the result equals what ``graphddp.backend`` adopts in a real run
+with the same caps. Nothing is compiled; ``--dump`` traces the AOT graphs of each segment.
 """
 
 from __future__ import annotations
@@ -19,19 +19,8 @@ from torch import nn
 
 from .capture import capture_graphs, parameter_names
 from .dump import DebugDump, versions
-from .taps import GradientTap
-from .passes import (
-    BucketPlan,
-    GraphSplit,
-    ParamSpec,
-    BucketCaps,
-    compose_plans,
-    embedding_tables,
-    find_graph_params,
-    plan_graph,
-    split_at_buckets,
-    tap_parts,
-)
+from .graph_pipeline import lower_graph, prepare_graph
+from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, compose_plans, embedding_tables, rows_apply
 from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .workloads import SIZES, WORKLOADS, build_workload
 
@@ -52,7 +41,7 @@ class Inspection:
     target: str
     graphs: list[GraphReport]
     plan: BucketPlan
-    """The plan the Reducer would run: the graphs' plans composed (see ``graphddp.proposals``)."""
+    """The plan the Reducer would run: the graphs' plans composed (see ``graphddp.plans``)."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -98,19 +87,19 @@ def inspect_target(
     if not names:
         raise InspectError(f"{target}: the model has no parameter that requires a gradient; there is nothing to plan")
     writer = DebugDump(dump) if dump is not None else None
-    row_sparse = sparse_embedding_grads and world_size > 1  # as graphddp.DDP decides (on CPU)
+    # As graphddp.DDP decides for a CPU model under the default comm hook.
+    row_sparse = rows_apply(enabled=sparse_embedding_grads, world_size=world_size, device="cpu", custom_comm_hook=False)
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
-        params = find_graph_params(captured.gm, captured.example_inputs, names)
-        if not params:
+        prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=caps, row_sparse=row_sparse)
+        if prepared is None:
             continue
-        split = plan_graph(captured.gm, params, caps, world_size=world_size, row_sparse=row_sparse)
-        graphs.append(GraphReport(f"graph{i}", split.plan, split))
+        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split))
         if writer is not None:
-            _dump(writer, f"graph{i}", captured, split.plan, split)
+            lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()
     specs = [ParamSpec.of(n, p, row_sparse=n in tables) for n, p in model.named_parameters() if p.requires_grad]
-    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.proposals).
+    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.plans).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
     return Inspection(target, graphs, plan)
 
@@ -141,33 +130,6 @@ def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module
         raise InspectError(f"{target} must return (model, example_inputs), got {type(made).__name__}")
     model, inputs = made
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def _dump(writer: DebugDump, name: str, captured: Any, plan: BucketPlan, split: GraphSplit) -> None:
-    folder = writer.graph_folder(name)
-    split_gm = split_at_buckets(captured.gm, split) if split.num_segments > 1 else None
-    if split_gm is not None:
-        tap_parts(split_gm, split, lambda tap: GradientTap(None, tap.param, tap.part))  # as the backend does
-    writer.write_graph(folder, graph=name, captured=captured.gm, plan=plan, split=split, split_gm=split_gm)
-    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    modules = {n: m for n, m in split_gm.named_children() if n.startswith("submod_")} if split_gm is not None else {"graph": captured.gm}
-    # Inputs of each segment: run the stitched module once with an interpreter that records them, in fake mode.
-    inputs = _segment_inputs(split_gm, captured.example_inputs, fake_mode) if split_gm is not None else {"graph": captured.example_inputs}
-    writer.write_aot(folder, {n: (m, inputs[n]) for n, m in modules.items()}, fake_mode)
-
-
-def _segment_inputs(split_gm: Any, example_inputs: list[Any], fake_mode: Any) -> dict[str, list[Any]]:
-    recorded: dict[str, list[Any]] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-            recorded[str(target)] = list(args)
-            return super().call_module(target, args, kwargs)
-
-    with fake_mode:
-        fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-        Recorder(split_gm).run(*fakes)
-    return recorded
 
 
 def _shorten(rows: list[list[Any]], width: int = 70) -> list[list[Any]]:

@@ -1,0 +1,79 @@
+"""What the compile backend and a graphddp.DDP say to each other: a small typed interface, and which DDP is running.
+
+``graphddp.DDP.forward`` runs its module between ``enter(reducer)`` and ``leave()``; the backend, called by Dynamo while it
+captures that module, asks ``running()`` whom it plans for. It sees only this ``CompileTarget`` (implemented by
+the Reducer), never the DDP module or the Reducer's attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from .passes import BucketCaps, BucketPlan
+
+
+class Events(Protocol):
+    recording: bool
+
+    def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None: ...
+
+
+class PartSink(Protocol):
+    """Where a tap's backward hands a part of a tied weight's gradient (``graphddp.gradient_tap``)."""
+
+    def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
+        """True: the part is in its bucket slot. False: the tap must pass it on to ``.grad``."""
+        ...
+
+
+class CompileTarget(PartSink, Protocol):
+    """What the backend needs from the DDP whose module Dynamo is capturing."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def caps(self) -> BucketCaps: ...
+
+    @property
+    def reduces_rows(self) -> bool:
+        """Row-sparse tables and parts are in use (``graphddp.passes.rows_apply``)."""
+        ...
+
+    @property
+    def events(self) -> Events: ...
+
+    def params_by_id(self) -> Mapping[int, str]:
+        """``id(param)`` to name, for every parameter the Reducer covers."""
+        ...
+
+    def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
+        """The plan already made for a graph with exactly these parameters: a recompile is cut by it."""
+        ...
+
+    def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
+        """A new graph's plan, adopted once every rank agrees (Note [Plan agreement] in ``graphddp.plans``)."""
+        ...
+
+
+_running: list[CompileTarget] = []
+
+
+# Called from graphddp.DDP.forward, whose frame Dynamo skips but whose callees it traces: kept out of the graph.
+@torch.compiler.disable
+def enter(target: CompileTarget) -> None:
+    """Graphs Dynamo captures from now until ``leave()`` belong to ``target`` (nested DDPs: the innermost)."""
+    _running.append(target)
+
+
+@torch.compiler.disable
+def leave() -> None:
+    _running.pop()
+
+
+def running() -> CompileTarget | None:
+    """The target of the graphddp.DDP forward running now, if any."""
+    return _running[-1] if _running else None

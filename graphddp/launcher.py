@@ -1,0 +1,110 @@
+"""The one place buckets are launched: in index order, when ready, for backward and for join's shadow alike.
+
+A bucket that is ready early waits for its predecessors, so every rank issues collectives in the same order.
+Each bucket is launched through its reduction strategy (``graphddp.reductions``); a strategy may leave a second
+collective to ``commit``, which the launcher issues before the next bucket's launch or before awaiting the
+bucket, whichever comes first: again the same point on every rank.
+
+Custom comm hooks may chain further collectives in future callbacks (PowerSGD does, from gloo's threads). If
+bucket k+1 were launched while bucket k's chain still runs, the two would interleave differently on each rank:
+a collective mismatch (PyTorch's DDP hangs this way with PowerSGD on gloo and several buckets). So with a custom
+hook, bucket k+1 starts only once bucket k's future has completed (``ChainedLaunch``); collectives of one group
+run one at a time anyway, so little overlap is lost. Hooks known to issue exactly one collective (graphddp's
+own, and PyTorch's ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) launch every ready bucket
+at once (``EagerLaunch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .buckets import FlatBucket
+from .reductions import InFlight
+
+
+class EagerLaunch:
+    """Launch a complete bucket at once: the hook issues one collective and chains none."""
+
+    @staticmethod
+    def may_launch(previous: FlatBucket | None) -> bool:
+        return True
+
+
+class ChainedLaunch:
+    """Launch a bucket only after its predecessor's result is there (see the module docstring)."""
+
+    @staticmethod
+    def may_launch(previous: FlatBucket | None) -> bool:
+        return previous is None or (previous.in_flight is not None and previous.in_flight.done())
+
+
+class Launcher:
+    """Launches the buckets of one plan under one comm hook; rebuilt when either changes."""
+
+    def __init__(self, buckets: Sequence[FlatBucket], reductions: Sequence[Any], policy: EagerLaunch | ChainedLaunch, events: Any) -> None:
+        assert len(buckets) == len(reductions)
+        self.buckets, self.reductions, self.policy, self.events = list(buckets), list(reductions), policy, events
+        self._next = 0
+        self._open: tuple[int, InFlight] | None = None  # launched last, maybe with a collective left to commit
+
+    def reset(self) -> None:
+        """A new backward: nothing launched."""
+        self._next, self._open = 0, None
+
+    def launch_ready(self) -> bool:
+        """Launch every complete bucket the order allows; True once all are launched."""
+        buckets = self.buckets
+        while (
+            self._next < len(buckets)
+            and buckets[self._next].complete
+            and self.policy.may_launch(buckets[self._next - 1] if self._next else None)
+        ):
+            bucket = buckets[self._next]
+            bucket.start(self._launch(bucket, bucket.buffer))
+            self._next += 1
+        return self._next == len(buckets)
+
+    def reduced_in_order(self) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
+        """End of backward: each bucket and its reduced buffer, in index order (buckets ``ChainedLaunch`` held
+        back are launched as their predecessors finish)."""
+        for bucket in self.buckets:
+            if not bucket.started:
+                self.launch_ready()
+            self._commit_open()
+            assert bucket.in_flight is not None, f"bucket {bucket.index} was never launched"
+            yield bucket, bucket.in_flight.wait()
+
+    def shadow(self) -> None:
+        """A joined rank's stand-in for one backward: every bucket launched on zeros and awaited, one after the
+        other (the same sequence of collectives as either launch policy)."""
+        self.reset()
+        for bucket in self.buckets:
+            in_flight = self._launch(bucket, torch.zeros_like(bucket.buffer))
+            self._commit_open()
+            in_flight.wait()
+
+    def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
+        self._commit_open()  # the previous bucket's last collective goes first, on every rank
+        self.events.record("launch", bucket.index)
+        in_flight = self.reductions[bucket.index].start(bucket, buffer, bucket.index == len(self.buckets) - 1)
+        self._open = (bucket.index, in_flight)
+        self._watch(bucket.index, in_flight)
+        return in_flight
+
+    def _commit_open(self) -> None:
+        if self._open is None:
+            return
+        (index, in_flight), self._open = self._open, None
+        watched = in_flight.future is not None
+        in_flight.commit()
+        if in_flight.outcome is not None:
+            self.events.record(in_flight.outcome[0], index, in_flight.outcome[1])
+        if not watched:
+            self._watch(index, in_flight)
+
+    def _watch(self, index: int, in_flight: InFlight) -> None:
+        if self.events.recording and in_flight.future is not None:  # completion times, for timelines
+            in_flight.future.add_done_callback(lambda _f: self.events.record("done", index))

@@ -1,0 +1,239 @@
+"""Which bucket plan the Reducer runs, and when it switches: the ready-order rebuild, the compiled graphs' plans,
+and the step in which the ranks agree on one.
+
+Note [Plan agreement]
+~~~~~~~~~~~~~~~~~~~~~
+A plan changes the collectives every rank issues, so every rank must switch to the same plan at the same
+iteration. Three sources of a new plan, all switched to at the start of a forward (``next_plan``), never under a
+backward in flight:
+
+* **ready order** (eager): after the first synchronised backward, the order in which gradients became ready,
+  rank 0's order broadcast (as PyTorch's DDP rebuilds its buckets once);
+* **graph plans** (compiled): the backend plans each graph Dynamo captures while it compiles, in the middle of a
+  forward, possibly on one rank only. It must not issue a collective there, so it only *proposes* the plan
+  (``GraphPlans``): the composite of all graphs' plans in forward order. At the end of every synchronising
+  forward each rank contributes two tokens of its proposal (two 20-bit slices of its fingerprint, plus one; 0
+  for "none"), each with its square, to **one small all-reduce on the main group, of its own**: not folded into
+  the unused-parameter search, so it runs whatever ``find_unused_parameters`` and ``static_graph`` say. The sums
+  equal ``n * token`` and ``n * token**2`` exactly when every rank contributed the same token (equality in
+  Cauchy-Schwarz). At the next forward every rank adopts the proposal, or, when the tokens disagree, every rank
+  gathers the plans and raises the same error naming the first differing bucket (with
+  ``find_unused_parameters=True``, where ranks may legitimately capture different branches, it warns and keeps
+  the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other;
+* **tables gone dense**: a row-sparse table with parts that gave up rows (``graphddp.reductions``) is re-planned
+  without its parts; every rank saw the same all-reduced outcomes, so every rank does it at the same forward.
+
+A plan is a function of data every rank agrees on: the graph's structure and the caps (``plan_graph``), never one
+rank's batch. And a graph is planned once: a **recompile** of a graph (same parameters; a shorter last batch, a
+shape only one rank saw, dynamic shapes) is cut by the plan made for it before (``plan_for_graph``) and proposes
+nothing, so a rank that recompiles alone keeps the collective order of the others. Where the new graph's natural
+cut would differ, the split follows the agreed plan: buckets still launch in plan order, only perhaps later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_bytes
+from .passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
+
+logger = logging.getLogger(__name__)
+
+
+class GraphPlans:
+    """The graph plans proposed so far, composed into the one plan the Reducer would switch to."""
+
+    def __init__(self, specs_in_registration_order: Sequence[ParamSpec]) -> None:
+        self._specs = list(specs_in_registration_order)
+        self._by_graph: dict[str, BucketPlan] = {}  # in the order forward first ran them
+        self.proposed: BucketPlan | None = None
+
+    def propose(self, graph: str, plan: BucketPlan, current: BucketPlan) -> None:
+        """Record ``plan`` for ``graph``, compiled now for the first time (graphs are first compiled in the order
+        forward runs them)."""
+        self._by_graph[graph] = plan
+        composite = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
+        self.proposed = None if composite.fingerprint == current.fingerprint else composite
+
+    def plan_for(self, params: frozenset[str]) -> BucketPlan | None:
+        """The plan made for an earlier graph with exactly these parameters (a recompile cuts by it)."""
+        return next((plan for plan in self._by_graph.values() if set(plan.param_names) == params), None)
+
+    @property
+    def graphs(self) -> dict[str, BucketPlan]:
+        return dict(self._by_graph)
+
+    def tokens(self) -> tuple[int, int]:
+        """What this rank contributes to the agreement (see the Note); zeros when nothing is proposed."""
+        if self.proposed is None:
+            return (0, 0)
+        fingerprint = self.proposed.fingerprint
+        return (int(fingerprint[:5], 16) + 1, int(fingerprint[5:10], 16) + 1)
+
+    def take(self) -> BucketPlan | None:
+        proposed, self.proposed = self.proposed, None
+        return proposed
+
+
+def agreement_entries(tokens: tuple[int, ...]) -> list[int]:
+    """The entries a rank adds to the agreement all-reduce: each token and its square."""
+    return [v for t in tokens for v in (t, t * t)]
+
+
+def agreed(tokens: tuple[int, ...], sums: list[int], ranks: int) -> bool | None:
+    """True: every rank proposed this plan. False: ranks disagree. None: nobody proposed anything.
+
+    ``sums`` are the all-reduced ``agreement_entries`` of ``ranks`` ranks.
+    """
+    if not any(sums):
+        return None
+    return all(t != 0 and s == ranks * t and q == ranks * t * t for t, s, q in zip(tokens, sums[0::2], sums[1::2]))
+
+
+class PlanAgreement:
+    """One agreement all-reduce in flight (see the Note); its verdict is read at the next forward."""
+
+    def __init__(self, tokens: tuple[int, int], group: dist.ProcessGroup, device: torch.device) -> None:
+        self.tokens = tokens
+        self._ranks = dist.get_world_size(group)
+        self._sums = torch.tensor(agreement_entries(tokens), dtype=torch.int64, device=device)
+        self._work = dist.all_reduce(self._sums, group=group, async_op=True)
+
+    def verdict(self) -> bool | None:
+        self._work.wait()
+        return agreed(self.tokens, self._sums.tolist(), self._ranks)
+
+
+class ReadyOrder:
+    """The order gradients became ready in the first synchronised backward, for the one-time rebuild."""
+
+    def __init__(self) -> None:
+        self._seen: list[int] | None = []  # None: not learning (any more)
+        self.learned: list[int] | None = None
+
+    def restart(self) -> None:
+        """A backward begins: one that failed part-way leaves no stale order behind."""
+        if self._seen is not None:
+            self._seen = []
+
+    def observe(self, i: int) -> None:
+        if self._seen is not None:
+            self._seen.append(i)
+
+    def backward_ended(self, in_plan_order: Sequence[int]) -> None:
+        if self._seen is not None:
+            seen = set(self._seen)
+            self.learned = self._seen + [i for i in dict.fromkeys(in_plan_order) if i not in seen]
+            self._seen = None
+
+    def forget(self) -> None:
+        """A graph's plan was adopted: the graph knows the order better than one observed backward."""
+        self._seen = self.learned = None
+
+
+class PlanKeeper:
+    """Holds the plan in force and decides, at the start of each forward, whether to switch (see the Note)."""
+
+    def __init__(self, specs: Sequence[ParamSpec], initial: BucketPlan, *, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.specs = list(specs)
+        """Every parameter the Reducer covers, by index."""
+        self.current = initial
+        self.graph_plans = GraphPlans(self.specs)
+        self.ready_order = ReadyOrder()
+        self._group, self._device = group, device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._agreement: PlanAgreement | None = None
+
+    # -- compiled graphs -----------------------------------------------------------------------------------------
+    def propose(self, graph: str, plan: BucketPlan) -> None:
+        self.graph_plans.propose(graph, plan, self.current)
+
+    def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
+        return self.graph_plans.plan_for(params)
+
+    def start_agreement(self) -> None:
+        """End of a synchronising forward (or a joined rank's shadow of one): the agreement all-reduce, async."""
+        if self.world_size > 1:
+            self._agreement = PlanAgreement(self.graph_plans.tokens(), self._group, self._device)
+
+    # -- switching -----------------------------------------------------------------------------------------------
+    def next_plan(self, *, grad_enabled: bool, allows_unused: bool, gone_dense: Sequence[str]) -> BucketPlan | None:
+        """The plan to adopt before this forward, or None to keep the current one. Collective when the last
+        agreement failed (every rank gathers the plans) and for the ready-order rebuild (a broadcast)."""
+        verdict = self._read_agreement()
+        if verdict is False:
+            self._plans_differ(allows_unused)
+        elif verdict:
+            plan = self.graph_plans.take()
+            assert plan is not None
+            self.ready_order.forget()
+            logger.info(
+                "[rank %d] graphddp: adopting the compiled graphs' bucket plan: %d buckets, bytes %s, fingerprint %s",
+                self.rank, len(plan.buckets), [b.nbytes for b in plan.buckets], plan.fingerprint,
+            )
+            return plan
+        if self.ready_order.learned is not None and grad_enabled:
+            plan = self._rebuild_in_ready_order()
+            if plan is not None:
+                return plan
+        if gone_dense:
+            logger.info(
+                "[rank %d] graphddp: %s went dense several iterations in a row (gradients accumulated under "
+                "no_sync?); all-reduced dense from now on, without separate parts (Note [Row-sparse gradients])",
+                self.rank, ", ".join(gone_dense),
+            )
+            return self.current.without_rows(gone_dense)
+        return None
+
+    def _read_agreement(self) -> bool | None:
+        if self.world_size == 1:
+            return True if self.graph_plans.proposed is not None else None
+        agreement, self._agreement = self._agreement, None
+        return agreement.verdict() if agreement is not None else None
+
+    def _rebuild_in_ready_order(self) -> BucketPlan | None:
+        """Rank 0's observed order, broadcast (collective), planned with the current caps."""
+        assert self.ready_order.learned is not None
+        order = torch.tensor(self.ready_order.learned, dtype=torch.int64, device=self._device)
+        if self.world_size > 1:
+            dist.broadcast(order, group=self._group, group_src=0)
+        self.ready_order.forget()
+        plan = plan_buckets([self.specs[i] for i in order.tolist()], caps=self.current.caps, source="ready-order")
+        if plan.fingerprint == self.current.fingerprint:
+            return None
+        logger.info(
+            "[rank %d] graphddp: buckets rebuilt in gradient-ready order: %d buckets, bytes %s",
+            self.rank, len(plan.buckets), [b.nbytes for b in plan.buckets],
+        )
+        return plan
+
+    def _plans_differ(self, allows_unused: bool) -> None:
+        """Every rank gathers every rank's proposal (a collective) and raises, or warns, naming the first
+        differing bucket."""
+        proposed = self.graph_plans.take()
+        rows = proposed.describe() if proposed is not None else []
+        payload = "\n".join(f"{a}\t{b}" for a, b in rows).encode()
+        everyone = [
+            [tuple(line.split("\t", 1)) for line in b.decode().split("\n") if line]
+            for b in all_gather_bytes(payload, group=self._group)
+        ]
+        index, entries = first_difference_across(everyone, ("", "<no such bucket>")) or (0, [("", "")] * len(everyone))
+        differing = [r for r, e in enumerate(entries) if e != entries[0]]
+        message = (
+            f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
+            f"{index}: rank 0 has [{entries[0][1]}]; "
+            + "; ".join(f"rank {r} has [{entries[r][1]}]" for r in differing)
+            + ". The previous plan stays in use (Note [Plan agreement] in graphddp/plans.py)."
+        )
+        if not allows_unused:
+            raise RuntimeError(
+                message + " Every rank must capture the same graphs (same code path, same graph breaks), or "
+                "pass find_unused_parameters=True when ranks take different branches."
+            )
+        # With find_unused_parameters / static_graph, rank-dependent branches legitimately capture different
+        # graphs: keep the current plan, which every rank shares.
+        logger.warning("%s Ranks take different branches (find_unused_parameters=True): the current plan stays.", message)

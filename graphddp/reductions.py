@@ -1,0 +1,195 @@
+"""How one bucket is reduced: a small strategy object per bucket, so the Reducer's hot path has no feature ``if``.
+
+Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective and returns an ``InFlight``:
+
+* ``commit()`` issues whatever collectives are left. The launcher (``graphddp.launcher``) calls it before it
+  launches the next bucket, or before it awaits this one, so the main group sees one order of collectives on
+  every rank;
+* ``done()`` says whether the result is there (``ChainedLaunch`` asks);
+* ``wait()`` returns the reduced bucket, checked: one tensor with the buffer's element count.
+
+``DenseReduction``: the bucket through the comm hook (graphddp's averaging all-reduce, or the user's hook), one
+step, nothing to commit.
+
+``RowSparseReduction`` (Note [Row-sparse gradients] in ``passes/row_sparse.py``): an embedding table's gradient
+in two steps, both issued from the thread that runs backward:
+
+* ``start``: which rows does this rank's gradient touch? A ``[rows]`` byte mask, max-reduced on the side group
+  (off the main group, where the buckets' all-reduces queue);
+* ``commit``: with the union known, the main group all-reduces the touched rows only, packed; or, when the union
+  is over ``ROW_SPARSE_MAX_DENSITY`` of the rows, the whole bucket through the default hook. ``commit`` waits
+  for the mask: for a table in the middle of backward that is one small round trip in which backward pauses; a
+  table used first in forward is the last bucket, and nothing waits;
+* ``wait``, on the thread that awaits the bucket: the reduced rows back into the zeroed table. (Not in a future
+  callback: that would run on gloo's thread, ahead of its next collective.)
+
+The outcome depends only on the all-reduced mask, so every rank takes the same branch. A table that went dense
+``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying until the plan
+changes; the Reducer then also drops its parts from the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .buckets import FlatBucket, GradBucket
+from .comm import CudaCommStream, HostComm
+from .passes import ROW_SPARSE_MAX_DENSITY
+
+DENSE_STREAK_LIMIT = 2
+"""After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
+
+
+class InFlight(Protocol):
+    outcome: tuple[str, str] | None
+    """An event to record once committed (``("rows", "12/512")``), or None."""
+    future: torch.futures.Future | None
+    """The main-group future, once committed."""
+
+    def commit(self) -> None: ...
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CommHook:
+    """The user's ``register_comm_hook(state, hook)``, or graphddp's averaging all-reduce."""
+
+    state: Any
+    fn: Callable[[Any, Any], torch.futures.Future]
+    custom: bool
+
+
+class DenseReduction:
+    """The whole bucket through the comm hook."""
+
+    def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
+        self.hook, self.comm, self.rank = hook, comm, rank
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
+        grad_bucket = GradBucket(bucket.index, buffer, bucket.params, is_last)
+        future = self.comm.launch(lambda: self.hook.fn(self.hook.state, grad_bucket))
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
+            raise TypeError(
+                f"[rank {self.rank}] graphddp: the communication hook returned {type(future).__name__} for "
+                f"bucket {bucket.index}; a hook must return a torch.futures.Future (e.g. "
+                "dist.all_reduce(..., async_op=True).get_future())."
+            )
+        return DenseInFlight(future, bucket, buffer, self.comm, self.rank)
+
+
+class DenseInFlight:
+    outcome = None
+
+    def __init__(self, future: Any, bucket: FlatBucket, buffer: torch.Tensor, comm: Any, rank: int) -> None:
+        self.future, self._bucket, self._buffer, self._comm, self._rank = future, bucket, buffer, comm, rank
+
+    def commit(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> torch.Tensor:
+        return checked_result(self._comm.wait(self.future), self._bucket, self._buffer, self._rank)
+
+
+def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:
+    """What a hook's future resolved to, as the reduced bucket; a clear error when it is not one."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"[rank {rank}] graphddp: the communication hook's future for bucket {bucket.index} "
+            f"resolved to {type(value).__name__}; it must resolve to the reduced bucket, one tensor shaped "
+            f"like bucket.buffer() ({buffer.numel()} elements)."
+        )
+    if value.numel() != buffer.numel():
+        raise ValueError(
+            f"[rank {rank}] graphddp: the communication hook returned a tensor of shape "
+            f"{tuple(value.shape)} for bucket {bucket.index}, expected {tuple(buffer.shape)} (the shape "
+            f"of bucket.buffer(); parameters {list(bucket.spec.names)[:4]}). Return the reduced buffer from "
+            "the hook's future."
+        )
+    return value
+
+
+class RowSparseReduction:
+    """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
+
+    def __init__(self, dense: DenseReduction, *, group: dist.ProcessGroup, mask_group: dist.ProcessGroup) -> None:
+        self.dense, self.group, self.mask_group = dense, group, mask_group
+        self._dense_streak = 0
+
+    @property
+    def gave_up(self) -> bool:
+        return self._dense_streak >= DENSE_STREAK_LIMIT
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> InFlight:
+        if self.gave_up:
+            return self.dense.start(bucket, buffer, is_last)
+        return RowSparseInFlight(self, bucket, buffer, is_last)
+
+    def observe(self, sparse: bool) -> None:
+        self._dense_streak = 0 if sparse else self._dense_streak + 1
+
+
+class RowSparseInFlight:
+    """One iteration's reduction of one row-sparse bucket (``[rows, C]`` once viewed)."""
+
+    def __init__(self, reduction: RowSparseReduction, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> None:
+        self._reduction, self._bucket, self._buffer, self._is_last = reduction, bucket, buffer, is_last
+        self.table = buffer.view(bucket.spec.params[0].shape[0], -1)  # [rows, C]
+        self.future: Any = None
+        self.outcome: tuple[str, str] | None = None
+        self._dense: InFlight | None = None
+        self._rows: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = None
+        # |x| max per row is 0 exactly for untouched rows; a NaN row stays "touched" (NaN != 0), so NaNs travel.
+        self._mask = self.table.abs().amax(dim=1).ne(0).to(torch.uint8)  # [rows]
+        self._mask_work = dist.all_reduce(self._mask, op=dist.ReduceOp.MAX, group=reduction.mask_group, async_op=True)
+
+    def commit(self) -> None:
+        if self.outcome is not None:
+            return
+        self._mask_work.wait()
+        rows = self._mask.nonzero().squeeze(1)  # [U], the same on every rank
+        sparse = rows.numel() <= ROW_SPARSE_MAX_DENSITY * self.table.shape[0]
+        self._reduction.observe(sparse)
+        self.outcome = ("rows" if sparse else "dense", f"{rows.numel()}/{self.table.shape[0]}")
+        if not sparse:
+            self._dense = self._reduction.dense.start(self._bucket, self._buffer, self._is_last)
+            self.future = self._dense.future
+            return
+        self._rows, self._packed = rows, self.table.index_select(0, rows)  # [U, C]
+        if rows.numel() == 0:  # no rank touched a row: nothing to send (every rank knows it)
+            self.future = torch.futures.Future()
+            self.future.set_result([self._packed])
+        else:
+            self.future = dist.all_reduce(self._packed, group=self._reduction.group, async_op=True).get_future()
+
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def wait(self) -> torch.Tensor:
+        assert self.outcome is not None, "wait() before commit()"
+        if self._dense is not None:
+            return self._dense.wait()
+        self.future.wait()
+        assert self._rows is not None and self._packed is not None
+        self.table.zero_()
+        self.table.index_copy_(0, self._rows, self._packed)  # all-reduced in place
+        return self._buffer
+
+    @property
+    def touched(self) -> int:
+        """Rows touched on some rank (known after ``commit``)."""
+        assert self.outcome is not None
+        return int(self.outcome[1].split("/")[0])

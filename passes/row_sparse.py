@@ -1,0 +1,145 @@
+"""Embedding tables whose gradient is reduced as the rows a batch touched, and tied tables' parts: which ones.
+
+Note [Row-sparse gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An embedding lookup's gradient touches only the rows of the tokens in the batch: a few hundred of a table's
+thousands. Reduced as a dense bucket, the whole table travels; and since the table is used at the very start of
+forward, its gradient is complete only at the very end of backward, with no backward left to hide its
+all-reduce behind (the bench GPT's 16.8 MB table: 70 ms at 2 Gbit/s, all of it exposed).
+
+The Reducer reduces such a gradient as rows (``RowSparseReduction`` in ``graphddp.reductions``):
+
+1. each rank finds the rows its gradient touches (a scan of the bucket), and the ranks take the union of those
+   sets with a small all-reduce of one byte per row;
+2. if the union holds at most ``ROW_SPARSE_MAX_DENSITY`` (half) of the rows, the ranks all-reduce those rows
+   only, packed ``[U, C]``, and scatter them back into the bucket; otherwise they all-reduce the bucket dense.
+
+Both steps depend only on all-reduced data, so every rank takes the same branch, and the result never depends
+on the gradient really being sparse: a table that some other code also uses simply goes dense. A table that
+goes dense ``DENSE_STREAK_LIMIT`` times in a row (a small vocabulary most of which every batch touches, gradients
+accumulated under ``no_sync``) is reduced dense from then on, and its parts are dropped from the plan
+(``BucketPlan.without_rows``), so they do not travel on top of it: again decided from all-reduced outcomes.
+
+**What a plan may depend on.** Every rank must build the same plan, and ranks see different batches (a short
+last batch, uneven shards) and may recompile alone. So whether a table is planned as rows is a function of the
+graph's *structure* only, never of a batch: how many rows a batch touches is left to the all-reduced mask,
+every iteration. Three rules, each one function:
+
+* ``rows_apply``: is row-sparse reduction used at all (the option, several ranks, CPU buckets, the default comm
+  hook)? The DDP module, the Reducer, the compile backend and ``graphddp inspect`` all ask it.
+* ``embedding_tables`` (eager, no graph): the weights of ``nn.Embedding`` modules that no other module shares.
+* ``row_sparse_params`` (compiled): a 2-D parameter that a captured graph brings in as an input and looks rows
+  up in, not with ``torch.arange`` (a position table), whose other uses (if any) all come after the last lookup
+  in forward.
+
+A **tied** table (the GPT's ``wte``, also the output layer's weight) receives, at the *start* of backward, a
+dense contribution from the output layer, which makes the sum dense. Compiled, graphddp splits it off: the
+contribution of each other use is a *part* (``ParamSpec.part``), a slot of its own in the bucket of the segment
+that computes it. A tap in the stitched graph (``passes/taps.py``, ``graphddp.gradient_tap``) feeds the
+parameter to that segment; the tap's backward hands the segment's contribution to the Reducer and passes nothing
+on to ``.grad``. The part is all-reduced early, hidden behind the rest of backward; the lookups' rows go last,
+and they are few. Once both are reduced, the Reducer adds the part into the parameter's gradient: all-reduce is
+linear, so the result is the all-reduce of the sum, as in PyTorch's DDP. The bench GPT sends 2 MB after backward
+instead of 16.8 MB.
+
+A use that sends no gradient back (a ``.detach()``, anything under ``no_grad``) does not count. Once the graph
+is cut, each part must sit in a segment of its own, apart from the lookups' segments (a tap feeds one segment's
+input, so two uses in one segment cannot be told apart); ``plan_graph`` re-plans without the parameters for
+which the cut fails that (``misplaced_parts``). A graph cut by a plan made earlier (a recompile, Note [Plan
+agreement] in ``graphddp/plans.py``) gets taps only where that plan's parts can still be placed.
+
+A tap passes its gradient on to ``.grad`` unchanged when its slot is not in the Reducer's plan, is already
+filled, or the backward is not synchronised (``no_sync``): autograd then accumulates it with the parameter's
+other contributions, before the parameter's gradient is complete, which is always correct (a part slot nobody
+filled is reduced as zeros). It also passes it on when the backward will not accumulate into the parameter at
+all (``torch.autograd.grad``): that gradient is the caller's, whole, and no bucket may move.
+
+This module is pure: no ``torch.distributed``, no graphddp runtime module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torch import nn
+
+from .graph_params import GraphParam, GraphUse
+from .split import GraphSplit
+
+ROW_SPARSE_MAX_DENSITY = 0.5
+"""A row-sparse bucket is reduced as rows when at most this share of its rows is touched on some rank."""
+
+
+def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
+    """Is row-sparse reduction (and, compiled, splitting tied tables into parts) used at all?
+
+    Only with ``sparse_embedding_grads`` on, between several ranks (one rank has nothing to send), on CPU buckets
+    (CUDA buckets are not measured yet) and under the default comm hook (a hook reduces dense buckets, as PyTorch
+    hands them over).
+    """
+    return enabled and world_size > 1 and device.startswith("cpu") and not custom_comm_hook
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSparseParam:
+    """A parameter of a captured graph whose gradient can be reduced as rows."""
+
+    name: str
+    placeholder: str
+    """The graph input that brings it in."""
+    lookups: tuple[GraphUse, ...]
+    """The embedding lookups of it: their contributions make the row-sparse gradient."""
+    parts: tuple[GraphUse, ...]
+    """Its other uses, all after the last lookup: each contribution is a part of its own."""
+
+
+def row_sparse_params(params: Sequence[GraphParam]) -> list[RowSparseParam]:
+    """The 2-D graph inputs some node looks rows up in, whose other uses all come after the last lookup (their
+    parts are then ready before the lookups' rows in backward). A function of the graph's structure only: how
+    many rows a batch touches is decided every iteration from the all-reduced mask (see the Note)."""
+    found = []
+    for p in params:
+        uses = [u for u in p.uses if u.differentiable]  # a detached or no_grad use sends no gradient back
+        lookups = [u for u in uses if u.lookup]
+        others = [u for u in uses if not u.lookup]
+        if len(p.spec.shape) != 2 or not lookups or any(u.positions for u in lookups):
+            continue  # a position table (looked up with arange) has every row up to the sequence length touched
+        if not p.is_input:  # get_attr: copied into each segment, so there is no segment input to tap
+            continue
+        if any(u.position < lookups[-1].position for u in others):  # its part would be ready after the rows
+            continue
+        found.append(RowSparseParam(p.spec.name, p.node, tuple(lookups), tuple(others)))
+    return found
+
+
+def misplaced_parts(split: GraphSplit, row_sparse: Sequence[RowSparseParam]) -> set[str]:
+    """Names of the parameters whose parts the cut did not put in segments of their own (see the Note)."""
+    bad = set()
+    for r in row_sparse:
+        part_segments = [split.partition[u.node] for u in r.parts]
+        lookup_segments = {split.partition[u.node] for u in r.lookups}
+        if len(set(part_segments)) != len(part_segments) or lookup_segments & set(part_segments):
+            bad.add(r.name)
+    return bad
+
+
+def embedding_tables(module: nn.Module) -> frozenset[str]:
+    """Trainable weights of ``nn.Embedding`` modules that no other module shares: their gradients touch only the
+    looked-up rows (Note [Row-sparse gradients]). A tied table (also an output layer's weight) is left out: its
+    gradient is dense unless the compile backend splits the other use off. (A module-level question, asked
+    eagerly, where there is no graph: which tables to try as rows.)"""
+    owners: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    names = {id(p): n for n, p in module.named_parameters()}
+    return frozenset(
+        names[id(m.weight)]
+        for m in module.modules()
+        if isinstance(m, nn.Embedding)
+        and not m.sparse
+        and m.max_norm is None
+        and m.weight.requires_grad
+        and m.weight.dim() == 2
+        and owners[id(m.weight)] == 1
+    )
