@@ -225,7 +225,7 @@ def test_inductor_parity(name: str) -> None:
     assert len({r["fingerprint"] for r in results}) == 1 and results[0]["source"] == "graph"
     splits = results[0]["splits"]
     assert len(splits) == 1 and splits[0][0] == splits[0][1] > 1
-    assert_launch_before_next_segment_backward(results[0]["events"], splits[0][0])
+    assert_launch_before_next_segment_backward(results[0]["events"], splits[0][0], results[0]["completes_in"])
 
 
 def ranks_capture_different_graphs(rank: int, world: int) -> None:
