@@ -212,7 +212,7 @@ class Reducer:
         gone_dense = [
             self._names[bucket.param_indices[0]]
             for bucket, reduction in zip(self.buckets, self._launcher.reductions)
-            if getattr(reduction, "gave_up", False) and self._slots.parts_of.get(bucket.param_indices[0])
+            if reduction.gave_up and self._slots.parts_of.get(bucket.param_indices[0])
         ]
         plan = self.plans.next_plan(
             grad_enabled=grad_enabled, allows_unused=self.usage_policy.allows_unused, gone_dense=gone_dense

@@ -70,6 +70,9 @@ class CommHook:
 class DenseReduction:
     """The whole bucket through the comm hook."""
 
+    gave_up = False
+    """Never tries rows (see ``RowSparseReduction.gave_up``)."""
+
     def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
         self.hook, self.comm, self.rank = hook, comm, rank
 
@@ -149,6 +152,8 @@ class RowSparseInFlight:
         self.table = buffer.view(bucket.spec.params[0].shape[0], -1)  # [rows, C]
         self.future: Any = None
         self.outcome: tuple[str, str] | None = None
+        self.touched: int | None = None
+        """Rows touched on some rank (known after ``commit``)."""
         self._dense: InFlight | None = None
         self._rows: torch.Tensor | None = None
         self._packed: torch.Tensor | None = None
@@ -161,9 +166,10 @@ class RowSparseInFlight:
             return
         self._mask_work.wait()
         rows = self._mask.nonzero().squeeze(1)  # [U], the same on every rank
-        sparse = rows.numel() <= ROW_SPARSE_MAX_DENSITY * self.table.shape[0]
+        self.touched = rows.numel()
+        sparse = self.touched <= ROW_SPARSE_MAX_DENSITY * self.table.shape[0]
         self._reduction.observe(sparse)
-        self.outcome = ("rows" if sparse else "dense", f"{rows.numel()}/{self.table.shape[0]}")
+        self.outcome = ("rows" if sparse else "dense", f"{self.touched}/{self.table.shape[0]}")
         if not sparse:
             self._dense = self._reduction.dense.start(self._bucket, self._buffer, self._is_last)
             self.future = self._dense.future
@@ -187,9 +193,3 @@ class RowSparseInFlight:
         self.table.zero_()
         self.table.index_copy_(0, self._rows, self._packed)  # all-reduced in place
         return self._buffer
-
-    @property
-    def touched(self) -> int:
-        """Rows touched on some rank (known after ``commit``)."""
-        assert self.outcome is not None
-        return int(self.outcome[1].split("/")[0])
