@@ -7,17 +7,21 @@ from collections.abc import Sequence
 import torch
 
 
+def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = None) -> None:
+    """``view = grad * scale`` (zeros where there is no gradient); scaled while copying: one pass, not two."""
+    if grad is None:
+        view.zero_()
+    elif scale is None:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=view)
+
+
 class CopiedGrads:
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
 
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
-        grad = param.grad
-        if grad is None:  # unused here: contribute zeros
-            view.zero_()
-        elif scale is None:
-            view.copy_(grad)
-        else:  # scale while copying: one pass over the gradient instead of two
-            torch.mul(grad, scale, out=view)
+        fill(view, param.grad, scale)  # unused here: zeros
 
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         """``view``, plus the reduced ``parts`` of a tied weight's gradient, into ``param.grad``: one pass."""
@@ -44,10 +48,7 @@ class BucketViewGrads:
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            if scale is None:
-                view.copy_(grad)
-            else:
-                torch.mul(grad, scale, out=view)
+            fill(view, grad, scale)
             param.grad = view
         elif scale is not None:
             view.mul_(scale)

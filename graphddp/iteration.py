@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
+from .unused import UsageCount
 
 
 @dataclasses.dataclass
@@ -20,10 +20,10 @@ class Iteration:
     """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
     finalize_queued: bool = False
     """The end-of-backward callback is queued: the backward has begun."""
-    usage_work: Any = None
-    """The all-reduce of which parameters got a gradient, issued after the last bucket."""
-    usage: torch.Tensor | None = None
-    """Its tensor: per parameter, on how many ranks it got a gradient (once the work is done)."""
+    usage_counting: bool = False
+    """The usage count (``graphddp.unused``) was started, after the last bucket."""
+    usage: UsageCount | None = None
+    """That count in flight, where the usage policy needs one."""
 
 
 class ActiveRanks:

@@ -41,6 +41,14 @@ class ChainedLaunch:
         return previous is None or (previous.in_flight is not None and previous.in_flight.done())
 
 
+def launch_policy(hook: Any) -> EagerLaunch | ChainedLaunch:
+    """How buckets reduced by the comm hook function ``hook`` may be launched (see the module docstring)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    single = (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+    return EagerLaunch() if hook in single else ChainedLaunch()
+
+
 class Launcher:
     """Launches the buckets of one plan under one comm hook; rebuilt when either changes."""
 

@@ -42,14 +42,14 @@ from tabulate import tabulate
 from .buckets import BucketSlots, FlatBucket
 from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook, side_group
 from .compile_target import Events
-from .grad_layout import BucketViewGrads, CopiedGrads
+from .grad_layout import BucketViewGrads, CopiedGrads, fill
 from .iteration import ActiveRanks, Iteration
-from .launcher import ChainedLaunch, EagerLaunch, Launcher
+from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .passes import BucketCaps, BucketPlan, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .reductions import CommHook, DenseReduction, RowSparseReduction
 from .trace import NullEvents
-from .unused import ExpectAllUsed
+from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Reducer:
         process_group: dist.ProcessGroup,
         collective_device: torch.device,
         gradient_as_bucket_view: bool = False,
-        usage: Any = None,
+        usage: UsagePolicy | None = None,
         comm: HostComm | CudaCommStream | None = None,
         active_ranks: ActiveRanks | None = None,
         row_sparse: frozenset[str] = frozenset(),
@@ -80,9 +80,12 @@ class Reducer:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._layout = BucketViewGrads() if gradient_as_bucket_view else CopiedGrads()
-        self.usage_policy = usage if usage is not None else ExpectAllUsed()
         self._comm = comm if comm is not None else HostComm()
         self._side_group = side_group(process_group) if self.world_size > 1 else None
+        self.usage = GradientUsage(
+            self._names, usage if usage is not None else ExpectAllUsed(),
+            side_group=self._side_group, rank=self.rank, world_size=self.world_size,
+        )
         self._active = active_ranks if active_ranks is not None else ActiveRanks(self.world_size)
         self._events: Events = NullEvents()
         self._rows_enabled = sparse_embedding_grads
@@ -94,7 +97,6 @@ class Reducer:
         specs = [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in named_params]
         self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device)
         self._iteration: Iteration | None = None
-        self._used = [False] * len(self._params)  # over no_sync() micro-batches, until a synchronised backward ends
         self._pending_error: str | None = None
         self.adopt(plan)
 
@@ -113,13 +115,8 @@ class Reducer:
                 f"[rank {self.rank}] graphddp: cannot change the bucket plan while a backward is in flight; "
                 "adopt a plan between iterations."
             )
-        if sorted(plan.param_names) != sorted(self._names):
-            missing = sorted(set(self._names) - set(plan.param_names))
-            extra = sorted(set(plan.param_names) - set(self._names))
-            raise ValueError(
-                f"[rank {self.rank}] graphddp: bucket plan does not cover the trainable parameters exactly: "
-                f"missing {missing[:5]}, unknown {extra[:5]}. A plan must hold every trainable parameter once."
-            )
+        if (problem := plan.coverage_problem(self._names)) is not None:
+            raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
         slots = BucketSlots(plan, self._params, self._index_of_name)
         for i, p in enumerate(self._params):
             self._layout.move(p, slots.view(slots.slot[i]))
@@ -151,7 +148,7 @@ class Reducer:
 
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook = CommHook(state, hook, custom=True)
-        self._policy = EagerLaunch() if hook in _single_collective_hooks() else ChainedLaunch()
+        self._policy = launch_policy(hook)
         self._launcher = self._make_launcher()  # a hook reduces dense buckets, as PyTorch hands them over
         parts = {p.label for plan in (self.plan, self.plans.graph_plans.proposed) if plan is not None for p in plan.parts}
         if parts:
@@ -215,7 +212,7 @@ class Reducer:
             if reduction.gave_up and self._slots.parts_of.get(bucket.param_indices[0])
         ]
         plan = self.plans.next_plan(
-            grad_enabled=grad_enabled, allows_unused=self.usage_policy.allows_unused, gone_dense=gone_dense
+            grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense
         )
         if plan is not None:
             self.adopt(plan)
@@ -228,7 +225,7 @@ class Reducer:
         self.plans.ready_order.restart()
         divisor = None if self._hook.custom else self._active.divisor()  # a custom hook averages itself
         self._iteration = Iteration(
-            local_unused=self.usage_policy.locally_unused(outputs, self._index_of_id),
+            local_unused=self.usage.policy.locally_unused(outputs, self._index_of_id),
             prescale=1.0 / divisor if divisor not in (None, 1) else None,
         )
         self.plans.start_agreement()  # on the main group, before any bucket: the same order on every rank
@@ -239,7 +236,7 @@ class Reducer:
 
     def on_grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (step 3 of Note [Reducer])."""
-        self._used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
+        self.usage.used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
         iteration = self._iteration
         if iteration is None:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
             return
@@ -247,18 +244,7 @@ class Reducer:
             self._queue_finalize(iteration)
         bucket, slot = self._slots.slot[i]
         if self.buckets[bucket].is_ready(slot):
-            why = (
-                "find_unused_parameters marked it unused, yet it received a gradient (is a tensor that depends "
-                "on it missing from the forward's outputs?)"
-                if i in iteration.local_unused
-                else "its gradient was accumulated twice in one backward (reentrant checkpointing, or the "
-                "same parameter reached through two backward calls)"
-            )
-            raise RuntimeError(
-                f"[rank {self.rank}] graphddp: parameter {self._names[i]!r} was marked ready twice in one "
-                f"iteration: {why}. Use torch.utils.checkpoint(..., use_reentrant=False) and one backward per "
-                "forward."
-            )
+            raise RuntimeError(ready_twice(self.rank, self._names[i], marked_unused=i in iteration.local_unused))
         self.plans.ready_order.observe(i)
         self._mark_ready(i)
 
@@ -269,7 +255,7 @@ class Reducer:
         where = self._slots.part_slot.get(key) if iteration is not None else None
         if iteration is None or where is None or self.buckets[where[0]].is_ready(where[1]):
             return False
-        self._used[self.buckets[where[0]].param_indices[where[1]]] = True
+        self.usage.used[self.buckets[where[0]].param_indices[where[1]]] = True
         if not iteration.finalize_queued:
             self._queue_finalize(iteration)
         self._mark_part_ready(where, grad)
@@ -287,15 +273,8 @@ class Reducer:
         self._slot_filled(where)
 
     def _mark_part_ready(self, where: tuple[int, int], grad: torch.Tensor | None) -> None:
-        view = self._slots.view(where)
         assert self._iteration is not None
-        prescale = self._iteration.prescale
-        if grad is None:  # no contribution this iteration
-            view.zero_()
-        elif prescale is None:
-            view.copy_(grad)
-        else:
-            torch.mul(grad, prescale, out=view)
+        fill(self._slots.view(where), grad, self._iteration.prescale)  # None: no contribution this iteration
         self._events.record("ready", where[0], self.buckets[where[0]].spec.params[where[1]].label)
         self._slot_filled(where)
 
@@ -304,14 +283,12 @@ class Reducer:
             self._reduce_usage()
 
     def _reduce_usage(self) -> None:
-        """After the last launch: on how many ranks each parameter got a gradient. On the side group: comm hooks
-        such as PowerSGD issue further collectives on the main group from future callbacks, and ours must not
-        interleave with theirs."""
+        """After the last launch: count on how many ranks each parameter got a gradient (``graphddp.unused``)."""
         iteration = self._iteration
         assert iteration is not None
-        if iteration.usage_work is None and self.world_size > 1 and self.usage_policy.reduces_usage():
-            iteration.usage = torch.tensor([int(u) for u in self._used], dtype=torch.int64)
-            iteration.usage_work = dist.all_reduce(iteration.usage, group=self._side_group, async_op=True)
+        if not iteration.usage_counting:
+            iteration.usage_counting = True
+            iteration.usage = self.usage.start_count()
 
     def _finalize(self) -> None:
         """End of backward (step 4 of Note [Reducer])."""
@@ -320,7 +297,7 @@ class Reducer:
         try:
             self._events.record("finalize")
             missing = self._fill_missing()
-            used_here = self._used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
+            used_here = self.usage.used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             for bucket, reduced in self._launcher.reduced_in_order():
                 self._events.record("wait", bucket.index)
                 self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
@@ -332,17 +309,19 @@ class Reducer:
                         self._write_back(i)
                 self._events.record("written", bucket.index)
             self._reduce_usage()  # if ChainedLaunch held the last launch back until now
-            counts = self._usage_counts(iteration)
+            counts = self.usage.counts(iteration.usage)
             self._comm.join_compute()
             for i, used in enumerate(used_here):  # the rest, once the ranks' usage is known
                 if not used and counts[i] > 0:  # unused everywhere: keep .grad as it was
                     self._write_back(i)
-            self._check_all_used(counts, missing)
-            self.usage_policy.observe(iteration.local_unused, counts)
+            expected = self._active.count() if self.world_size > 1 else 1
+            error = self.usage.end(iteration.local_unused, counts, missing, expected)
+            if error is not None:
+                logger.warning("%s", error)
+                self._pending_error = error
             self.plans.ready_order.backward_ended([i for b in self.buckets for i in b.param_indices])
         finally:
             self._iteration = None
-            self._used = [False] * len(self._params)
             self._active.clear()
 
     def _fill_missing(self) -> list[int]:
@@ -362,48 +341,13 @@ class Reducer:
         their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
         self._layout.from_bucket(self._params[i], self._slots.view(self._slots.slot[i]), self._slots.parts(i))
 
-    def _usage_counts(self, iteration: Iteration) -> list[int]:
-        """Per parameter: on how many ranks it got a gradient this iteration."""
-        if iteration.usage_work is not None:
-            iteration.usage_work.wait()
-            assert iteration.usage is not None
-            return iteration.usage.tolist()
-        known = self.usage_policy.known_counts
-        if known is not None:
-            return known
-        # One rank, or a policy that does not reduce: what this rank saw is all there is.
-        return [1 if u else 0 for u in self._used]
-
-    def _check_all_used(self, counts: list[int], missing: list[int]) -> None:
-        if self.usage_policy.allows_unused:
-            return
-        expected = self._active.count() if self.world_size > 1 else 1
-        bad = [i for i, c in enumerate(counts) if c < expected]
-        if not bad:
-            return
-        here = set(missing)
-        described = ", ".join(
-            f"{self._names[i]!r} (gradient on {counts[i]} of {expected} ranks"
-            + (", not on this one)" if i in here else ")")
-            for i in bad[:5]
-        )
-        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        self._pending_error = (
-            f"[rank {self.rank}] graphddp.DDP: the previous backward produced no gradient for {described}{more}. "
-            "Every trainable parameter must take part in the loss on every rank. If some parameters are "
-            "legitimately unused in some iterations (conditional branches), pass find_unused_parameters=True to "
-            "graphddp.DDP; if they are never used, set requires_grad=False on them."
-        )
-        logger.warning("%s", self._pending_error)
-
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one synchronised forward and backward: the plan agreement, every bucket on
         zeros through the same launcher, the usage all-reduce."""
         self.plans.start_agreement()
         self._launcher.shadow()
-        if self.world_size > 1 and self.usage_policy.reduces_usage():
-            dist.all_reduce(torch.zeros(len(self._params), dtype=torch.int64), group=self._side_group)
+        self.usage.shadow()
         self._comm.join_compute()
 
     # -- introspection ---------------------------------------------------------------------------------------
@@ -425,9 +369,3 @@ def _remove_all(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
 
-
-def _single_collective_hooks() -> tuple[Any, ...]:
-    """PyTorch's hooks that issue one collective and chain no other (see ``graphddp.launcher``)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)

@@ -10,6 +10,9 @@ Three small policies instead of flags in the hot hook:
   every rank keep ``.grad`` as it was (the globally-unused bitmap of the VLDB 2020 paper).
 * ``StaticGraph`` (``static_graph=True``): search in the first iteration only, then reuse the answer; no
   traversal and no usage all-reduce afterwards.
+
+``GradientUsage`` keeps what the Reducer learns about usage: which parameters got a gradient here (over
+``no_sync`` micro-batches too), the all-reduce of that map after the last bucket, and the missing-gradient error.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -114,3 +118,94 @@ class StaticGraph(SearchEveryIteration):
         if self._frozen is None:
             self._frozen = list(local_unused)
             self.known_counts = global_counts
+
+
+UsagePolicy = ExpectAllUsed | SearchEveryIteration | StaticGraph
+
+
+class UsageCount:
+    """The all-reduce of the usage map, in flight: per parameter, on how many ranks it got a gradient."""
+
+    def __init__(self, counts: torch.Tensor, work: Any) -> None:
+        self._counts = counts
+        self._work = work
+
+    def wait(self) -> list[int]:
+        self._work.wait()
+        return self._counts.tolist()
+
+
+class GradientUsage:
+    """Which parameters got a gradient: on this rank, and summed over the ranks once the last bucket is out.
+
+    The count goes over the side group: comm hooks such as PowerSGD issue further collectives on the main group
+    from future callbacks, and ours must not interleave with theirs.
+    """
+
+    def __init__(self, names: list[str], policy: UsagePolicy, *, side_group: Any, rank: int, world_size: int) -> None:
+        self.policy = policy
+        self._names = names
+        self._side_group = side_group
+        self._rank = rank
+        self._world_size = world_size
+        self.used = [False] * len(names)
+        """Per parameter: got a gradient here since the last synchronised backward ended (no_sync included)."""
+
+    def start_count(self) -> UsageCount | None:
+        """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""
+        if self._world_size == 1 or not self.policy.reduces_usage():
+            return None
+        counts = torch.tensor([int(u) for u in self.used], dtype=torch.int64)
+        return UsageCount(counts, dist.all_reduce(counts, group=self._side_group, async_op=True))
+
+    def counts(self, pending: UsageCount | None) -> list[int]:
+        """Per parameter: on how many ranks it got a gradient this iteration."""
+        if pending is not None:
+            return pending.wait()
+        if self.policy.known_counts is not None:
+            return self.policy.known_counts
+        return [1 if u else 0 for u in self.used]  # one rank, or a policy that does not reduce: all there is
+
+    def shadow(self) -> None:
+        """A joined rank's part in the usage all-reduce: it used nothing."""
+        if self._world_size > 1 and self.policy.reduces_usage():
+            dist.all_reduce(torch.zeros(len(self._names), dtype=torch.int64), group=self._side_group)
+
+    def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> str | None:
+        """End of a synchronised backward: tell the policy, forget this rank's usage, and return the error for
+        the next forward if a parameter missed its gradient where the policy forbids it (the same on every rank)."""
+        self.policy.observe(local_unused, counts)
+        self.used = [False] * len(self._names)
+        if self.policy.allows_unused:
+            return None
+        bad = [i for i, c in enumerate(counts) if c < expected]
+        if not bad:
+            return None
+        here = set(missing)
+        described = ", ".join(
+            f"{self._names[i]!r} (gradient on {counts[i]} of {expected} ranks"
+            + (", not on this one)" if i in here else ")")
+            for i in bad[:5]
+        )
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        return (
+            f"[rank {self._rank}] graphddp.DDP: the previous backward produced no gradient for {described}{more}. "
+            "Every trainable parameter must take part in the loss on every rank. If some parameters are "
+            "legitimately unused in some iterations (conditional branches), pass find_unused_parameters=True to "
+            "graphddp.DDP; if they are never used, set requires_grad=False on them."
+        )
+
+
+def ready_twice(rank: int, name: str, *, marked_unused: bool) -> str:
+    """The error for a parameter whose gradient arrives twice in one synchronised backward."""
+    why = (
+        "find_unused_parameters marked it unused, yet it received a gradient (is a tensor that depends on it "
+        "missing from the forward's outputs?)"
+        if marked_unused
+        else "its gradient was accumulated twice in one backward (reentrant checkpointing, or the same parameter "
+        "reached through two backward calls)"
+    )
+    return (
+        f"[rank {rank}] graphddp: parameter {name!r} was marked ready twice in one iteration: {why}. Use "
+        "torch.utils.checkpoint(..., use_reentrant=False) and one backward per forward."
+    )

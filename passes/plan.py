@@ -273,6 +273,18 @@ class BucketPlan:
                 return b.index
         raise KeyError(f"{name!r}{f' part {part!r}' if part else ''} is in no bucket of this plan")
 
+    def coverage_problem(self, names: Iterable[str]) -> str | None:
+        """Why this plan cannot serve a Reducer of the parameters ``names``, or None when it holds each once."""
+        names = sorted(names)
+        if sorted(self.param_names) == names:
+            return None
+        missing = sorted(set(names) - set(self.param_names))
+        extra = sorted(set(self.param_names) - set(names))
+        return (
+            "bucket plan does not cover the trainable parameters exactly: "
+            f"missing {missing[:5]}, unknown {extra[:5]}. A plan must hold every trainable parameter once."
+        )
+
     @property
     def fingerprint(self) -> str:
         """A short digest of the grouping; equal on every rank that built the same plan."""

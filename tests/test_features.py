@@ -118,7 +118,7 @@ def count_traversals(rank: int, world: int, static: bool) -> tuple[int, int]:
     for step in range(4):
         x, y = batch_for(case, step, 0, rank)
         forward_loss(ddp, case, x, y, rank).backward()
-    return ddp.reducer.usage_policy.traversals, int(ddp.module.dead.weight.grad is None)
+    return ddp.reducer.usage.policy.traversals, int(ddp.module.dead.weight.grad is None)
 
 
 @pytest.mark.parametrize("world", [2, 3])
