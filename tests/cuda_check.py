@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from training import MLP, Case, batch_for  # noqa: E402
+from models import MLP  # noqa: E402
+from training import Case, batch_for  # noqa: E402
 
 import graphddp  # noqa: E402
 from graphddp.comm import CudaCommStream  # noqa: E402

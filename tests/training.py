@@ -1,8 +1,9 @@
-"""Rank-side training loops for parity tests: the same model, data and optimizer under graphddp.DDP, PyTorch's
-DDP, and single-process training on the concatenated batch.
+"""One case type and one training loop for every test that trains: graphddp (eager or compiled), PyTorch's DDP,
+and single-process training on the concatenated batch, on the same model, data and optimizer.
 
-Everything here runs inside spawned ranks (``tests/ranks.py``); data is generated from seeds so every rank
-can build every other rank's batch without communication (needed for the single-process reference).
+``train(impl, case, rank)`` runs inside a spawned rank (``tests/ranks.py``) or in one process (world size 1) and
+returns a ``Run``: the DDP wrapper, the compile backend, and per step the events the Reducer recorded during the
+synchronising backward, the module's state (``keep_states``) and extra gradients (``grad_first``).
 """
 
 from __future__ import annotations
@@ -13,120 +14,97 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from models import VOCAB, build_model, compute_loss, default_batch, make_batch
 from torch import nn
 
 import graphddp
+from graphddp.trace import EventLog
 
-IN, OUT = 12, 6
-
-
-# -- models ---------------------------------------------------------------------------------------------------
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+IMPLS = ("graphddp", "torch")
 
 
-class Branchy(nn.Module):
-    """``shared`` is used on some ranks only (``use_shared`` False on rank 1); ``dead`` is never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(IN, 32)
-        self.shared = nn.Linear(32, 32)
-        self.dead = nn.Linear(32, 32)
-        self.head = nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor, use_shared: bool = True) -> torch.Tensor:
-        h = F.relu(self.trunk(x))
-        if use_shared:
-            h = F.relu(self.shared(h))
-        return self.head(h)
-
-
-class WithBatchNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # No bias before BatchNorm: its gradient is zero up to rounding, and Adam would amplify the rounding.
-        self.fc1, self.bn, self.fc2 = nn.Linear(IN, 32, bias=False), nn.BatchNorm1d(32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.bn(self.fc1(x))))
-
-
-class MixedDtypes(nn.Module):
-    """A float64 layer followed by float32 layers: buckets must be split by dtype."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(IN, 32).double()
-        self.fc2, self.fc3 = nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc1(x.double())).float()
-        return self.fc3(F.relu(self.fc2(h)))
-
-
-class Unordered(nn.Module):
-    """Registered a, b, c but run c, a, b: the reverse registration order is not the ready order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, OUT), nn.Linear(IN, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(F.relu(self.a(F.relu(self.c(x)))))
-
-
-MODELS = {"mlp": MLP, "branchy": Branchy, "bn": WithBatchNorm, "mixed": MixedDtypes, "unordered": Unordered}
-
-
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return MODELS[name]()
-
-
-# -- cases ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """What to train and how; the same case trains under every implementation."""
+
     model: str = "mlp"
+    """A model of ``tests/models.py``: a regression model, a token model, or ``w:<workload>[:<size>]``."""
+    vocab: int = VOCAB
+    """Token models: rows of the embedding table."""
     optim: str = "sgd"
+    lr: float | None = None
+    """None: 0.05 for SGD (momentum 0.9), 0.01 for Adam."""
     steps: int = 6
-    batch: int = 8
+    batch: int | None = None
+    """Per rank and step; None: the model's own (``models.default_batch``)."""
+    batch_sizes: tuple[tuple[int, ...], ...] = ()
+    """Rank r's batch size at each step (``batch_sizes[r][step]``), overriding ``batch``."""
+    mark_dynamic: bool = False
+    """Mark the batch dimension dynamic (``torch._dynamo.mark_dynamic``)."""
     ddp: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments given to both graphddp.DDP and PyTorch's DDP."""
+    graphddp: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for, ...)."""
     hook: str | None = None
-    """``allreduce``, ``fp16``, ``bf16`` or ``powersgd``."""
+    """``allreduce``, ``fp16``, ``bf16`` or ``powersgd``, registered before step ``hook_at``."""
+    hook_at: int = 0
     accumulate: int = 1
     """Micro-batches per step; all but the last run under ``no_sync()``."""
-    extra_batches_per_rank: int = 0
-    """Rank r gets ``r * extra_batches_per_rank`` more steps, inside ``join()``."""
+    extra_steps_per_rank: int = 0
+    """Rank r trains ``r * extra_steps_per_rank`` more steps, inside ``join()``."""
     join_kwargs: tuple[tuple[str, Any], ...] = ()
-    graphddp: tuple[tuple[str, Any], ...] = ()
-    """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for)."""
+    compile: str | None = None
+    """graphddp only: ``torch.compile`` or ``graphddp.compile`` the DDP module; None: eager."""
+    inner: str = "aot_eager"
+    """The compile backend's inner compiler."""
+    compile_kwargs: tuple[tuple[str, Any], ...] = ()
+    eager_steps: int = 0
+    """Compiled cases: the first steps call the DDP module eagerly (a warm-up), the rest the compiled one."""
+    no_grad_forward: bool = False
+    """After each step, one more forward under ``torch.no_grad()`` (an evaluation)."""
+    grad_first: bool = False
+    """Each step also asks ``torch.autograd.grad`` for the loss's gradient of ``wte.weight`` before backward."""
     tolerance: tuple[tuple[str, float], ...] = ()
-    """``assert_close`` tolerances when the defaults are too tight for the case (fp16 sums, ...)."""
+    """``assert_close`` tolerances where the defaults are too tight for the case (fp16 sums, Inductor, ...)."""
 
-    @property
-    def ddp_kwargs(self) -> dict[str, Any]:
-        return dict(self.ddp)
+    def eager(self) -> Case:
+        return dataclasses.replace(self, compile=None, eager_steps=0)
+
+    def with_graphddp(self, **kwargs: Any) -> Case:
+        return dataclasses.replace(self, graphddp=self.graphddp + tuple(kwargs.items()))
 
 
-def batch_for(case: Case, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclasses.dataclass
+class Run:
+    ddp: nn.Module
+    """The DDP wrapper (``.module`` holds the trained model); the model itself for single-process training."""
+    backend: Any = None
+    """graphddp's compile backend (``.splits``), when compiled."""
+    events: list[list[tuple[str, int | None, str | None]]] = dataclasses.field(default_factory=list)
+    """Per step: ``(kind, bucket, param)`` of the synchronising micro-batch, as graphddp's Reducer recorded them."""
+    states: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+def batch_for(case: Case, step: int, micro: int, rank: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank + 1)
-    return torch.randn(case.batch, IN, generator=g), torch.randn(case.batch, OUT, generator=g)
+    size = case.batch_sizes[rank][step] if case.batch_sizes else case.batch or default_batch(case.model)
+    batch = make_batch(case.model, g, size, vocab=case.vocab)
+    if case.mark_dynamic:
+        torch._dynamo.mark_dynamic(batch[0], 0)
+    return batch
 
 
-def make_optimizer(params: Any, name: str) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    raise ValueError(name)
+def loss_for(model: nn.Module, case: Case, batch: tuple[torch.Tensor, ...], rank: int) -> torch.Tensor:
+    return compute_loss(case.model, model, batch, rank)
+
+
+def make_optimizer(params: Any, case: Case) -> torch.optim.Optimizer:
+    if case.optim == "sgd":
+        return torch.optim.SGD(params, lr=case.lr or 0.05, momentum=0.9)
+    if case.optim == "adam":
+        return torch.optim.Adam(params, lr=case.lr or 0.01)
+    raise ValueError(case.optim)
 
 
 def make_hook(name: str) -> tuple[Any, Any]:
@@ -146,52 +124,68 @@ def make_hook(name: str) -> tuple[Any, Any]:
     raise ValueError(name)
 
 
-def forward_loss(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
-    out = model(x, use_shared=rank != 1) if case.model == "branchy" else model(x)
-    return F.mse_loss(out, y)
-
-
-# -- the three ways to train ------------------------------------------------------------------------------------
-def wrap(impl: str, model: nn.Module, case: Case) -> nn.Module:
-    kwargs = case.ddp_kwargs
-    if impl == "graphddp":
-        ddp = graphddp.DDP(model, **kwargs, **dict(case.graphddp))
-    elif impl == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
-    else:
+def wrap(impl: str, case: Case) -> tuple[nn.Module, nn.Module, Any]:
+    """``(ddp, model to call, backend)`` for ``impl`` (``graphddp`` or ``torch``)."""
+    module = build_model(case.model, vocab=case.vocab)
+    if impl == "torch":
+        ddp = nn.parallel.DistributedDataParallel(module, **dict(case.ddp))
+        return ddp, ddp, None
+    if impl != "graphddp":
         raise ValueError(impl)
-    if case.hook is not None:
-        ddp.register_comm_hook(*make_hook(case.hook))
-    return ddp
+    ddp = graphddp.DDP(module, **dict(case.ddp), **dict(case.graphddp))
+    if case.compile is None:
+        return ddp, ddp, None
+    backend = graphddp.backend(case.inner)
+    kwargs = dict(case.compile_kwargs)
+    if case.compile == "graphddp.compile":
+        return ddp, graphddp.compile(ddp, backend, **kwargs), backend
+    if case.compile == "torch.compile":
+        return ddp, torch.compile(ddp, backend=backend, **kwargs), backend
+    raise ValueError(case.compile)
 
 
-def train_ddp(impl: str, case: Case, rank: int, world: int) -> nn.Module:
-    """Train ``case`` with a DDP implementation; return the wrapper (its module holds the result)."""
-    ddp = wrap(impl, build_model(case.model), case)
-    opt = make_optimizer(ddp.parameters(), case.optim)
-    steps = case.steps + rank * case.extra_batches_per_rank
-    join = ddp.join(**dict(case.join_kwargs)) if case.extra_batches_per_rank else contextlib.nullcontext()
+def train(impl: str, case: Case, rank: int, *, keep_states: bool = False) -> Run:
+    """Train ``case`` with ``impl`` (see ``wrap``) on this rank."""
+    ddp, model, backend = wrap(impl, case)
+    run = Run(ddp, backend)
+    opt = make_optimizer(model.parameters(), case)
+    join = ddp.join(**dict(case.join_kwargs)) if case.extra_steps_per_rank else contextlib.nullcontext()
     with join:
-        for step in range(steps):
+        for step in range(case.steps + rank * case.extra_steps_per_rank):
+            if case.hook is not None and step == case.hook_at:
+                ddp.register_comm_hook(*make_hook(case.hook))
+            call = ddp if step < case.eager_steps else model
+            log = EventLog()
             for micro in range(case.accumulate):
-                last = micro == case.accumulate - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    x, y = batch_for(case, step, micro, rank)
-                    forward_loss(ddp, case, x, y, rank).backward()
+                sync = micro == case.accumulate - 1
+                if sync and impl == "graphddp":
+                    ddp.reducer.events = log
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    loss = loss_for(call, case, batch_for(case, step, micro, rank), rank)
+                    if case.grad_first:
+                        table = dict(ddp.module.named_parameters())["wte.weight"]
+                        run.grads.append(torch.autograd.grad(loss, [table], retain_graph=True)[0])  # this rank's own
+                    loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return ddp
+            if case.no_grad_forward:
+                with torch.no_grad():
+                    loss_for(model, case, batch_for(case, step, 9, rank), rank)
+            run.events.append([(e.kind, e.bucket, e.param) for e in log.events])
+            if keep_states:
+                run.states.append(state_of(ddp.module))
+    return run
 
 
 def train_single_process(case: Case, world: int) -> nn.Module:
     """The reference: one process, each step on the concatenation of every rank's batch."""
-    model = build_model(case.model)
-    opt = make_optimizer(model.parameters(), case.optim)
+    model = build_model(case.model, vocab=case.vocab)
+    opt = make_optimizer(model.parameters(), case)
     for step in range(case.steps):
         for micro in range(case.accumulate):
             batches = [batch_for(case, step, micro, r) for r in range(world)]
-            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-            forward_loss(model, case, x, y, rank=0).backward()
+            batch = tuple(torch.cat(parts) for parts in zip(*batches))
+            loss_for(model, case, batch, rank=0).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model
@@ -206,82 +200,3 @@ def assert_same_on_all_ranks(state: dict[str, torch.Tensor]) -> None:
     dist.all_gather_object(gathered, state)
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
-
-
-# -- models for the compile tests ---------------------------------------------------------------------------------
-class InPlace(nn.Module):
-    """In-place ops inside the captured graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc1(x), inplace=True)
-        h = self.fc2(h)
-        h.mul_(0.5).add_(1.0)
-        return self.fc3(F.relu_(h))
-
-
-class Checkpointed(nn.Module):
-    """``torch.utils.checkpoint`` inside the model: a higher-order op in the captured graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        h = F.relu(self.fc1(x))
-        h = checkpoint(lambda t: F.relu(self.fc2(t)), h, use_reentrant=False)
-        return self.fc3(h)
-
-
-class GraphBreaks(nn.Module):
-    """Three captured graphs: one without parameters, two with."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * 2.0
-        torch._dynamo.graph_break()
-        h = F.relu(self.fc2(F.relu(self.fc1(x))))
-        torch._dynamo.graph_break()
-        return self.fc3(h)
-
-
-MODELS.update({"inplace": InPlace, "checkpointed": Checkpointed, "graph_breaks": GraphBreaks})
-
-
-class NoGradMiddle(nn.Module):
-    """``fc2`` is first used inside ``torch.no_grad()``: a cut there would leave a compiled segment without grad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc1(x))
-        with torch.no_grad():
-            scale = torch.sigmoid(self.fc2(h)) * 2
-        return self.fc3(torch.relu(self.fc2(h)) * scale)
-
-
-MODELS["no_grad_middle"] = NoGradMiddle
-
-
-class Swapped(nn.Module):
-    """Square layers whose order depends on the rank: same parameters, different graphs, different plans."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(IN, IN), nn.Linear(IN, IN)
-
-    def forward(self, x: torch.Tensor, a_first: bool = True) -> torch.Tensor:
-        return self.b(F.relu(self.a(x))) if a_first else self.a(F.relu(self.b(x)))
-
-
-MODELS["swapped"] = Swapped

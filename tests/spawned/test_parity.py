@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ranks import run_on_ranks
-from training import Case, assert_same_on_all_ranks, state_of, train_ddp, train_single_process
+from training import Case, assert_same_on_all_ranks, state_of, train, train_single_process
 
 TINY_CAPS = (("bucket_cap_mb", 0.002),)  # ~2 KiB: several buckets even for these small models
 # graphddp's own caps: a 1 KiB first bucket and a 0.5 KiB last one, so both ramps (Note [Bucket ramps]) are cut.
@@ -35,17 +35,17 @@ CASES = {
     "pytorch_layout": tiny(graphddp=(("first_bucket_cap_mb", 0.001), ("bucket_ramps", False))),
     # Hooks (bf16_compress_hook refuses to run without NCCL, so it is checked on CUDA: tests/cuda_check.py).
     # PowerSGD compresses per bucket, so both implementations must cut the same buckets. PyTorch's DDP hangs
-    # with PowerSGD and several buckets on gloo (tests/test_features.py shows graphddp does not), so: one bucket.
+    # with PowerSGD and several buckets on gloo (tests/spawned/test_features.py shows graphddp does not), so: one bucket.
     "hook_allreduce": tiny(hook="allreduce"),
     # On 3 ranks, fp16 sums of the same values in a different association (PyTorch cuts its buckets
     # differently, so gloo's ring visits them in another order) differ by fp16 rounding.
     "hook_fp16": tiny(hook="fp16", tolerance=(("rtol", 1e-3), ("atol", 1e-4))),
     "hook_powersgd": Case(hook="powersgd", steps=8),
-    "join": tiny(extra_batches_per_rank=1),
+    "join": tiny(extra_steps_per_rank=1),
     "join_divide_by_active": tiny(
-        extra_batches_per_rank=2, join_kwargs=(("divide_by_initial_world_size", False),)
+        extra_steps_per_rank=2, join_kwargs=(("divide_by_initial_world_size", False),)
     ),
-    "join_batchnorm": tiny(model="bn", extra_batches_per_rank=1),
+    "join_batchnorm": tiny(model="bn", extra_steps_per_rank=1),
 }
 
 # Cases whose result single-process training on the concatenated batch reproduces exactly.
@@ -56,8 +56,8 @@ def check_parity(rank: int, world: int, case_name: str, optim: str) -> int:
     import dataclasses
 
     case = dataclasses.replace(CASES[case_name], optim=optim)
-    ours = train_ddp("graphddp", case, rank, world)
-    theirs = train_ddp("torch", case, rank, world)
+    ours = train("graphddp", case, rank).ddp
+    theirs = train("torch", case, rank).ddp
     torch.testing.assert_close(state_of(ours.module), state_of(theirs.module), **dict(case.tolerance))
     # Parameters agree across ranks; buffers need not (each rank's last forward updated its own BN stats).
     assert_same_on_all_ranks({n: p.detach() for n, p in ours.module.named_parameters()})

@@ -15,7 +15,7 @@ import graphddp
 from graphddp.cli import main
 from graphddp.workloads import build_workload
 
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(__file__))  # inspect_factories.py
 
 
 def inspect_json(capsys: pytest.CaptureFixture, *args: str) -> dict:

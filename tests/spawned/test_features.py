@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import MLP, build_model
 from ranks import expect_failure_on_every_rank, run_on_ranks
 from torch import nn
-from training import MLP, Case, batch_for, build_model, forward_loss, make_hook
+from training import Case, batch_for, loss_for, make_hook
 
 import graphddp
 from graphddp.trace import EventLog
@@ -117,7 +118,7 @@ def count_traversals(rank: int, world: int, static: bool) -> tuple[int, int]:
     case = Case(model="branchy")
     for step in range(4):
         x, y = batch_for(case, step, 0, rank)
-        forward_loss(ddp, case, x, y, rank).backward()
+        loss_for(ddp, case, (x, y), rank).backward()
     return ddp.reducer.usage.policy.traversals, int(ddp.module.dead.weight.grad is None)
 
 

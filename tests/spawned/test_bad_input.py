@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP, Branchy
 from ranks import expect_failure_on_every_rank
 from torch import nn
-from training import MLP, Branchy, Case, batch_for
+from training import Case, batch_for
 
 import graphddp
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from training import MLP, Case, batch_for
+from models import MLP
+from training import Case, batch_for
 
 import graphddp
 
@@ -81,7 +82,7 @@ def graphddp_segments(ddp: graphddp.DDP) -> int:
 
 
 def test_a_no_grad_region_is_never_cut_so_every_gradient_survives_compilation() -> None:
-    from training import build_model
+    from models import build_model
 
     eager, compiled_module = build_model("no_grad_middle"), build_model("no_grad_middle")
     ddp = graphddp.DDP(compiled_module, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, find_unused_parameters=True)

@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP, Branchy
 from torch import nn
-from training import MLP, Branchy, Case, batch_for, forward_loss
+from training import Case, batch_for, loss_for
 
 import graphddp
 from graphddp.trace import EventLog
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 def step(ddp: nn.Module, case: Case | None = None, seed: int = 0) -> torch.Tensor:
     case = case or Case()
     x, y = batch_for(case, seed, 0, 0)
-    loss = forward_loss(ddp, case, x, y, rank=0)
+    loss = loss_for(ddp, case, (x, y), rank=0)
     loss.backward()
     return loss
 

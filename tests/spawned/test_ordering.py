@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import IN, OUT, build_model
 from ranks import run_on_ranks
 from torch import nn
-from training import IN, OUT, Case, batch_for, build_model
+from training import Case, batch_for
 
 import graphddp
 from graphddp.trace import EventLog

@@ -1,0 +1,266 @@
+"""The models the tests train, and their data: one registry, so a case names a model and gets its batches and loss.
+
+Three families, told apart by name:
+
+* regression models (``mlp``, ``branchy``, ...): ``x [B, IN] -> [B, OUT]``, MSE against ``y [B, OUT]``;
+* token models (``gpt``, ``gpt_untied``, ``broken``, ``bag``): an embedding table of ``vocab`` rows, looked up
+  with random token ids (Note [Row-sparse gradients]); the model returns its loss;
+* ``w:<workload>[:<size>]``: a graphddp workload (``graphddp.workloads``; size ``tiny`` unless given).
+
+Batches come from seeded generators, so any rank can rebuild any other rank's batch without communication.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphddp.workloads import GPT, GPTConfig, build_workload
+
+IN, OUT = 12, 6
+VOCAB = 512  # 4 x 16 tokens per rank: at most 192 of 512 rows on 3 ranks, so the table is row-sparse
+
+
+# -- regression models -------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Branchy(nn.Module):
+    """``shared`` is used on some ranks only (``use_shared`` False on rank 1); ``dead`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(IN, 32)
+        self.shared = nn.Linear(32, 32)
+        self.dead = nn.Linear(32, 32)
+        self.head = nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor, use_shared: bool = True) -> torch.Tensor:
+        h = F.relu(self.trunk(x))
+        if use_shared:
+            h = F.relu(self.shared(h))
+        return self.head(h)
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # No bias before BatchNorm: its gradient is zero up to rounding, and Adam would amplify the rounding.
+        self.fc1, self.bn, self.fc2 = nn.Linear(IN, 32, bias=False), nn.BatchNorm1d(32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.bn(self.fc1(x))))
+
+
+class MixedDtypes(nn.Module):
+    """A float64 layer followed by float32 layers: buckets must be split by dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 32).double()
+        self.fc2, self.fc3 = nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x.double())).float()
+        return self.fc3(F.relu(self.fc2(h)))
+
+
+class Unordered(nn.Module):
+    """Registered a, b, c but run c, a, b: the reverse registration order is not the ready order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, OUT), nn.Linear(IN, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.relu(self.a(F.relu(self.c(x)))))
+
+
+class InPlace(nn.Module):
+    """In-place ops inside the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x), inplace=True)
+        h = self.fc2(h)
+        h.mul_(0.5).add_(1.0)
+        return self.fc3(F.relu_(h))
+
+
+class Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` inside the model: a higher-order op in the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = F.relu(self.fc1(x))
+        h = checkpoint(lambda t: F.relu(self.fc2(t)), h, use_reentrant=False)
+        return self.fc3(h)
+
+
+class GraphBreaks(nn.Module):
+    """Three captured graphs: one without parameters, two with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2.0
+        torch._dynamo.graph_break()
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        torch._dynamo.graph_break()
+        return self.fc3(h)
+
+
+class NoGradMiddle(nn.Module):
+    """``fc2`` is first used inside ``torch.no_grad()``: a cut there would leave a compiled segment without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        with torch.no_grad():
+            scale = torch.sigmoid(self.fc2(h)) * 2
+        return self.fc3(torch.relu(self.fc2(h)) * scale)
+
+
+class Swapped(nn.Module):
+    """Square layers whose order depends on the rank: same parameters, different graphs, different plans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, IN), nn.Linear(IN, IN)
+
+    def forward(self, x: torch.Tensor, a_first: bool = True) -> torch.Tensor:
+        return self.b(F.relu(self.a(x))) if a_first else self.a(F.relu(self.b(x)))
+
+
+REGRESSION = {
+    "mlp": MLP,
+    "branchy": Branchy,
+    "bn": WithBatchNorm,
+    "mixed": MixedDtypes,
+    "unordered": Unordered,
+    "inplace": InPlace,
+    "checkpointed": Checkpointed,
+    "graph_breaks": GraphBreaks,
+    "no_grad_middle": NoGradMiddle,
+    "swapped": Swapped,
+}
+
+
+# -- token models (embedding tables) -----------------------------------------------------------------------------
+def tied_gpt(vocab: int = VOCAB) -> GPT:
+    torch.manual_seed(0)
+    # No biases: the attention key bias's gradient is zero up to rounding, which Adam would amplify into noise.
+    return GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False))
+
+
+class Bag(nn.Module):
+    """An untied embedding table (the mean of the looked-up rows) and a linear head."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(idx).mean(1)), target)  # idx [B, 8] -> [B, 16] -> [B, 8]
+
+
+class BrokenGPT(GPT):
+    """The tied GPT with a graph break between the blocks and the output layer: lookup and lm_head in two graphs."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        torch._dynamo.graph_break()
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+
+
+def untied_gpt(vocab: int) -> GPT:
+    module = tied_gpt(vocab)
+    module.lm_head.weight = nn.Parameter(module.wte.weight.detach().clone())  # the output layer's own weight
+    return module
+
+
+def broken_gpt(vocab: int) -> GPT:
+    module = tied_gpt(vocab)
+    module.__class__ = BrokenGPT  # same parameters, a graph break before the output layer
+    return module
+
+
+TOKENS = {"gpt": tied_gpt, "gpt_untied": untied_gpt, "broken": broken_gpt, "bag": Bag}
+
+
+def tokens(model: str, g: torch.Generator, batch: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bag``: ids ``[B, 8]`` and classes ``[B]``; the GPTs: ids and next-token targets ``[B, 16]``."""
+    if model == "bag":
+        return torch.randint(0, vocab, (batch, 8), generator=g), torch.randint(0, 8, (batch,), generator=g)
+    return torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g)
+
+
+# -- one interface over the three families --------------------------------------------------------------------------
+@functools.cache
+def _workload(spec: str):
+    name, _, size = spec[2:].partition(":")
+    return build_workload(name, size=size or "tiny", seed=0)
+
+
+def build_model(name: str, *, vocab: int = VOCAB, seed: int = 0) -> nn.Module:
+    """A fresh model (the same initial weights on every rank for the same arguments)."""
+    if name.startswith("w:"):
+        workload = _workload(name)
+        return build_workload(workload.name, size=workload.size, seed=seed).model
+    if name in TOKENS:
+        return TOKENS[name](vocab)
+    torch.manual_seed(seed)
+    return REGRESSION[name]()
+
+
+def default_batch(name: str) -> int:
+    if name.startswith("w:"):
+        return _workload(name).batch_size
+    return 4 if name in TOKENS else 8
+
+
+def make_batch(name: str, g: torch.Generator, size: int, *, vocab: int = VOCAB) -> tuple[torch.Tensor, ...]:
+    if name.startswith("w:"):
+        assert size == default_batch(name), "a workload draws batches of its own size"
+        return _workload(name).make_batch(g)
+    if name in TOKENS:
+        return tokens(name, g, size, vocab)
+    return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
+
+
+def compute_loss(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...], rank: int) -> torch.Tensor:
+    """The scalar loss of ``batch`` on ``rank`` (``branchy`` skips its shared layer on rank 1)."""
+    if name.startswith("w:") or name in TOKENS:
+        return model(*batch)
+    x, y = batch
+    kwargs: dict[str, Any] = {"use_shared": rank != 1} if name == "branchy" else {}
+    return F.mse_loss(model(x, **kwargs), y)

@@ -1,0 +1,31 @@
+"""The two-step row-sparse reduction in one gloo process (Note [Row-sparse gradients]), and the option's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import Bag
+from reduce_rows import reduce_rows
+
+import graphddp
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_row_sparse_launch_in_one_process_keeps_the_table_and_falls_back_when_dense() -> None:
+    table = torch.zeros(8, 3)
+    table[[1, 6]] = torch.tensor([[1.0, -2.0, 0.0], [float("nan"), 0.0, 0.0]])
+    expected = table.clone()
+    result, launch = reduce_rows(table, dist.group.WORLD)
+    assert launch.touched == 2 and launch.outcome[0] == "rows" and result.data_ptr() == table.data_ptr()
+    torch.testing.assert_close(result, expected, equal_nan=True)
+    result, launch = reduce_rows(torch.ones(8, 3), dist.group.WORLD)
+    assert launch.touched == 8 and launch.outcome[0] == "dense" and torch.equal(result, torch.ones(8, 3))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_option_is_validated_and_one_rank_plans_no_rows() -> None:
+    with pytest.raises(TypeError, match="sparse_embedding_grads must be True or False, got 'yes'"):
+        graphddp.DDP(Bag(), sparse_embedding_grads="yes")  # type: ignore[arg-type]
+    # Nothing to send at world size 1: no side group, no rows, no isolated table bucket.
+    assert not any(b.row_sparse for b in graphddp.DDP(Bag()).bucket_plan.buckets)

@@ -1,0 +1,200 @@
+"""graphddp under torch.compile, on spawned gloo ranks.
+
+Every case trains the same model, data and optimizer three ways: compiled graphddp, eager graphddp and
+PyTorch's eager DDP, and checks that they reach the same parameters; that each captured graph got one segment
+per bucket (unless a segment was extended, which the split records); that the Reducer adopted the graph plan
+and covers every trainable parameter once; and, from recorded events, that bucket k's all-reduce was launched
+before the next segment's backward started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from models import build_model
+from ranks import run_on_ranks
+from training import Case, batch_for, train
+
+import graphddp
+
+TINY = (("bucket_cap_mb", 0.002),)
+# With the TINY caps, both of graphddp's ramps (Note [Bucket ramps]) are cut.
+RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
+INDUCTOR_TOLERANCE = (("rtol", 1e-3), ("atol", 1e-4))
+
+
+def compiled(**fields: Any) -> Case:
+    """A compiled case with tiny buckets (5 steps, aot_eager), ramps cut unless ``graphddp`` says otherwise."""
+    return Case(**{"steps": 5, "compile": "torch.compile", "ddp": TINY, "graphddp": RAMPED, **fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class Expect:
+    """What the compiled run must show, besides parity with eager graphddp and PyTorch's DDP."""
+
+    graph_plan: bool = True
+    """The Reducer runs the plan cut from the captured graph (False: ranks captured different graphs)."""
+    graphs: int = 1
+    """Captured graphs the backend planned (graphs without parameters are compiled whole, not planned)."""
+    segments: int | None = None
+    """The one graph's split into exactly this many segments; None: several, one per bucket, and bucket k's
+    all-reduce launched before the next segment's backward (checked from the recorded events)."""
+
+
+CASES: dict[str, tuple[Case, Expect]] = {
+    "mlp_adam": (compiled(optim="adam"), Expect()),
+    # SGD: the attention key bias has a zero gradient up to rounding, which Adam would amplify into noise.
+    "gpt_tied_weights": (compiled(model="w:gpt"), Expect()),
+    "cnn_batchnorm": (compiled(model="w:cnn"), Expect()),
+    "workload_mlp": (compiled(model="w:mlp"), Expect()),
+    "in_place_ops": (compiled(model="inplace"), Expect()),
+    "checkpointing": (compiled(model="checkpointed"), Expect()),
+    "graph_breaks_and_a_graph_without_parameters": (compiled(model="graph_breaks"), Expect(graphs=2)),
+    # Ranks captured different graphs (the branch is a Python bool): the shared eager plan stays.
+    "find_unused_rank_dependent_branch": (
+        compiled(model="branchy", ddp=TINY + (("find_unused_parameters", True),)),
+        Expect(graph_plan=False),
+    ),
+    "static_graph": (compiled(ddp=TINY + (("static_graph", True),)), Expect()),
+    # The graph is compiled after iteration 0, when static_graph has stopped searching for unused parameters:
+    # its plan is still agreed on and adopted (Note [Plan agreement]).
+    "static_graph_after_an_eager_step": (compiled(ddp=TINY + (("static_graph", True),), eager_steps=1), Expect()),
+    "no_sync": (compiled(accumulate=3), Expect()),
+    "fp16_comm_hook": (compiled(hook="fp16", tolerance=(("rtol", 1e-3), ("atol", 1e-4))), Expect()),
+    "gradient_as_bucket_view": (compiled(ddp=TINY + (("gradient_as_bucket_view", True),)), Expect()),
+    "no_grad_forward": (compiled(no_grad_forward=True), Expect()),
+    # A different batch size every step, marked dynamic: no recompile.
+    "mark_dynamic_batch": (compiled(batch_sizes=((3, 4, 5, 6, 7),) * 2, mark_dynamic=True), Expect()),
+    "one_bucket": (compiled(ddp=(), graphddp=(("last_bucket_cap_mb", 0.0005),)), Expect(segments=1)),
+    "one_bucket_per_layer": (
+        compiled(ddp=(("bucket_cap_mb", 1e-6),), graphddp=(("first_bucket_cap_mb", 1e-6), ("last_bucket_cap_mb", 0.0005))),
+        Expect(),
+    ),
+    # 0.25 MiB buckets under the default 1 MiB first bucket: PyTorch's DDPOptimizer refuses this; the small GPT
+    # (3.7 MB of gradients) gets many buckets from it.
+    "cap_quarter_mb_first_cap_default": (
+        compiled(model="w:gpt:small", ddp=(("bucket_cap_mb", 0.25),), graphddp=(("last_bucket_cap_mb", 0.0005),), steps=3),
+        Expect(),
+    ),
+    "fullgraph_via_graphddp_compile": (
+        compiled(model="w:gpt", compile="graphddp.compile", compile_kwargs=(("fullgraph", True),)),
+        Expect(),
+    ),
+}
+# Slow (Inductor compiles each segment): run by CI through the `slow` marker.
+INDUCTOR_CASES = {
+    f"inductor_{m}": (compiled(model=f"w:{m}", inner="inductor", tolerance=INDUCTOR_TOLERANCE), Expect())
+    for m in ("mlp", "gpt", "cnn")
+}
+
+
+# -- rank side ----------------------------------------------------------------------------------------------------
+def check_case(rank: int, world: int, name: str) -> dict[str, Any]:
+    case, _ = {**CASES, **INDUCTOR_CASES}[name]
+    torch._dynamo.reset()
+    ours = train("graphddp", case, rank)
+    eager = train("graphddp", case.eager(), rank)
+    theirs = train("torch", case, rank)
+    tolerance = dict(case.tolerance)
+    ours_state = ours.ddp.module.state_dict()
+    torch.testing.assert_close(ours_state, eager.ddp.module.state_dict(), **tolerance)
+    torch.testing.assert_close(ours_state, theirs.ddp.module.state_dict(), **tolerance)
+
+    plan = ours.ddp.bucket_plan
+    trainable = [n for n, p in ours.ddp.module.named_parameters() if p.requires_grad]
+    assert sorted(plan.param_names) == sorted(trainable), "every trainable parameter reduced exactly once"
+    splits = [(s.num_segments, len(s.plan.buckets), any(seg.extended for seg in s.segments)) for s in ours.backend.splits]
+    for segments, buckets, extended in splits:
+        assert segments == buckets or extended, splits
+    # Where each bucket of the plan in force completes: the segment holding its first slot in the graph's split
+    # (the same as bucket k -> segment n-1-k, unless a table gave up rows and its part's bucket was dropped).
+    split = ours.backend.splits[-1]
+    segment_of = {k: seg.index for seg in split.segments for k in seg.buckets}
+    completes_in = [
+        segment_of.get(split.plan.bucket_of(b.params[0].name, b.params[0].part))
+        if b.params[0].name in split.plan.param_names
+        else None
+        for b in plan.buckets
+    ]
+    return {
+        "splits": splits,
+        "completes_in": completes_in,
+        "source": plan.source,
+        "buckets": len(plan.buckets),
+        "fingerprint": plan.fingerprint,
+        "events": [(kind, bucket) for kind, bucket, _ in ours.events[-1]],
+    }
+
+
+# -- test side ----------------------------------------------------------------------------------------------------
+def assert_launch_before_next_segment_backward(
+    events: list[tuple[str, int | None]], segments: int, completes_in: list[int | None] | None = None
+) -> None:
+    """Bucket k completes with segment ``completes_in[k]`` (default: segments-1-k); it must be launched before the
+    segment in front of that one runs its backward."""
+    seq = {(kind, index): i for i, (kind, index) in enumerate(events) if kind in ("launch", "segment_backward")}
+    backward_order = [index for kind, index in events if kind == "segment_backward"]
+    assert backward_order == sorted(backward_order, reverse=True) == list(range(segments - 1, -1, -1))
+    completes_in = completes_in or list(range(segments - 1, -1, -1))
+    checked = [k for k, segment in enumerate(completes_in) if segment]
+    assert len(checked) >= segments - 2, (completes_in, segments)
+    for k in checked:
+        assert seq[("launch", k)] < seq[("segment_backward", completes_in[k] - 1)], (k, events)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_matches_eager_and_torch_ddp(name: str) -> None:
+    results = run_on_ranks(check_case, 2, name, timeout=300)
+    check_expectations(results, CASES[name][1])
+
+
+def check_expectations(results: list[dict[str, Any]], expect: Expect) -> None:
+    assert len({r["fingerprint"] for r in results}) == 1, "ranks run different plans"
+    first = results[0]
+    assert (first["source"] == "graph") == expect.graph_plan, first["source"]
+    if not expect.graph_plan:
+        assert first["splits"], "the backend planned no graph"
+        return
+    assert len(first["splits"]) == expect.graphs, first["splits"]
+    if expect.graphs != 1:
+        return  # events of several graphs interleave: the order is checked on one-graph cases
+    segments, buckets, extended = first["splits"][0]
+    if expect.segments is not None:
+        assert segments == buckets == expect.segments and not extended, first["splits"]
+        return
+    assert segments > 1 and not extended, first["splits"]
+    assert_launch_before_next_segment_backward(first["events"], segments, first["completes_in"])
+
+
+def test_world_size_three() -> None:
+    results = run_on_ranks(check_case, 3, "gpt_tied_weights", timeout=300)
+    check_expectations(results, CASES["gpt_tied_weights"][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(INDUCTOR_CASES))
+def test_inductor_parity(name: str) -> None:
+    results = run_on_ranks(check_case, 2, name, timeout=900)
+    check_expectations(results, INDUCTOR_CASES[name][1])
+
+
+def ranks_capture_different_graphs(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    ddp = graphddp.DDP(build_model("swapped"), bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    for step in range(3):
+        x, _ = batch_for(Case(), step, 0, rank)
+        model(x, a_first=rank == 0).sum().backward()
+
+
+def test_ranks_with_different_plans_fail_on_every_rank_naming_the_first_differing_bucket() -> None:
+    from ranks import expect_failure_on_every_rank
+
+    errors = expect_failure_on_every_rank(ranks_capture_different_graphs, 2, timeout=120)
+    for rank, text in errors.items():
+        assert f"[rank {rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket 0" in text
+        assert "rank 0 has [b.weight" in text and "rank 1 has [a.weight" in text
+        assert "find_unused_parameters=True" in text
