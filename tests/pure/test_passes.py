@@ -11,10 +11,7 @@ from graphddp.passes import (
     BucketPlan,
     MiB,
     ParamSpec,
-    assign_segments,
     compose_plans,
-    find_graph_params,
-    plan_bucket_groups,
     plan_buckets,
     ready_groups,
     split_at_buckets,
@@ -23,16 +20,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from graphddp.capture import capture_graphs, parameter_names
+from graphddp.graph_pipeline import prepare_graph
 from graphddp.plans import GraphPlans, agreed, agreement_entries
 from graphddp.workloads import build_workload
 
 
 def plan_and_split(model: nn.Module, inputs: tuple, bucket_cap: int, first_cap: int, **capture_kwargs):
+    """The first half of the graph pipeline the backend and ``graphddp inspect`` run, dense (no row-sparse tables)."""
     (captured,) = capture_graphs(model, *inputs, **capture_kwargs)
-    params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
     caps = BucketCaps(bucket=bucket_cap, first=first_cap, last=first_cap)  # graphddp's default: last = first
-    plan = plan_bucket_groups(ready_groups(params), caps=caps)
-    return captured, params, plan, assign_segments(captured.gm, params, plan)
+    prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
+    return captured, prepared.params, prepared.plan, prepared.split
 
 
 SMALL = BucketCaps(bucket=16, first=16, last=16)
