@@ -27,6 +27,7 @@ checkpointing) are split like any node, and any pair of caps works.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import warnings
@@ -62,12 +63,17 @@ def compile(
     backend: str | CompilerFn | GraphDDPBackend = "inductor",
     *,
     debug_dir: str | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """``torch.compile`` for a ``graphddp.DDP`` module: the wrapper stays eager, the inner module is compiled.
 
     ``backend`` is the inner backend (as for ``graphddp.backend``) or a ``graphddp.backend(...)`` object.
-    Extra keyword arguments (``fullgraph``, ``dynamic``, ``mode``...) go to ``torch.compile``.
+    ``mode`` and ``options`` configure the inner compiler as ``torch.compile`` would (Inductor's modes and config);
+    ``dynamic``, ``fullgraph`` and any other keyword go to ``torch.compile``.
     """
     from .ddp import DistributedDataParallel
 
@@ -76,27 +82,61 @@ def compile(
             f"graphddp.compile expects a graphddp.DDP module, got {type(model).__name__}; wrap the model first: "
             "graphddp.compile(graphddp.DDP(model))"
         )
-    if not isinstance(backend, GraphDDPBackend):
-        backend = GraphDDPBackend(backend, debug_dir=debug_dir)
-    return torch.compile(model, backend=backend, **kwargs)
+    if isinstance(backend, GraphDDPBackend):
+        backend = backend.configured(mode=mode, options=options, dynamic=dynamic)
+    else:
+        backend = GraphDDPBackend(inner_compiler(backend, mode=mode, options=options, dynamic=dynamic), debug_dir=debug_dir)
+    return torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **kwargs)
+
+
+def inner_compiler(
+    inner: str | CompilerFn, *, mode: str | None = None, options: dict[str, Any] | None = None, dynamic: bool | None = None
+) -> CompilerFn:
+    """The compiler each segment goes through: ``inner`` configured by ``mode``/``options`` as ``torch.compile``
+    configures its backend (Inductor: its modes and config patches; another backend: the keywords passed on)."""
+    if isinstance(inner, str) and inner == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    if isinstance(inner, str):
+        inner = torch._dynamo.lookup_backend(inner)
+    elif not callable(inner):
+        raise TypeError(f"graphddp.backend: inner must be a backend name or a compiler function, got {inner!r}")
+    extra = {**({"mode": mode} if mode not in (None, "default") else {}), **({"options": options} if options else {})}
+    return functools.partial(inner, **extra) if extra else inner
 
 
 class GraphDDPBackend:
     """The callable ``graphddp.backend(...)`` returns; Dynamo calls it once per captured graph."""
 
     def __init__(self, inner: str | CompilerFn, *, debug_dir: str | None = None) -> None:
-        if isinstance(inner, str):
-            self.inner: CompilerFn = torch._dynamo.lookup_backend(inner)
-        elif callable(inner):
-            self.inner = inner
-        else:
-            raise TypeError(f"graphddp.backend: inner must be a backend name or a compiler function, got {inner!r}")
+        self._inner_spec = inner
+        self.inner: CompilerFn = inner_compiler(inner)
         # Checked now, before anything is compiled: an unwritable dump directory is a clear error.
         self.dump = DebugDump.from_argument_or_env(debug_dir)
         self.splits: list[GraphSplit] = []
         """Every split made by this backend, in compile order (for tests and tools)."""
+        self._configured: dict[tuple[Any, ...], GraphDDPBackend] = {}
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def configured(self, *, mode: str | None = None, options: dict[str, Any] | None = None, dynamic: bool | None = None) -> GraphDDPBackend:
+        """This backend with its inner compiler configured by ``mode``/``options`` (itself when neither is given);
+        the configured one shares ``splits`` with this one."""
+        if mode in (None, "default") and not options:
+            return self
+        key = (mode, tuple(sorted((options or {}).items())), dynamic)
+        if key not in self._configured:
+            configured = GraphDDPBackend.__new__(GraphDDPBackend)
+            configured.__dict__.update(self.__dict__)
+            configured.inner = inner_compiler(self._inner_spec, mode=mode, options=options, dynamic=dynamic)
+            configured._configured = {}
+            self._configured[key] = configured
+        return self._configured[key]
+
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
+    ) -> Callable[..., Any]:
+        """``mode``/``options``: what ``torch.compile(..., mode=, options=)`` passes a backend; they configure the
+        inner compiler of every segment."""
+        if mode not in (None, "default") or options:
+            return self.configured(mode=mode, options=options)(gm, example_inputs)
         target = running()
         if target is None:
             _refuse_pytorch_ddp()
@@ -120,6 +160,8 @@ class GraphDDPBackend:
             logger.debug("graphddp.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
+        if target is not None:
+            target.record_split(prepared.split)
         graph_key = f"graph{next(_graph_ids)}"
         if target is not None and not prepared.reused_plan:
             target.propose_graph_plan(graph_key, prepared.plan)
@@ -148,9 +190,35 @@ class GraphDDPBackend:
         return prepared.split_gm
 
 
+_named_backends: dict[tuple[Any, ...], GraphDDPBackend] = {}
+
+
+def registered_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """The backend named ``"graphddp"`` (entry point ``torch_dynamo_backends``):
+    ``torch.compile(model, backend="graphddp", options={"inner": "inductor", "debug_dir": ...})``; the other
+    options and ``mode`` configure the inner compiler (for Inductor: its config and modes)."""
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    debug_dir = options.pop("debug_dir", None)
+    key = (inner if isinstance(inner, str) else id(inner), mode, repr(sorted(options.items())), debug_dir)
+    if key not in _named_backends:
+        _named_backends[key] = GraphDDPBackend(inner, debug_dir=debug_dir).configured(mode=mode, options=options)
+    return _named_backends[key](gm, example_inputs)
+
+
+def is_graphddp_backend(compile_fn: Any) -> bool:
+    """Whether ``compile_fn`` (as Dynamo holds it: under its debug wrapper, or ``torch.compile``'s wrapper of a
+    named backend) is graphddp's backend already."""
+    fn = getattr(compile_fn, "_torchdynamo_orig_backend", compile_fn)
+    fn = getattr(fn, "compiler_fn", fn)  # torch._TorchCompileWrapper (a named backend with mode/options)
+    return isinstance(fn, GraphDDPBackend) or fn is registered_backend
+
+
 # -- without a graphddp.DDP -------------------------------------------------------------------------------------
 def _refuse_pytorch_ddp() -> None:
-    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+    if isinstance(nn.parallel.DistributedDataParallel._get_active_ddp_module(), nn.parallel.DistributedDataParallel):
         raise RuntimeError(
             "graphddp.backend was used on a model wrapped in torch.nn.parallel.DistributedDataParallel, whose own "
             "Reducer would not follow graphddp's bucket plan. Wrap the model in graphddp.DDP instead: "

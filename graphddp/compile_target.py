@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from .passes import BucketCaps, BucketPlan
+from .passes import BucketCaps, BucketPlan, GraphSplit
 
 
 class Events(Protocol):
@@ -56,6 +56,10 @@ class CompileTarget(PartSink, Protocol):
 
     def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
         """A new graph's plan, adopted once every rank agrees (Note [Plan agreement] in ``graphddp.plans``)."""
+        ...
+
+    def record_split(self, split: GraphSplit) -> None:
+        """A graph compiled for this target was cut so (``splits``: for tools and tests)."""
         ...
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import compile_target
+from . import compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
 from .passes import BucketCaps, ParamSpec, embedding_tables, plan_buckets, rows_apply
@@ -194,6 +194,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
+        dynamo_hook.install()  # torch.compile with any backend splits at our buckets (Note [Split without asking])
         logger.info(
             "[rank %d] graphddp.DDP: %d trainable parameters in %d buckets (bytes %s), world size %d",
             self.rank,
@@ -202,6 +203,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             [b.nbytes for b in plan.buckets],
             self.world_size,
         )
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes, as on PyTorch's DDP (Dynamo's DDP hook reads it)."""
+        return self.options.caps.bucket
 
     # -- forward ---------------------------------------------------------------------------------------------
     # Dynamo does not trace this frame (it runs eagerly: collectives, Join, Reducer bookkeeping) but does trace
@@ -212,9 +218,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         compile_target.enter(self.reducer)  # graphs Dynamo captures now are planned for this Reducer
+        previous = dynamo_hook.activate(self)  # and split at its buckets whatever the backend (Note [Split without asking])
         try:
             output = self.module(*inputs, **kwargs)
         finally:
+            dynamo_hook.deactivate(previous)
             compile_target.leave()
         return self._post_forward(output)
 

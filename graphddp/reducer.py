@@ -45,7 +45,7 @@ from .compile_target import Events
 from .grad_layout import BucketViewGrads, CopiedGrads, fill
 from .iteration import ActiveRanks, Iteration
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
-from .passes import BucketCaps, BucketPlan, ParamSpec, rows_apply
+from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .reductions import CommHook, DenseReduction, RowSparseReduction
 from .trace import NullEvents
@@ -98,6 +98,8 @@ class Reducer:
         self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device)
         self._iteration: Iteration | None = None
         self._pending_error: str | None = None
+        self.splits: list[GraphSplit] = []
+        """How each graph compiled for this Reducer was cut, in compile order (whatever backend the user named)."""
         self.adopt(plan)
 
         me = weakref.ref(self)
@@ -193,6 +195,9 @@ class Reducer:
 
     def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
         self.plans.propose(graph, plan)
+
+    def record_split(self, split: GraphSplit) -> None:
+        self.splits.append(split)
 
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:

@@ -2,7 +2,7 @@
 and single-process training on the concatenated batch, on the same model, data and optimizer.
 
 ``train(impl, case, rank)`` runs inside a spawned rank (``tests/ranks.py``) or in one process (world size 1) and
-returns a ``Run``: the DDP wrapper, the compile backend, and per step the events the Reducer recorded during the
+returns a ``Run``: the DDP wrapper (``ddp.reducer.splits``: how compiled graphs were cut), and per step the events the Reducer recorded during the
 synchronising backward, the module's state (``keep_states``) and extra gradients (``grad_first``).
 """
 
@@ -54,9 +54,12 @@ class Case:
     """Rank r trains ``r * extra_steps_per_rank`` more steps, inside ``join()``."""
     join_kwargs: tuple[tuple[str, Any], ...] = ()
     compile: str | None = None
-    """graphddp only: ``torch.compile`` or ``graphddp.compile`` the DDP module; None: eager."""
+    """graphddp only; None: eager. How the DDP module is compiled (``inner`` is the user's backend):
+    ``torch.compile`` with ``graphddp.backend(inner)``; ``graphddp.compile``; ``plain``: ``torch.compile`` with the
+    user's backend as it is (``inductor``: no backend argument at all); ``module.compile``: ``ddp.compile(...)``;
+    ``named``: ``backend="graphddp", options={"inner": inner}``."""
     inner: str = "aot_eager"
-    """The compile backend's inner compiler."""
+    """A backend name, or ``callable`` for ``user_compiler`` (a function, as users write custom backends)."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
     eager_steps: int = 0
     """Compiled cases: the first steps call the DDP module eagerly (a warm-up), the rest the compiled one."""
@@ -78,8 +81,6 @@ class Case:
 class Run:
     ddp: nn.Module
     """The DDP wrapper (``.module`` holds the trained model); the model itself for single-process training."""
-    backend: Any = None
-    """graphddp's compile backend (``.splits``), when compiled."""
     events: list[list[tuple[str, int | None, str | None]]] = dataclasses.field(default_factory=list)
     """Per step: ``(kind, bucket, param)`` of the synchronising micro-batch, as graphddp's Reducer recorded them."""
     states: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
@@ -124,30 +125,42 @@ def make_hook(name: str) -> tuple[Any, Any]:
     raise ValueError(name)
 
 
-def wrap(impl: str, case: Case) -> tuple[nn.Module, nn.Module, Any]:
-    """``(ddp, model to call, backend)`` for ``impl`` (``graphddp`` or ``torch``)."""
+def wrap(impl: str, case: Case) -> tuple[nn.Module, nn.Module]:
+    """``(ddp, the model to call)`` for ``impl`` (``graphddp`` or ``torch``)."""
     module = build_model(case.model, vocab=case.vocab)
     if impl == "torch":
         ddp = nn.parallel.DistributedDataParallel(module, **dict(case.ddp))
-        return ddp, ddp, None
+        return ddp, ddp
     if impl != "graphddp":
         raise ValueError(impl)
     ddp = graphddp.DDP(module, **dict(case.ddp), **dict(case.graphddp))
     if case.compile is None:
-        return ddp, ddp, None
-    backend = graphddp.backend(case.inner)
+        return ddp, ddp
+    inner: Any = user_compiler if case.inner == "callable" else case.inner
     kwargs = dict(case.compile_kwargs)
     if case.compile == "graphddp.compile":
-        return ddp, graphddp.compile(ddp, backend, **kwargs), backend
+        return ddp, graphddp.compile(ddp, inner, **kwargs)
     if case.compile == "torch.compile":
-        return ddp, torch.compile(ddp, backend=backend, **kwargs), backend
+        return ddp, torch.compile(ddp, backend=graphddp.backend(inner), **kwargs)
+    if case.compile == "plain":
+        return ddp, torch.compile(ddp, **kwargs) if inner == "inductor" else torch.compile(ddp, backend=inner, **kwargs)
+    if case.compile == "module.compile":
+        ddp.compile(backend=inner, **kwargs)
+        return ddp, ddp
+    if case.compile == "named":
+        return ddp, torch.compile(ddp, backend="graphddp", options={"inner": inner}, **kwargs)
     raise ValueError(case.compile)
+
+
+def user_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A custom backend as users write one: a function (here AOTAutograd with the eager compiler)."""
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
 def train(impl: str, case: Case, rank: int, *, keep_states: bool = False) -> Run:
     """Train ``case`` with ``impl`` (see ``wrap``) on this rank."""
-    ddp, model, backend = wrap(impl, case)
-    run = Run(ddp, backend)
+    ddp, model = wrap(impl, case)
+    run = Run(ddp)
     opt = make_optimizer(model.parameters(), case)
     join = ddp.join(**dict(case.join_kwargs)) if case.extra_steps_per_rank else contextlib.nullcontext()
     with join:

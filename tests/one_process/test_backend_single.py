@@ -94,3 +94,59 @@ def test_a_no_grad_region_is_never_cut_so_every_gradient_survives_compilation() 
         assert b.grad is not None, f"{name} lost its gradient"
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     assert torch.is_grad_enabled()
+
+
+# -- the split without asking for it (Note [Split without asking] in graphddp/dynamo_hook.py) ----------------------
+def counting_compiler(seen: list[int]):
+    def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append(len(example_inputs))
+        return gm.forward
+
+    return compiler
+
+
+@pytest.mark.parametrize("how", ["backend_name", "callable", "module_compile", "named_graphddp"])
+def test_plain_torch_compile_splits_at_the_buckets_whatever_backend_the_user_names(how: str) -> None:
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    seen: list[int] = []
+    if how == "backend_name":
+        model = torch.compile(ddp, backend="aot_eager")
+    elif how == "callable":
+        model = torch.compile(ddp, backend=counting_compiler(seen))
+    elif how == "module_compile":
+        ddp.compile(backend="aot_eager")
+        model = ddp
+    else:
+        model = torch.compile(ddp, backend="graphddp", options={"inner": "aot_eager"})
+    for step in range(2):
+        loss(model, step).backward()
+    (split,) = ddp.reducer.splits
+    assert split.num_segments == len(split.plan.buckets) == 3
+    assert ddp.bucket_plan.source == "graph" and ddp.bucket_plan.fingerprint == split.plan.fingerprint
+    if how == "callable":
+        assert len(seen) == 3  # the user's function compiled each segment, not the whole graph
+
+
+def test_optimize_ddp_off_compiles_the_graph_whole_as_for_pytorch_ddp() -> None:
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    seen: list[int] = []
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        loss(torch.compile(ddp, backend=counting_compiler(seen))).backward()
+    assert seen and not ddp.reducer.splits
+
+
+def test_graphddp_compile_passes_mode_and_options_to_the_inner_compiler() -> None:
+    calls: list[dict] = []
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return gm.forward
+
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = graphddp.compile(ddp, inner, mode="max-autotune-no-cudagraphs", options={"x": 1}, dynamic=False, fullgraph=True)
+    loss(model).backward()
+    assert calls == [{"mode": "max-autotune-no-cudagraphs", "options": {"x": 1}}] * 3
+    calls.clear()
+    torch._dynamo.reset()
+    loss(torch.compile(ddp, backend=graphddp.backend(inner), mode="max-autotune-no-cudagraphs"), 1).backward()
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * 3

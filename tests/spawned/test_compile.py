@@ -83,11 +83,33 @@ CASES: dict[str, tuple[Case, Expect]] = {
         compiled(model="w:gpt", compile="graphddp.compile", compile_kwargs=(("fullgraph", True),)),
         Expect(),
     ),
+    # The user keeps torch.compile as it was and only swaps the import (Note [Split without asking]).
+    "plain_torch_compile_aot_eager": (compiled(model="w:gpt", compile="plain"), Expect()),
+    "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
+    "module_compile_method": (compiled(compile="module.compile"), Expect()),
+    "named_backend_graphddp": (compiled(model="w:gpt", compile="named"), Expect()),
 }
 # Slow (Inductor compiles each segment): run by CI through the `slow` marker.
 INDUCTOR_CASES = {
-    f"inductor_{m}": (compiled(model=f"w:{m}", inner="inductor", tolerance=INDUCTOR_TOLERANCE), Expect())
-    for m in ("mlp", "gpt", "cnn")
+    **{
+        f"inductor_{m}": (compiled(model=f"w:{m}", inner="inductor", tolerance=INDUCTOR_TOLERANCE), Expect())
+        for m in ("mlp", "gpt", "cnn")
+    },
+    # torch.compile(model) with no backend argument, and graphddp.compile with an Inductor mode.
+    "inductor_plain_default": (
+        compiled(model="w:gpt", compile="plain", inner="inductor", tolerance=INDUCTOR_TOLERANCE),
+        Expect(),
+    ),
+    "inductor_graphddp_compile_mode": (
+        compiled(
+            model="w:mlp",
+            compile="graphddp.compile",
+            inner="inductor",
+            compile_kwargs=(("mode", "max-autotune-no-cudagraphs"), ("dynamic", False)),
+            tolerance=INDUCTOR_TOLERANCE,
+        ),
+        Expect(),
+    ),
 }
 
 
@@ -106,12 +128,12 @@ def check_case(rank: int, world: int, name: str) -> dict[str, Any]:
     plan = ours.ddp.bucket_plan
     trainable = [n for n, p in ours.ddp.module.named_parameters() if p.requires_grad]
     assert sorted(plan.param_names) == sorted(trainable), "every trainable parameter reduced exactly once"
-    splits = [(s.num_segments, len(s.plan.buckets), any(seg.extended for seg in s.segments)) for s in ours.backend.splits]
+    splits = [(s.num_segments, len(s.plan.buckets), any(seg.extended for seg in s.segments)) for s in ours.ddp.reducer.splits]
     for segments, buckets, extended in splits:
         assert segments == buckets or extended, splits
     # Where each bucket of the plan in force completes: the segment holding its first slot in the graph's split
     # (the same as bucket k -> segment n-1-k, unless a table gave up rows and its part's bucket was dropped).
-    split = ours.backend.splits[-1]
+    split = ours.ddp.reducer.splits[-1]
     segment_of = {k: seg.index for seg in split.segments for k in seg.buckets}
     completes_in = [
         segment_of.get(split.plan.bucket_of(b.params[0].name, b.params[0].part))

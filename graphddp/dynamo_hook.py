@@ -1,0 +1,129 @@
+"""The split without asking for it: plain ``torch.compile`` on a graphddp.DDP module splits at buckets.
+
+Note [Split without asking]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch's DDP gets DDPOptimizer without the user naming it: while a DDP forward runs, the DDP module is
+``torch.nn.parallel.DistributedDataParallel._active_ddp_module``, and when Dynamo converts a frame it sees that
+module and, with ``torch._dynamo.config.optimize_ddp`` on (the default), compiles the frame with
+``torch._dynamo.backends.distributed.DDPOptimizer(bucket_bytes_cap=..., backend_compile_fn=<the user's
+backend>).compile_fn`` instead of the user's backend.
+
+graphddp takes part in the same protocol:
+
+1. ``graphddp.DDP.forward`` makes itself the active DDP module while the wrapped module runs (``active``);
+2. ``install`` puts a subclass of DDPOptimizer in its place, which, when the active module is a graphddp.DDP,
+   hands Dynamo graphddp's backend (Note [graphddp backend]) with the user's backend as the inner compiler of
+   every segment, and otherwise builds PyTorch's DDPOptimizer exactly as before (so torch's DDP is unaffected).
+
+So ``torch.compile(model)`` (Inductor), ``backend="aot_eager"``, a callable backend, ``model.compile()``, with
+any ``mode=``/``options=``, all split at graphddp's buckets, and a backend that is already graphddp's is used as it
+is. ``optimize_ddp=False`` turns the split off, as it does for PyTorch's DDP. A torch without these hooks gets one
+warning naming ``graphddp.compile``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_installed: bool | None = None
+_split_backends: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def user_backend(compile_fn: Any) -> Any:
+    """The backend the user gave ``torch.compile``, under Dynamo's debug wrapper."""
+    return getattr(compile_fn, "_torchdynamo_orig_backend", compile_fn)
+
+
+def split_backend_for(compile_fn: Callable[..., Any]) -> Any:
+    """graphddp's backend with ``compile_fn`` as its inner compiler (one per user backend, so its ``splits``
+    collect every graph compiled through it); ``compile_fn`` itself when it is graphddp's already."""
+    from .backend import GraphDDPBackend, is_graphddp_backend
+
+    if is_graphddp_backend(compile_fn):
+        return compile_fn
+    key = user_backend(compile_fn)
+    try:
+        found = _split_backends.get(key)
+    except TypeError:  # not weakly referenceable: a backend of its own each time
+        return GraphDDPBackend(compile_fn)
+    if found is None:
+        found = _split_backends[key] = GraphDDPBackend(compile_fn)
+    return found
+
+
+def install() -> bool:
+    """Put graphddp into Dynamo's DDP hook (once per process); False where this torch has no such hook."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    try:
+        from torch._dynamo.backends import distributed as dynamo_distributed
+
+        original = dynamo_distributed.DDPOptimizer
+        hooks_present = hasattr(nn.parallel.DistributedDataParallel, "_active_ddp_module") and hasattr(
+            torch._dynamo.utils, "get_optimize_ddp_mode"
+        )
+    except (ImportError, AttributeError):
+        original, hooks_present = None, False
+    if not hooks_present or original is None:
+        _installed = False
+        logger.warning(
+            "graphddp: this torch (%s) has no Dynamo DDP hook, so torch.compile(model) with a plain backend does "
+            "not split at graphddp's buckets (no overlap). Use graphddp.compile(model, backend) or "
+            "torch.compile(model, backend=graphddp.backend(...)).",
+            torch.__version__,
+        )
+        return False
+    if not getattr(original, "_graphddp_dispatch", False):
+        dynamo_distributed.DDPOptimizer = _dispatching_optimizer(original)
+    _installed = True
+    return True
+
+
+def _dispatching_optimizer(original: type) -> type:
+    class DDPOptimizerOrGraphDDP(original):  # type: ignore[misc, valid-type]
+        """PyTorch's DDPOptimizer, unless the active DDP module is a graphddp.DDP (Note [Split without asking])."""
+
+        _graphddp_dispatch = True
+
+        def __new__(cls, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None) -> Any:
+            from .ddp import DistributedDataParallel
+
+            if isinstance(nn.parallel.DistributedDataParallel._get_active_ddp_module(), DistributedDataParallel):
+                return _GraphDDPSplit(split_backend_for(backend_compile_fn))
+            return original(
+                bucket_bytes_cap=bucket_bytes_cap, backend_compile_fn=backend_compile_fn, first_bucket_cap=first_bucket_cap
+            )
+
+    DDPOptimizerOrGraphDDP.__qualname__ = DDPOptimizerOrGraphDDP.__name__ = original.__name__
+    return DDPOptimizerOrGraphDDP
+
+
+class _GraphDDPSplit:
+    """What Dynamo asks of a DDPOptimizer: ``compile_fn``."""
+
+    def __init__(self, compile_fn: Callable[..., Any]) -> None:
+        self.compile_fn = compile_fn
+
+
+# Called from graphddp.DDP.forward, whose callees Dynamo traces: kept out of the graph.
+@torch.compiler.disable
+def activate(ddp: nn.Module) -> Any:
+    """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]); returns the one
+    before it, for ``deactivate`` (nested DDPs: the innermost is active)."""
+    previous = nn.parallel.DistributedDataParallel._active_ddp_module
+    nn.parallel.DistributedDataParallel._active_ddp_module = ddp  # type: ignore[assignment]
+    return previous
+
+
+@torch.compiler.disable
+def deactivate(previous: Any) -> None:
+    nn.parallel.DistributedDataParallel._active_ddp_module = previous
