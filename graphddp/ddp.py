@@ -147,7 +147,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        """Names of parameters and buffers kept local: never broadcast nor reduced (as in PyTorch's DDP, set with
+        ``_set_params_and_buffers_to_ignore_for_model``)."""
+        named = [(n, p) for n, p in self._synced_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
                 f"[rank {self.rank}] graphddp.DDP: the module has no parameter that requires a gradient, so there "
@@ -162,16 +165,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             device=str(self.device),
             custom_comm_hook=False,
         )
-        row_sparse = embedding_tables(module) if reduces_rows else frozenset()
+        row_sparse = embedding_tables(module) - self.parameters_to_ignore if reduces_rows else frozenset()
         verify_same_params(
-            [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in module.named_parameters()]
-            + [ParamSpec.of(f"buffer {n}", b) for n, b in module.named_buffers()],
+            [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in self._synced_parameters()]
+            + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
             group=self.process_group,
         )
         if self.world_size > 1:
-            state = [p.detach() for p in module.parameters()]
-            state += [b.detach() for b in module.buffers()] if self.options.broadcast_buffers else []
-            broadcast_coalesced(state, src=0, group=self.process_group)
+            self._broadcast_state(src=0)
 
         plan = plan_buckets(
             [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in reversed(named)],
@@ -253,12 +254,30 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.world_size > 1
             and self.options.broadcast_buffers
             and self._sync_buffers_next_forward
-            and any(True for _ in self.module.buffers())
+            and any(True for _ in self._synced_buffers())
         )
 
     def _broadcast_buffers(self, src: int) -> None:
         # Buffers may have been replaced since construction: look them up each time.
-        broadcast_coalesced([b.detach() for b in self.module.buffers()], src=src, group=self.process_group)
+        broadcast_coalesced([b.detach() for _, b in self._synced_buffers()], src=src, group=self.process_group)
+
+    def _broadcast_state(self, src: int) -> None:
+        """Parameters (and buffers, with ``broadcast_buffers``) from ``src`` to every rank, ignored ones kept."""
+        state = [p.detach() for _, p in self._synced_parameters()]
+        state += [b.detach() for _, b in self._synced_buffers()] if self.options.broadcast_buffers else []
+        broadcast_coalesced(state, src=src, group=self.process_group)
+
+    def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Keep these parameters and buffers (fully qualified names) local: a DDP built on ``module`` afterwards
+        neither broadcasts nor reduces them. The same call as PyTorch's DDP, which frameworks make."""
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore)
 
     def _find_common_rank(self, candidate: bool) -> int:
         """The largest rank among those with ``candidate`` True (a collective)."""
@@ -364,10 +383,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After all ranks joined, the last joiner's parameters (and buffers) become everyone's."""
-        src = self._find_common_rank(is_last_joiner)
-        state = [p.detach() for p in self.module.parameters()]
-        state += [b.detach() for b in self.module.buffers()] if self.options.broadcast_buffers else []
-        broadcast_coalesced(state, src=src, group=self.process_group)
+        self._broadcast_state(src=self._find_common_rank(is_last_joiner))
 
 
 DDP = DistributedDataParallel

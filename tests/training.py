@@ -43,6 +43,9 @@ class Case:
     """Mark the batch dimension dynamic (``torch._dynamo.mark_dynamic``)."""
     ddp: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments given to both graphddp.DDP and PyTorch's DDP."""
+    ignore: tuple[str, ...] = ()
+    """Parameters and buffers kept local (``_set_params_and_buffers_to_ignore_for_model``); rank r's ignored
+    parameters start at their initial value + 0.01 r, so they differ across ranks."""
     graphddp: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for, ...)."""
     hook: str | None = None
@@ -125,9 +128,15 @@ def make_hook(name: str) -> tuple[Any, Any]:
     raise ValueError(name)
 
 
-def wrap(impl: str, case: Case) -> tuple[nn.Module, nn.Module]:
+def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
     """``(ddp, the model to call)`` for ``impl`` (``graphddp`` or ``torch``)."""
     module = build_model(case.model, vocab=case.vocab)
+    if case.ignore:
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(case.ignore))
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name in case.ignore:
+                    p.add_(0.01 * rank)
     if impl == "torch":
         ddp = nn.parallel.DistributedDataParallel(module, **dict(case.ddp))
         return ddp, ddp
@@ -159,7 +168,7 @@ def user_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
 
 def train(impl: str, case: Case, rank: int, *, keep_states: bool = False) -> Run:
     """Train ``case`` with ``impl`` (see ``wrap``) on this rank."""
-    ddp, model = wrap(impl, case)
+    ddp, model = wrap(impl, case, rank)
     run = Run(ddp)
     opt = make_optimizer(model.parameters(), case)
     join = ddp.join(**dict(case.join_kwargs)) if case.extra_steps_per_rank else contextlib.nullcontext()
