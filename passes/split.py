@@ -16,9 +16,13 @@ completing in segment ``s`` is launched before segment ``s - 1`` starts its back
 whose nodes feed nothing outside it (only in-place updates, say) is merged into the segment after it, which makes
 its buckets ready no later than planned; the merge is recorded (``Segment.extended``) and shown in dumps.
 
-Buckets that complete at the same node (possible only with several dtypes) share a segment. A cut never falls
-inside a ``torch.no_grad()`` or autocast region (the segment before it would end with the mode switched and its
-outputs would carry no gradient): it moves to the region's entry.
+Buckets that complete at the same node (possible only with several dtypes) share a segment. A cut inside an
+autocast region is fine: ``split_module`` leaves the region at the end of the segment and enters it again at the
+start of the next, as DDPOptimizer relies on. A cut never falls inside a ``torch.no_grad()``/``enable_grad``
+region: ``split_module`` re-enters the mode in each later segment but does not restore it at the end of a
+segment, so the segment before the cut would hand on outputs computed with the mode switched; the cut moves to
+the region's entry (a parameter's earliest *differentiable* use is never inside a no_grad region, so this moves
+no bucket's completion in practice).
 """
 
 from __future__ import annotations
@@ -138,12 +142,9 @@ def assign_segments(gm: fx.GraphModule, params: Sequence[GraphParam], plan: Buck
 
 
 def _mode_regions(nodes: list[fx.Node]) -> list[tuple[int, int]]:
-    """``(enter, exit)`` positions of ``torch.no_grad()``/``enable_grad`` and autocast regions in the graph.
-
-    A cut inside one would leave the mode switched inside a segment (its outputs then carry no gradient):
-    cuts move to the region's entry instead.
-    """
-    regions, open_grad, open_autocast = [], [], {}
+    """``(enter, exit)`` positions of ``torch.no_grad()``/``enable_grad`` regions in the graph: cuts move to a
+    region's entry (Note [Split at buckets]). Autocast regions are cut like any code."""
+    regions, open_grad = [], []
     for i, node in enumerate(nodes):
         if node.op != "call_function":
             continue
@@ -152,10 +153,6 @@ def _mode_regions(nodes: list[fx.Node]) -> list[tuple[int, int]]:
                 regions.append((open_grad.pop(), i))
             else:
                 open_grad.append(i)
-        elif node.target is torch.amp._enter_autocast:
-            open_autocast[node] = i
-        elif node.target is torch.amp._exit_autocast and node.args and node.args[0] in open_autocast:
-            regions.append((open_autocast.pop(node.args[0]), i))
     return regions
 
 

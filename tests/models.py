@@ -155,6 +155,20 @@ class Swapped(nn.Module):
         return self.b(F.relu(self.a(x))) if a_first else self.a(F.relu(self.b(x)))
 
 
+class AutocastInside(nn.Module):
+    """``torch.autocast`` around the hidden layers inside forward: cuts fall inside the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.relu(self.fc3(F.relu(self.fc2(F.relu(self.fc1(x))))))
+        return self.head(h.float())
+
+
 REGRESSION = {
     "mlp": MLP,
     "branchy": Branchy,
@@ -166,6 +180,7 @@ REGRESSION = {
     "graph_breaks": GraphBreaks,
     "no_grad_middle": NoGradMiddle,
     "swapped": Swapped,
+    "autocast": AutocastInside,
 }
 
 

@@ -169,3 +169,22 @@ def test_a_recompile_finds_its_graphs_plan_and_agreement_needs_every_rank() -> N
     assert agreed(mine, [2 * v for v in agreement_entries(mine)], ranks=3) is False  # one rank proposed nothing
     assert agreed((0, 0), [0, 0, 0, 0], ranks=3) is None
 
+
+
+def test_cuts_fall_inside_an_autocast_region_and_each_segment_enters_it_again() -> None:
+    from models import AutocastInside
+
+    torch.manual_seed(0)
+    model = AutocastInside()
+    x = torch.randn(4, 12)
+    captured, _, plan, split = plan_and_split(model, (x,), 1, 1)
+    assert split.num_segments == len(plan.buckets) == 4
+    split_gm = split_at_buckets(captured.gm, split)
+    entered = [
+        name
+        for name, sub in split_gm.named_children()
+        if any(n.target is torch.amp._enter_autocast for n in sub.graph.nodes)
+    ]
+    assert len(entered) >= 3  # the region spans the first three segments: each enters and leaves it
+    (out,) = split_gm(*captured.example_inputs)
+    torch.testing.assert_close(out, model(x))

@@ -83,6 +83,10 @@ CASES: dict[str, tuple[Case, Expect]] = {
         compiled(model="w:gpt", compile="graphddp.compile", compile_kwargs=(("fullgraph", True),)),
         Expect(),
     ),
+    # Cuts inside an autocast region (re-entered in each segment) and next to a no_grad island holding a use of
+    # a parameter: still one segment per bucket.
+    "autocast_inside_forward": (compiled(model="autocast"), Expect()),
+    "no_grad_island_with_a_parameter": (compiled(model="no_grad_middle"), Expect()),
     # The user keeps torch.compile as it was and only swaps the import (Note [Split without asking]).
     "plain_torch_compile_aot_eager": (compiled(model="w:gpt", compile="plain"), Expect()),
     "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
