@@ -5,6 +5,7 @@ pass tests run its first half. What inspect shows is therefore what a real run c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -108,6 +109,14 @@ def fake_mode_for(example_inputs: list[Any]) -> Any:
     return detect_fake_mode(example_inputs) or torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def _discarding_fresh_unbacked_symbols(fake_mode: Any) -> Any:
+    """Running a segment on fake tensors to learn its outputs is not a trace: data-dependent values it makes
+    (``.item()``, ``nonzero()``) would otherwise stay pending in the shape environment, and the next trace (the
+    inner compiler's, of this very segment) would fail looking for them in its outputs."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    return shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+
+
 class _SegmentWalker(fx.Interpreter):
     """Runs the stitched module on fake tensors, handing each ``submod_K`` to ``on_segment`` on the way: its fake
     outputs (shapes, dtypes, strides) are the next segment's inputs."""
@@ -127,7 +136,7 @@ class _SegmentWalker(fx.Interpreter):
         name = str(n.target)
         segment: fx.GraphModule = self.fetch_attr(name)
         grad_mode = torch.is_grad_enabled()
-        with self.fake_mode:
+        with self.fake_mode, _discarding_fresh_unbacked_symbols(self.fake_mode):
             out = segment(*args)
         torch.set_grad_enabled(grad_mode)  # a segment may switch grad mode; the next one must not inherit it
         self.segments[name] = (segment, list(args))

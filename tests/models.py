@@ -5,6 +5,8 @@ Three families, told apart by name:
 * regression models (``mlp``, ``branchy``, ...): ``x [B, IN] -> [B, OUT]``, MSE against ``y [B, OUT]``;
 * token models (``gpt``, ``gpt_untied``, ``broken``, ``bag``): an embedding table of ``vocab`` rows, looked up
   with random token ids (Note [Row-sparse gradients]); the model returns its loss;
+* models reading data-dependent values (``scalars_*``, ...): ``x [B, IN]`` and integer codes ``[B]``, the
+  mean square of the output as the loss;
 * ``w:<workload>[:<size>]``: a graphddp workload (``graphddp.workloads``; size ``tiny`` unless given).
 
 Batches come from seeded generators, so any rank can rebuild any other rank's batch without communication.
@@ -184,6 +186,67 @@ REGRESSION = {
 }
 
 
+# -- data-dependent values (unbacked symbols under capture_scalar_outputs) -----------------------------------------
+class ScalarsDirect(nn.Module):
+    """``.item()`` read at the start, used directly in the last segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        u = codes[0].item()
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return self.fc3(h) * u
+
+
+class ScalarsThroughAnOp(ScalarsDirect):
+    """An ``.item()`` used through arithmetic, in a middle segment."""
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        k = codes.sum().item() * 2 + 1
+        h = F.relu(self.fc1(x))
+        return self.fc3(F.relu(self.fc2(h)) * k)
+
+
+class ScalarsMany(ScalarsDirect):
+    """``.tolist()``: many data-dependent values, used in every segment."""
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        v = codes.tolist()
+        h = F.relu(self.fc1(x)) * v[0]
+        h = F.relu(self.fc2(h)) * v[1] + v[2]
+        return self.fc3(h) * v[3] - v[4]
+
+
+class DataDependentRows(ScalarsDirect):
+    """``nonzero()``: a data-dependent number of rows flows through later segments."""
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(codes > 0).squeeze(1)
+        h = F.relu(self.fc1(x)).index_select(0, rows)  # [u0, 32]
+        return self.fc3(F.relu(self.fc2(h))).sum(0) / (h.shape[0] + 1)
+
+
+class SizeFromItem(ScalarsDirect):
+    """A size read with ``.item()`` at the start, used to build a tensor in a segment that does not bind it."""
+
+    def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        n = codes.abs().max().item()
+        torch._check_is_size(n)
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return self.fc3(torch.cat([h, h.new_ones(n, 32)])).mean(0)
+
+
+SCALARS = {
+    "scalars_direct": ScalarsDirect,
+    "scalars_through_an_op": ScalarsThroughAnOp,
+    "scalars_many": ScalarsMany,
+    "data_dependent_rows": DataDependentRows,
+    "size_from_item": SizeFromItem,
+}
+
+
 # -- token models (embedding tables) -----------------------------------------------------------------------------
 def tied_gpt(vocab: int = VOCAB) -> GPT:
     torch.manual_seed(0)
@@ -254,7 +317,7 @@ def build_model(name: str, *, vocab: int = VOCAB, seed: int = 0) -> nn.Module:
     if name in TOKENS:
         return TOKENS[name](vocab)
     torch.manual_seed(seed)
-    return REGRESSION[name]()
+    return {**REGRESSION, **SCALARS}[name]()
 
 
 def default_batch(name: str) -> int:
@@ -269,6 +332,8 @@ def make_batch(name: str, g: torch.Generator, size: int, *, vocab: int = VOCAB) 
         return _workload(name).make_batch(g)
     if name in TOKENS:
         return tokens(name, g, size, vocab)
+    if name in SCALARS:  # inputs, and small integer codes in [-3, 3] the model reads as data
+        return torch.randn(size, IN, generator=g), torch.randint(-3, 4, (size,), generator=g)
     return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
 
 
@@ -276,6 +341,8 @@ def compute_loss(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...], r
     """The scalar loss of ``batch`` on ``rank`` (``branchy`` skips its shared layer on rank 1)."""
     if name.startswith("w:") or name in TOKENS:
         return model(*batch)
+    if name in SCALARS:
+        return model(*batch).square().mean()
     x, y = batch
     kwargs: dict[str, Any] = {"use_shared": rank != 1} if name == "branchy" else {}
     return F.mse_loss(model(x, **kwargs), y)

@@ -64,6 +64,8 @@ class Case:
     inner: str = "aot_eager"
     """A backend name, or ``callable`` for ``user_compiler`` (a function, as users write custom backends)."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
+    dynamo_config: tuple[tuple[str, Any], ...] = ()
+    """``torch._dynamo.config`` settings while training (``capture_scalar_outputs``, ...)."""
     eager_steps: int = 0
     """Compiled cases: the first steps call the DDP module eagerly (a warm-up), the rest the compiled one."""
     no_grad_forward: bool = False
@@ -168,6 +170,11 @@ def user_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
 
 def train(impl: str, case: Case, rank: int, *, keep_states: bool = False) -> Run:
     """Train ``case`` with ``impl`` (see ``wrap``) on this rank."""
+    with torch._dynamo.config.patch(**dict(case.dynamo_config)):
+        return _train(impl, case, rank, keep_states)
+
+
+def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
     ddp, model = wrap(impl, case, rank)
     run = Run(ddp)
     opt = make_optimizer(model.parameters(), case)

@@ -87,6 +87,15 @@ CASES: dict[str, tuple[Case, Expect]] = {
     # a parameter: still one segment per bucket.
     "autocast_inside_forward": (compiled(model="autocast"), Expect()),
     "no_grad_island_with_a_parameter": (compiled(model="no_grad_middle"), Expect()),
+    # Data-dependent values (unbacked symbols) made in one segment and used in later ones.
+    **{
+        name: (compiled(model=name, dynamo_config=(("capture_scalar_outputs", True),)), Expect())
+        for name in ("scalars_direct", "scalars_through_an_op", "scalars_many", "size_from_item")
+    },
+    "data_dependent_rows": (
+        compiled(model="data_dependent_rows", dynamo_config=(("capture_dynamic_output_shape_ops", True),)),
+        Expect(),
+    ),
     # The user keeps torch.compile as it was and only swaps the import (Note [Split without asking]).
     "plain_torch_compile_aot_eager": (compiled(model="w:gpt", compile="plain"), Expect()),
     "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
