@@ -20,6 +20,8 @@ class Iteration:
     """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
     finalize_queued: bool = False
     """The end-of-backward callback is queued: the backward has begun."""
+    finalize_at_last_launch: bool = False
+    """Under compiled autograd, which runs no queued callback: finalize once the last bucket is launched."""
     usage_counting: bool = False
     """The usage count (``graphddp.unused``) was started, after the last bucket."""
     usage: UsageCount | None = None

@@ -23,6 +23,10 @@ One iteration, on every rank:
    ``.grad`` stays as it was), adding a tied weight's reduced parts in. A missing gradient becomes an error for
    the next forward, the same on every rank, when the policy forbids it.
 
+Under compiled autograd the hooks run eagerly between the pieces of the compiled backward (the trampoline is
+``torch.compiler.disable``d), but its engine runs no queued callback: step 4 then runs in the hook that launches
+the last bucket, so every parameter must get a gradient or be found unused (else the next forward says so).
+
 A joined rank (``join``) runs ``shadow_backward`` instead: the same collectives, on zeros, through the same
 launcher. The Reducer does not care where its plan came from: ``adopt(plan)`` installs any plan.
 """
@@ -202,6 +206,14 @@ class Reducer:
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
         """Step 1 of Note [Reducer], on every rank alike."""
+        if self._iteration is not None and self._iteration.finalize_at_last_launch:
+            self._iteration = None
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp.DDP: the previous backward ran under compiled autograd and ended "
+                "before every bucket was complete (some parameter got no gradient). Under compiled autograd the "
+                "Reducer finishes when the last bucket is launched, so every parameter must get a gradient or be "
+                "found unused: pass find_unused_parameters=True, or run that backward without compiled autograd."
+            )
         if self._iteration is not None and not self._iteration.finalize_queued:
             self._iteration = None  # the previous forward had no backward: nothing is in flight
         if self._pending_error is not None:
@@ -268,7 +280,10 @@ class Reducer:
 
     def _queue_finalize(self, iteration: Iteration) -> None:
         iteration.finalize_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if _compiled_autograd_running():
+            iteration.finalize_at_last_launch = True  # its engine runs no queued callback (Note [Reducer])
+        else:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _mark_ready(self, i: int) -> None:
         where = self._slots.slot[i]
@@ -286,6 +301,9 @@ class Reducer:
     def _slot_filled(self, where: tuple[int, int]) -> None:
         if self.buckets[where[0]].mark_ready(where[1]) and self._launcher.launch_ready():
             self._reduce_usage()
+            assert self._iteration is not None
+            if self._iteration.finalize_at_last_launch:
+                self._finalize()
 
     def _reduce_usage(self) -> None:
         """After the last launch: count on how many ranks each parameter got a gradient (``graphddp.unused``)."""
@@ -363,6 +381,14 @@ class Reducer:
         return list(self._params)
 
 
+def _compiled_autograd_running() -> bool:
+    from torch._dynamo import compiled_autograd
+
+    # While the compiled backward runs (our hooks, eagerly, between its pieces), only the region flag is set.
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
+@torch.compiler.disable  # under compiled autograd too, the Reducer runs eagerly, between the compiled pieces
 def _grad_ready_trampoline(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     # The hook holds the Reducer weakly: a discarded DDP wrapper leaves no live reducer behind its hooks.
     reducer = reducer_ref()

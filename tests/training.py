@@ -64,6 +64,9 @@ class Case:
     inner: str = "aot_eager"
     """A backend name, or ``callable`` for ``user_compiler`` (a function, as users write custom backends)."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
+    compiled_autograd: bool = False
+    """graphddp only: every backward under compiled autograd (``torch._dynamo.compiled_autograd``, aot_eager);
+    PyTorch's DDP, the reference, stays eager (its C++ Reducer refuses compiled autograd)."""
     dynamo_config: tuple[tuple[str, Any], ...] = ()
     """``torch._dynamo.config`` settings while training (``capture_scalar_outputs``, ...)."""
     eager_steps: int = 0
@@ -194,7 +197,8 @@ def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
                     if case.grad_first:
                         table = dict(ddp.module.named_parameters())["wte.weight"]
                         run.grads.append(torch.autograd.grad(loss, [table], retain_graph=True)[0])  # this rank's own
-                    loss.backward()
+                    with compiled_backward() if case.compiled_autograd and impl == "graphddp" else contextlib.nullcontext():
+                        loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if case.no_grad_forward:
@@ -204,6 +208,12 @@ def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
             if keep_states:
                 run.states.append(state_of(ddp.module))
     return run
+
+
+def compiled_backward() -> Any:
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(torch.compile(backend="aot_eager"))
 
 
 def train_single_process(case: Case, world: int) -> nn.Module:

@@ -214,3 +214,15 @@ def test_pytorch_style_option_attributes_and_broadcast_buffers_none() -> None:
     ddp = graphddp.DDP(MLP(), broadcast_buffers=None, find_unused_parameters=True)
     assert ddp.broadcast_buffers is True and ddp.find_unused_parameters is True
     assert ddp.static_graph is False and ddp.gradient_as_bucket_view is False
+
+
+def test_compiled_autograd_with_a_parameter_without_gradient_says_what_to_do() -> None:
+    from training import compiled_backward
+
+    ddp = graphddp.DDP(Branchy())  # `dead` never gets a gradient
+    x, y = batch_for(Case(), 0, 0, 0)
+    with compiled_backward():
+        F.mse_loss(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match="ran under compiled autograd and ended before every bucket was complete"):
+        ddp(x)
+    torch._dynamo.reset()

@@ -96,6 +96,8 @@ CASES: dict[str, tuple[Case, Expect]] = {
         compiled(model="data_dependent_rows", dynamo_config=(("capture_dynamic_output_shape_ops", True),)),
         Expect(),
     ),
+    # The backward under compiled autograd: the Reducer's hooks run eagerly between the compiled pieces.
+    "compiled_autograd": (compiled(compiled_autograd=True), Expect()),
     # The user keeps torch.compile as it was and only swaps the import (Note [Split without asking]).
     "plain_torch_compile_aot_eager": (compiled(model="w:gpt", compile="plain"), Expect()),
     "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
