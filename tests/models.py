@@ -171,6 +171,79 @@ class AutocastInside(nn.Module):
         return self.head(h.float())
 
 
+class CheckpointKinds(nn.Module):
+    """The middle layer under activation checkpointing of ``kind``: ``reentrant`` (``use_reentrant=True``),
+    ``selective`` (selective activation checkpointing: matmuls saved, the rest recomputed)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        h = F.relu(self.fc1(x))
+        if self.kind == "reentrant":
+            h = checkpoint(self._middle, h, use_reentrant=True)
+        else:
+            policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+            h = checkpoint(self._middle, h, use_reentrant=False, context_fn=policy)
+        return self.fc3(h)
+
+    def _middle(self, h: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc2(h)) * 2
+
+
+class Cond(nn.Module):
+    """``torch.cond`` on the data picks one of two layers; both branches hold parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.left, self.right, self.fc3 = (
+            nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        h = torch.cond(h.sum() > 0, lambda t: F.relu(self.left(t)), lambda t: torch.tanh(self.right(t)), (h,))
+        return self.fc3(h)
+
+
+class MutatesBuffers(nn.Module):
+    """Buffers updated in forward (a step counter and a running mean), as in normalisation layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        with torch.no_grad():
+            self.calls += 1
+            self.mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.fc3(F.relu(self.fc2(h - self.mean)))
+
+
+class FlexAttention(nn.Module):
+    """One attention layer through ``flex_attention`` with a causal score modification."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.qkv, self.out = nn.Linear(IN, 32), nn.Linear(32, 96), nn.Linear(32, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        h = F.relu(self.inp(x)).view(1, x.shape[0], 2, 16).transpose(1, 2)  # [1, heads 2, B as tokens, 16]
+        q, k, v = self.qkv(h.transpose(1, 2).reshape(1, x.shape[0], 32)).view(1, x.shape[0], 3, 2, 16).unbind(2)
+        causal = lambda score, b, head, q_idx, kv_idx: torch.where(q_idx >= kv_idx, score, -float("inf"))  # noqa: E731
+        a = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=causal)
+        return self.out(a.transpose(1, 2).reshape(x.shape[0], 32))
+
+
 REGRESSION = {
     "mlp": MLP,
     "branchy": Branchy,
@@ -183,6 +256,11 @@ REGRESSION = {
     "no_grad_middle": NoGradMiddle,
     "swapped": Swapped,
     "autocast": AutocastInside,
+    "checkpoint_reentrant": functools.partial(CheckpointKinds, "reentrant"),
+    "checkpoint_selective": functools.partial(CheckpointKinds, "selective"),
+    "cond": Cond,
+    "mutates_buffers": MutatesBuffers,
+    "flex_attention": FlexAttention,
 }
 
 

@@ -150,3 +150,17 @@ def test_graphddp_compile_passes_mode_and_options_to_the_inner_compiler() -> Non
     torch._dynamo.reset()
     loss(torch.compile(ddp, backend=graphddp.backend(inner), mode="max-autotune-no-cudagraphs"), 1).backward()
     assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * 3
+
+
+def test_flex_attention_forward_compiles_and_matches_eager() -> None:
+    # Flex attention has no backward on CPU (AOTAutograd cannot trace one), so, as in PyTorch's compiled-DDP test
+    # of it, the forward only: under no_grad nothing is planned and the graph is compiled whole.
+    from models import build_model
+
+    eager = build_model("flex_attention")
+    ddp = graphddp.DDP(build_model("flex_attention"), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = torch.compile(ddp, backend="aot_eager")
+    x, _ = batch_for(Case(), 0, 0, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), eager(x))
+    assert ddp.reducer.splits == []

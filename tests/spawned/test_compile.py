@@ -98,6 +98,14 @@ CASES: dict[str, tuple[Case, Expect]] = {
     ),
     # The backward under compiled autograd: the Reducer's hooks run eagerly between the compiled pieces.
     "compiled_autograd": (compiled(compiled_autograd=True), Expect()),
+    # Kept working (PyTorch's compiled-DDP scenarios): checkpointing of every kind, torch.cond, buffers mutated in
+    # forward, automatic dynamic shapes (the batch changes, nothing marked: the second batch recompiles dynamic).
+    # (Flex attention has no backward on CPU: its forward is checked in tests/one_process/test_backend_single.py.)
+    "checkpoint_reentrant": (compiled(model="checkpoint_reentrant"), Expect()),
+    "checkpoint_selective": (compiled(model="checkpoint_selective"), Expect()),
+    "torch_cond": (compiled(model="cond"), Expect()),
+    "buffers_mutated_in_forward": (compiled(model="mutates_buffers"), Expect()),
+    "automatic_dynamic_batch": (compiled(batch_sizes=((4, 6, 8, 5, 7),) * 2), Expect(graphs=2)),
     # The user keeps torch.compile as it was and only swaps the import (Note [Split without asking]).
     "plain_torch_compile_aot_eager": (compiled(model="w:gpt", compile="plain"), Expect()),
     "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
