@@ -257,12 +257,29 @@ class CompiledSegment(nn.Module):
 
 
 def _mark_backward_start(out: Any, index: int, events: Events) -> None:
-    """Record ``segment_backward`` when autograd is about to run this segment's backward (tests, timelines)."""
+    """Record ``segment_backward`` when autograd is about to run this segment's backward (tests, timelines): at the
+    first of its outputs' gradient functions to run (an output may carry no gradient, e.g. a mask)."""
     outputs = out if isinstance(out, (tuple, list)) else (out,)
-    for t in outputs:
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads, index=index: events.record("segment_backward", index))
-            return
+    fired = [False]
+
+    def record(grads: Any) -> None:
+        if not fired[0]:
+            fired[0] = True
+            events.record("segment_backward", index)
+
+    for node in {_past_views(t.grad_fn) for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+        node.register_prehook(record)
+
+
+_VIEW_NODES = ("ViewBackward", "AsStridedBackward", "AliasBackward", "UnsafeViewBackward", "TBackward", "TransposeBackward")
+
+
+def _past_views(node: Any) -> Any:
+    """The node that computes a segment output: AOTAutograd regenerates an output that is a view outside the
+    compiled function, whose view node runs as soon as its gradient arrives, before the segment's backward."""
+    while node.name().rstrip("0123456789").endswith(_VIEW_NODES) and node.next_functions and node.next_functions[0][0] is not None:
+        node = node.next_functions[0][0]
+    return node
 
 
 def _make_output_a_tuple(segment: fx.GraphModule) -> bool:

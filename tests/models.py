@@ -7,6 +7,7 @@ Three families, told apart by name:
   with random token ids (Note [Row-sparse gradients]); the model returns its loss;
 * models reading data-dependent values (``scalars_*``, ...): ``x [B, IN]`` and integer codes ``[B]``, the
   mean square of the output as the loss;
+* ``hf:gpt2``, ``hf:bert``: Hugging Face models built from tiny configs (``transformers``, the test extra);
 * ``w:<workload>[:<size>]``: a graphddp workload (``graphddp.workloads``; size ``tiny`` unless given).
 
 Batches come from seeded generators, so any rank can rebuild any other rank's batch without communication.
@@ -380,6 +381,24 @@ def tokens(model: str, g: torch.Generator, batch: int, vocab: int = VOCAB) -> tu
     return torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g)
 
 
+# -- Hugging Face models built from configs (transformers, the test extra) --------------------------------------------
+def hugging_face(name: str) -> nn.Module:
+    """A tiny GPT-2 or BERT (masked LM) from its config, dropout off; both tie the output layer to the table."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "hf:gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.BertConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
 # -- one interface over the three families --------------------------------------------------------------------------
 @functools.cache
 def _workload(spec: str):
@@ -394,6 +413,8 @@ def build_model(name: str, *, vocab: int = VOCAB, seed: int = 0) -> nn.Module:
         return build_workload(workload.name, size=workload.size, seed=seed).model
     if name in TOKENS:
         return TOKENS[name](vocab)
+    if name.startswith("hf:"):
+        return hugging_face(name)
     torch.manual_seed(seed)
     return {**REGRESSION, **SCALARS}[name]()
 
@@ -401,7 +422,7 @@ def build_model(name: str, *, vocab: int = VOCAB, seed: int = 0) -> nn.Module:
 def default_batch(name: str) -> int:
     if name.startswith("w:"):
         return _workload(name).batch_size
-    return 4 if name in TOKENS else 8
+    return 4 if name in TOKENS or name.startswith("hf:") else 8
 
 
 def make_batch(name: str, g: torch.Generator, size: int, *, vocab: int = VOCAB) -> tuple[torch.Tensor, ...]:
@@ -410,6 +431,8 @@ def make_batch(name: str, g: torch.Generator, size: int, *, vocab: int = VOCAB) 
         return _workload(name).make_batch(g)
     if name in TOKENS:
         return tokens(name, g, size, vocab)
+    if name.startswith("hf:"):  # token ids [B, 16] of the tiny configs' 256-row vocabulary
+        return (torch.randint(0, 256, (size, 16), generator=g),)
     if name in SCALARS:  # inputs, and small integer codes in [-3, 3] the model reads as data
         return torch.randn(size, IN, generator=g), torch.randint(-3, 4, (size,), generator=g)
     return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
@@ -421,6 +444,8 @@ def compute_loss(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...], r
         return model(*batch)
     if name in SCALARS:
         return model(*batch).square().mean()
+    if name.startswith("hf:"):
+        return model(input_ids=batch[0], labels=batch[0]).loss
     x, y = batch
     kwargs: dict[str, Any] = {"use_shared": rank != 1} if name == "branchy" else {}
     return F.mse_loss(model(x, **kwargs), y)
