@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
-from .passes import BucketCaps, ParamSpec, embedding_tables, plan_buckets, rows_apply
+from .passes import BucketCaps, BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
@@ -105,19 +106,31 @@ class DistributedDataParallel(nn.Module, Joinable):
         module: nn.Module,
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool | None = True,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        first_bucket_cap_mb: float = 1,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
+        first_bucket_cap_mb: float = 1,
         last_bucket_cap_mb: float = 1,
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
-        dim: int = 0,
     ) -> None:
+        """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only. Arguments
+        graphddp does not implement raise ``NotImplementedError`` saying why (``_unsupported_arguments``)."""
         super().__init__()
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
@@ -129,21 +142,37 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "graphddp.DDP needs a process group: call torch.distributed.init_process_group() first "
                 "(launch with torchrun, or spawn ranks and pass rank/world_size)"
             )
-        if dim != 0:
-            raise ValueError(f"graphddp.DDP does not scatter inputs; dim must be 0, got {dim}")
+        _unsupported_arguments(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+        )
+        if check_reduction:  # as in PyTorch: a no-op, the Reducer always completes the reduction
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+                "using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        forward_sync, init_sync_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.dim = dim  # kept for PyTorch's API: one device per process, inputs are never scattered
+        self.batched_grad_copy = batched_grad_copy  # a copy-speed knob of PyTorch's C++ Reducer: nothing to batch
         self.options = DDPOptions(
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             last_bucket_cap_mb=last_bucket_cap_mb,
             bucket_ramps=bucket_ramps,
             sparse_embedding_grads=sparse_embedding_grads,
-            broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,  # None: PyTorch's default
+            broadcast_buffers=forward_sync,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
+        process_group, self.device_mesh = _group_of(process_group, device_mesh)
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = process_group
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
 
@@ -152,7 +181,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``_set_params_and_buffers_to_ignore_for_model``)."""
         named = [(n, p) for n, p in self._synced_parameters() if p.requires_grad]
         if not named:
-            raise ValueError(
+            raise RuntimeError(  # PyTorch's type: scripts match on it
                 f"[rank {self.rank}] graphddp.DDP: the module has no parameter that requires a gradient, so there "
                 "is nothing to synchronise; do not wrap it."
             )
@@ -166,33 +195,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             custom_comm_hook=False,
         )
         row_sparse = embedding_tables(module) - self.parameters_to_ignore if reduces_rows else frozenset()
-        verify_same_params(
-            [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in self._synced_parameters()]
-            + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
-            group=self.process_group,
-        )
-        if self.world_size > 1:
-            self._broadcast_state(src=0)
+        if init_sync:  # as in PyTorch: every collective of construction is gated by it
+            verify_same_params(
+                [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in self._synced_parameters()]
+                + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
+                group=self.process_group,
+            )
+            if self.world_size > 1:
+                self._broadcast_state(src=0, buffers=init_sync_buffers)
 
         plan = plan_buckets(
             [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in reversed(named)],
             caps=self.options.caps,
             source="registration",
         )
-        self._collective_device = collective_device(self.process_group, self.device)
-        self._active_ranks = ActiveRanks(self.world_size)
-        self.reducer = Reducer(
-            named,
-            plan,
-            process_group=self.process_group,
-            collective_device=self._collective_device,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            usage=self.options.usage_policy(),
-            comm=comm_for(self.device),
-            active_ranks=self._active_ranks,
-            row_sparse=row_sparse,
-            sparse_embedding_grads=self.options.sparse_embedding_grads,
-        )
+        self._make_reducer(plan)
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
         dynamo_hook.install()  # torch.compile with any backend splits at our buckets (Note [Split without asking])
@@ -204,6 +221,37 @@ class DistributedDataParallel(nn.Module, Joinable):
             [b.nbytes for b in plan.buckets],
             self.world_size,
         )
+
+    def _make_reducer(self, plan: BucketPlan) -> None:
+        """The Reducer for ``plan`` (local: no collective), with what it shares with this module."""
+        self._collective_device = collective_device(self.process_group, self.device)
+        self._active_ranks = ActiveRanks(self.world_size)
+        self.reducer = Reducer(
+            [(n, p) for n, p in self._synced_parameters() if p.requires_grad],
+            plan,
+            process_group=self.process_group,
+            collective_device=self._collective_device,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+            usage=self.options.usage_policy(),
+            comm=comm_for(self.device),
+            active_ranks=self._active_ranks,
+            row_sparse=frozenset(spec.name for b in plan.buckets for spec in b.params if spec.row_sparse),
+            sparse_embedding_grads=self.options.sparse_embedding_grads,
+        )
+
+    # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("process_group", "reducer", "_active_ranks", "device_mesh"):
+            state.pop(name, None)
+        state["_plan"] = self.reducer.plan  # pure data: the copy starts on the plan in force
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        plan = state.pop("_plan")
+        super().__setstate__(state)
+        self.process_group, self.device_mesh = dist.group.WORLD, None  # as PyTorch: the default group
+        self._make_reducer(plan)
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -261,10 +309,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Buffers may have been replaced since construction: look them up each time.
         broadcast_coalesced([b.detach() for _, b in self._synced_buffers()], src=src, group=self.process_group)
 
-    def _broadcast_state(self, src: int) -> None:
-        """Parameters (and buffers, with ``broadcast_buffers``) from ``src`` to every rank, ignored ones kept."""
+    def _broadcast_state(self, src: int, buffers: bool | None = None) -> None:
+        """Parameters (and buffers: by default with ``broadcast_buffers``) from ``src`` to every rank, ignored ones
+        kept."""
+        buffers = self.options.broadcast_buffers if buffers is None else buffers
         state = [p.detach() for _, p in self._synced_parameters()]
-        state += [b.detach() for _, b in self._synced_buffers()] if self.options.broadcast_buffers else []
+        state += [b.detach() for _, b in self._synced_buffers()] if buffers else []
         broadcast_coalesced(state, src=src, group=self.process_group)
 
     def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -304,21 +354,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
         ``powerSGD_hook.powerSGD_hook``) work unchanged.
         """
-        if not callable(hook):
-            raise TypeError(f"graphddp.DDP.register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        params = [
-            p
-            for p in inspect.signature(hook).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-        if len(params) != 2:
-            raise TypeError(
-                "graphddp.DDP.register_comm_hook: a hook takes exactly two arguments (state, bucket), "
-                f"got {inspect.signature(hook)}"
-            )
+        _check_comm_hook(hook)
         if self.reducer.has_custom_comm_hook:
-            raise RuntimeError("graphddp.DDP.register_comm_hook can only be called once")
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self.reducer.set_comm_hook(state, hook)
+
+    def register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """PyTorch's built-in hooks by name: ``ALLREDUCE`` (sum, then average) or ``FP16_COMPRESS``."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise ValueError(f"graphddp.DDP: unknown built-in comm hook {comm_hook_type!r}")
+        if self.reducer.has_custom_comm_hook:
+            raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once.")
+        self.reducer.set_comm_hook(self.process_group, hooks[comm_hook_type])
 
     def join(
         self,
@@ -355,6 +408,19 @@ class DistributedDataParallel(nn.Module, Joinable):
     broadcast_buffers = property(lambda self: self.options.broadcast_buffers)
 
     @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether buffers are broadcast before each synchronising forward (PyTorch 2.13's name)."""
+        return self.options.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.options = dataclasses.replace(self.options, broadcast_buffers=value)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the module's buffers (as PyTorch's DDP answers it)."""
+        return self._will_sync_buffers()
+
+    @property
     def bucket_plan(self):
         """The ``BucketPlan`` the Reducer runs on now."""
         return self.reducer.plan
@@ -387,6 +453,78 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 DDP = DistributedDataParallel
+
+
+_UNSUPPORTED = {
+    "delay_all_reduce_named_params": "delaying some parameters' all-reduce to the end of backward",
+    "param_to_hook_all_reduce": "delaying some parameters' all-reduce to the end of backward",
+    "mixed_precision": "PyTorch's experimental _MixedPrecision (reduced-precision parameter copies)",
+    "skip_all_reduce_unused_params": "skipping the all-reduce of unused parameters",
+    "bucket_cap_mb_list": "per-bucket caps (graphddp's first/last caps and ramps: Note [Bucket ramps])",
+}
+
+
+def _check_comm_hook(hook: Any) -> None:
+    """A comm hook's shape, checked as PyTorch checks it (its exception types and words), before any backward."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. (graphddp.DDP.register_comm_hook got {type(hook).__name__})")
+    try:  # annotations written under `from __future__ import annotations` are strings: evaluate them
+        signature = inspect.signature(hook, eval_str=True)
+    except Exception:  # noqa: BLE001 (a name the hook's module cannot resolve: compare what is written)
+        signature = inspect.signature(hook)
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(params) != 2:
+        raise TypeError(
+            f"graphddp.DDP.register_comm_hook: a hook takes exactly two arguments (state, bucket), got {signature}"
+        )
+    if params[1].annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+
+
+def _unsupported_arguments(**given: Any) -> None:
+    """PyTorch arguments graphddp does not implement: ``NotImplementedError`` naming the argument, if set."""
+    for name, value in given.items():
+        if value not in (None, False):
+            raise NotImplementedError(
+                f"graphddp.DDP does not implement {name}= ({_UNSUPPORTED[name]}); leave it at its default, or use "
+                "torch.nn.parallel.DistributedDataParallel for it."
+            )
+
+
+def _buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(sync buffers before each forward, sync buffers at construction), with PyTorch 2.13's rules and warnings:
+    ``broadcast_buffers`` is deprecated for ``forward_sync_buffers``, which never turns off the first sync."""
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is deprecated "
+            "and its value is ignored when `forward_sync_buffers` is provided."
+            if forward_sync_buffers is not None
+            else "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+            "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
+
+
+def _group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup, Any]:
+    """The process group to reduce over: the given one, a 1-D device mesh's, or the default group."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is None:
+        return (process_group if process_group is not None else dist.group.WORLD), None
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    return device_mesh.get_group(mesh_dim=0), device_mesh
 
 
 class _DDPJoinHook(JoinHook):

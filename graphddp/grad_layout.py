@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 
+@torch.no_grad()  # a gradient with a graph of its own (backward(create_graph=True)) is reduced as data, as in PyTorch
 def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = None) -> None:
     """``view = grad * scale`` (zeros where there is no gradient); scaled while copying: one pass, not two."""
     if grad is None:
@@ -20,9 +21,11 @@ def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = No
 class CopiedGrads:
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
 
+    @torch.no_grad()
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         fill(view, param.grad, scale)  # unused here: zeros
 
+    @torch.no_grad()
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         """``view``, plus the reduced ``parts`` of a tied weight's gradient, into ``param.grad``: one pass."""
         if param.grad is None:
@@ -34,6 +37,7 @@ class CopiedGrads:
         else:
             param.grad.copy_(view)
 
+    @torch.no_grad()
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned; nothing points into the old buffers."""
 
@@ -43,6 +47,7 @@ class BucketViewGrads:
     next to the bucket. After ``zero_grad(set_to_none=True)`` autograd hands us a fresh tensor once; it is
     copied into the slice and ``param.grad`` re-pointed, and later accumulation happens in place."""
 
+    @torch.no_grad()
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         grad = param.grad
         if grad is None:
@@ -53,12 +58,14 @@ class BucketViewGrads:
         elif scale is not None:
             view.mul_(scale)
 
+    @torch.no_grad()
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         for part in parts:  # .grad is the view: the parts go into the bucket slice itself
             view.add_(part)
         if param.grad is None:  # unused on this rank, used on another: the average is its gradient
             param.grad = view
 
+    @torch.no_grad()
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned: keep the gradient's value, now in its new slice."""
         if param.grad is not None:

@@ -80,9 +80,9 @@ class DenseReduction:
         grad_bucket = GradBucket(bucket.index, buffer, bucket.params, is_last)
         future = self.comm.launch(lambda: self.hook.fn(self.hook.state, grad_bucket))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
-            raise TypeError(
-                f"[rank {self.rank}] graphddp: the communication hook returned {type(future).__name__} for "
-                f"bucket {bucket.index}; a hook must return a torch.futures.Future (e.g. "
+            raise RuntimeError(  # PyTorch's type and words, with the bucket and what to return
+                f"[rank {self.rank}] graphddp: DDP communication hook's callback must return a torch.futures.Future "
+                f"object, but got {type(future).__name__} for bucket {bucket.index} (e.g. return "
                 "dist.all_reduce(..., async_op=True).get_future())."
             )
         return DenseInFlight(future, bucket, buffer, self.comm, self.rank)

@@ -9,7 +9,9 @@ synchronising backward, the module's state (``keep_states``) and extra gradients
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import io
 from typing import Any
 
 import torch
@@ -64,6 +66,11 @@ class Case:
     inner: str = "aot_eager"
     """A backend name, or ``callable`` for ``user_compiler`` (a function, as users write custom backends)."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
+    create_graph: bool = False
+    """``loss.backward(create_graph=True)``."""
+    copy: str | None = None
+    """graphddp only: train a copy of the DDP module made right after construction: ``deepcopy`` or ``torch.save``
+    (a ``torch.save``/``torch.load`` round trip)."""
     compiled_autograd: bool = False
     """graphddp only: every backward under compiled autograd (``torch._dynamo.compiled_autograd``, aot_eager);
     PyTorch's DDP, the reference, stays eager (its C++ Reducer refuses compiled autograd)."""
@@ -147,7 +154,7 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
         return ddp, ddp
     if impl != "graphddp":
         raise ValueError(impl)
-    ddp = graphddp.DDP(module, **dict(case.ddp), **dict(case.graphddp))
+    ddp = copied(graphddp.DDP(module, **dict(case.ddp), **dict(case.graphddp)), case.copy)
     if case.compile is None:
         return ddp, ddp
     inner: Any = user_compiler if case.inner == "callable" else case.inner
@@ -164,6 +171,19 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
     if case.compile == "named":
         return ddp, torch.compile(ddp, backend="graphddp", options={"inner": inner}, **kwargs)
     raise ValueError(case.compile)
+
+
+def copied(ddp: nn.Module, how: str | None) -> nn.Module:
+    if how is None:
+        return ddp
+    if how == "deepcopy":
+        return copy.deepcopy(ddp)
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(ddp, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+    raise ValueError(how)
 
 
 def user_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -198,7 +218,7 @@ def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
                         table = dict(ddp.module.named_parameters())["wte.weight"]
                         run.grads.append(torch.autograd.grad(loss, [table], retain_graph=True)[0])  # this rank's own
                     with compiled_backward() if case.compiled_autograd and impl == "graphddp" else contextlib.nullcontext():
-                        loss.backward()
+                        loss.backward(create_graph=case.create_graph)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if case.no_grad_forward:

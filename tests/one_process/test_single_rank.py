@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from models import MLP, Branchy
 from torch import nn
@@ -71,7 +72,6 @@ def test_construction_logs_one_info_line_and_the_table_at_debug(caplog: pytest.L
         ({"bucket_ramps": "no"}, TypeError, "bucket_ramps must be True or False"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
         ({"device_ids": [0]}, ValueError, "device_ids must be None for a module on the CPU"),
-        ({"dim": 1}, ValueError, "dim must be 0"),
     ],
 )
 def test_bad_constructor_arguments(kwargs: dict, error: type, match: str) -> None:
@@ -82,7 +82,7 @@ def test_bad_constructor_arguments(kwargs: dict, error: type, match: str) -> Non
 
 def test_a_module_without_trainable_parameters_is_refused() -> None:
     frozen = MLP().requires_grad_(False)
-    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+    with pytest.raises(RuntimeError, match="no parameter that requires a gradient"):
         graphddp.DDP(frozen)
     with pytest.raises(ValueError, match="already wrapped"):
         graphddp.DDP(graphddp.DDP(MLP()))
@@ -99,27 +99,57 @@ def test_frozen_parameters_are_left_out_of_the_buckets() -> None:
 
 def test_register_comm_hook_validates_its_arguments() -> None:
     ddp = graphddp.DDP(MLP())
-    with pytest.raises(TypeError, match="must be callable"):
+    with pytest.raises(TypeError, match="Communication hook must be callable"):
         ddp.register_comm_hook(None, 42)
     with pytest.raises(TypeError, match="exactly two arguments"):
         ddp.register_comm_hook(None, lambda bucket: bucket)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp.register_comm_hook(None, allreduce_hook)
-    with pytest.raises(RuntimeError, match="only be called once"):
+    with pytest.raises(RuntimeError, match="register_comm_hook or register_builtin_comm_hook can only be called once"):
         ddp.register_comm_hook(None, allreduce_hook)
     step(ddp)  # torch's hook runs on our buckets
+
+
+def badly_annotated_bucket(state: object, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]: ...
+
+
+def badly_annotated_return(state: object, bucket: dist.GradBucket) -> torch.Tensor: ...
+
+
+def well_annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+
+def test_comm_hook_annotations_are_checked_as_pytorch_checks_them() -> None:
+    ddp = graphddp.DDP(MLP())
+    with pytest.raises(ValueError, match="bucket annotation should be dist.GradBucket"):
+        ddp.register_comm_hook(None, badly_annotated_bucket)
+    with pytest.raises(ValueError, match=r"return annotation should be torch.futures.Future\[torch.Tensor\]"):
+        ddp.register_comm_hook(None, badly_annotated_return)
+    ddp.register_comm_hook(None, well_annotated)  # string annotations (future import) are evaluated first
+    step(ddp)
+
+
+@pytest.mark.parametrize("kind", ["ALLREDUCE", "FP16_COMPRESS"])
+def test_builtin_comm_hooks_by_name(kind: str) -> None:
+    ddp = graphddp.DDP(MLP())
+    ddp.register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, kind))
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        ddp.register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    step(ddp)
+    assert all(p.grad is not None for p in ddp.parameters())
 
 
 def test_a_hook_that_returns_no_future_is_a_clear_error() -> None:
     ddp = graphddp.DDP(MLP())
     ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
-    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+    with pytest.raises(RuntimeError, match="communication hook's callback must return a torch.futures.Future object"):
         step(ddp)
 
 
 def test_a_hook_result_of_the_wrong_shape_is_a_clear_error() -> None:
-    def halves(state: object, bucket: object) -> torch.futures.Future:
+    def halves(state, bucket):  # type: ignore[no-untyped-def]
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(bucket.buffer()[: bucket.buffer().numel() // 2])
         return fut
@@ -226,3 +256,58 @@ def test_compiled_autograd_with_a_parameter_without_gradient_says_what_to_do() -
     with pytest.raises(RuntimeError, match="ran under compiled autograd and ended before every bucket was complete"):
         ddp(x)
     torch._dynamo.reset()
+
+
+
+# -- PyTorch's constructor -------------------------------------------------------------------------------------------
+def test_the_constructor_takes_pytorchs_arguments_in_pytorchs_order_then_graphddps_keyword_only() -> None:
+    import inspect
+
+    theirs = list(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters)
+    ours = inspect.signature(graphddp.DDP.__init__).parameters
+    assert list(ours)[: len(theirs)] == theirs
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in ours.items() if name not in theirs)
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("mixed_precision", object()),
+        ("delay_all_reduce_named_params", [("w", torch.nn.Parameter(torch.ones(1)))]),
+        ("param_to_hook_all_reduce", torch.nn.Parameter(torch.ones(1))),
+        ("skip_all_reduce_unused_params", True),
+        ("bucket_cap_mb_list", [1, 2]),
+    ],
+)
+def test_arguments_graphddp_does_not_implement_say_so(argument: str, value: object) -> None:
+    with pytest.raises(NotImplementedError, match=f"graphddp.DDP does not implement {argument}="):
+        graphddp.DDP(MLP(), **{argument: value})
+
+
+def test_buffer_sync_follows_pytorchs_rules_and_warnings() -> None:
+    with pytest.warns(FutureWarning, match="`broadcast_buffers` is deprecated"):
+        ddp = graphddp.DDP(MLP(), broadcast_buffers=False)
+    assert ddp.forward_sync_buffers is False and ddp.will_sync_module_buffers() is False
+    ddp = graphddp.DDP(MLP(), forward_sync_buffers=False)
+    assert ddp.forward_sync_buffers is False
+    ddp.forward_sync_buffers = True
+    assert ddp.broadcast_buffers is True
+    with pytest.warns(FutureWarning, match="check_reduction"):
+        graphddp.DDP(MLP(), check_reduction=True)
+
+
+def test_positional_arguments_land_where_pytorch_puts_them() -> None:
+    # module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb
+    with pytest.warns(FutureWarning):
+        ddp = graphddp.DDP(MLP(), None, None, 0, True, False, None, 0.5)
+    assert ddp.bucket_bytes_cap == 512 * 1024 and ddp.dim == 0
+
+
+def test_a_one_dimensional_device_mesh_gives_the_group() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    ddp = graphddp.DDP(MLP(), device_mesh=mesh)
+    assert ddp.process_group is mesh.get_group(0) and ddp.device_mesh is mesh
+    with pytest.raises(RuntimeError, match="Cannot specify both process_group and device_mesh"):
+        graphddp.DDP(MLP(), process_group=dist.group.WORLD, device_mesh=mesh)

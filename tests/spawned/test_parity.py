@@ -48,10 +48,13 @@ CASES = {
     "join_batchnorm": tiny(model="bn", extra_steps_per_rank=1),
     # The backward under compiled autograd: the hooks run eagerly and the Reducer finishes at the last launch.
     "compiled_autograd": tiny(compiled_autograd=True),
+    # A DDP module copied right after construction trains like the original (no process group pickled).
+    "deepcopy": tiny(copy="deepcopy"),
+    "torch_save_load": tiny(copy="torch.save"),
 }
 
 # Cases whose result single-process training on the concatenated batch reproduces exactly.
-SINGLE_PROCESS_EQUIVALENT = {"default", "compiled_autograd", "pytorch_layout", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
+SINGLE_PROCESS_EQUIVALENT = {"default", "compiled_autograd", "deepcopy", "torch_save_load", "pytorch_layout", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
 
 
 def check_parity(rank: int, world: int, case_name: str, optim: str) -> int:
