@@ -66,8 +66,9 @@ def _chunk_by_dtype_device(tensors: Sequence[torch.Tensor], cap_bytes: int) -> l
 
 
 # -- all ranks hold the same parameters ---------------------------------------------------------------------
-class ModelMismatchError(ValueError):
-    """Ranks wrapped different models; raised on every rank."""
+class ModelMismatchError(RuntimeError, ValueError):
+    """Ranks wrapped different models; raised on every rank. A ``RuntimeError`` as PyTorch's DDP raises there (a
+    ``ValueError`` too, as graphddp raised before)."""
 
 
 def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) -> None:

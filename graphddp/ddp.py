@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import compile_target, dynamo_hook
+from . import checkpoint, compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
 from .passes import BucketCaps, BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply
@@ -186,6 +186,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "is nothing to synchronise; do not wrap it."
             )
         self.device = _single_device([p for _, p in module.named_parameters()], self.rank)
+        if self.device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+            raise ValueError("SyncBatchNorm layers only work with GPU modules")  # PyTorch's check and words
         self.device_ids = _check_device_ids(device_ids, output_device, self.device, self.rank)
 
         reduces_rows = rows_apply(
@@ -213,6 +215,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
         dynamo_hook.install()  # torch.compile with any backend splits at our buckets (Note [Split without asking])
+        checkpoint.install()  # get_model_state_dict names parameters without "module." (Note [Checkpoints])
         logger.info(
             "[rank %d] graphddp.DDP: %d trainable parameters in %d buckets (bytes %s), world size %d",
             self.rank,

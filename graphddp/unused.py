@@ -189,7 +189,8 @@ class GradientUsage:
         )
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         return (
-            f"[rank {self._rank}] graphddp.DDP: the previous backward produced no gradient for {described}{more}. "
+            f"[rank {self._rank}] graphddp.DDP: Expected to have finished reduction in the prior iteration before "
+            f"starting a new one: the previous backward produced no gradient for {described}{more}. "
             "Every trainable parameter must take part in the loss on every rank. If some parameters are "
             "legitimately unused in some iterations (conditional branches), pass find_unused_parameters=True to "
             "graphddp.DDP; if they are never used, set requires_grad=False on them."

@@ -311,3 +311,25 @@ def test_a_one_dimensional_device_mesh_gives_the_group() -> None:
     assert ddp.process_group is mesh.get_group(0) and ddp.device_mesh is mesh
     with pytest.raises(RuntimeError, match="Cannot specify both process_group and device_mesh"):
         graphddp.DDP(MLP(), process_group=dist.group.WORLD, device_mesh=mesh)
+
+
+def test_sync_batchnorm_on_a_cpu_module_is_rejected_as_pytorch_does() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
+        graphddp.DDP(model)
+
+
+def test_distributed_checkpoint_state_dicts_carry_no_module_prefix_and_move_between_wrappers() -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(0)
+    ours, theirs, bare = graphddp.DDP(MLP()), torch.nn.parallel.DistributedDataParallel(MLP()), MLP()
+    state = get_model_state_dict(ours)
+    assert sorted(state) == sorted(bare.state_dict()) == sorted(get_model_state_dict(theirs))
+    for target in (theirs, bare):  # graphddp -> torch's DDP, graphddp -> the bare model
+        set_model_state_dict(target, dict(state))  # it renames keys in the dict it is given
+        torch.testing.assert_close(get_model_state_dict(target), state)
+    with torch.no_grad():
+        bare.fc1.weight.add_(1.0)
+    set_model_state_dict(ours, get_model_state_dict(bare))  # and back into graphddp
+    torch.testing.assert_close(ours.module.fc1.weight, bare.fc1.weight)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP, Branchy
-from ranks import expect_failure_on_every_rank
+from ranks import expect_failure_on_every_rank, run_on_ranks
 from torch import nn
 from training import Case, batch_for
 
@@ -22,6 +22,18 @@ def mismatched_shape(rank: int, world: int) -> None:
         model.fc2 = nn.Linear(32, 33)
         model.fc3 = nn.Linear(33, 6)
     graphddp.DDP(model)
+
+
+def mismatch_raises_runtime_error(rank: int, world: int) -> str:
+    try:
+        mismatched_shape(rank, world)
+    except RuntimeError as e:  # PyTorch's type, which scripts match on
+        return type(e).__name__
+    return "no error"
+
+
+def test_models_that_differ_raise_runtime_error_as_pytorch_does() -> None:
+    assert run_on_ranks(mismatch_raises_runtime_error, 2, timeout=TIMEOUT) == ["ModelMismatchError"] * 2
 
 
 def mismatched_count(rank: int, world: int) -> None:
@@ -69,12 +81,13 @@ def test_parameter_without_gradient_and_without_the_flag(world: int) -> None:
     ]:
         errors = expect_failure_on_every_rank(fn, world, timeout=TIMEOUT)
         for rank, text in errors.items():
-            assert f"[rank {rank}] graphddp.DDP: the previous backward produced no gradient for '{name}'" in text
+            assert f"[rank {rank}] graphddp.DDP: Expected to have finished reduction in the prior iteration" in text
+            assert f"the previous backward produced no gradient for '{name}'" in text
             assert detail in text and "find_unused_parameters=True" in text
             assert "run_steps" in text and "_pre_forward" in text  # raised by the next forward
 
 
-def wrong_shape_hook(state: object, bucket) -> torch.futures.Future:
+def wrong_shape_hook(state: object, bucket) -> torch.futures.Future[torch.Tensor]:
     fut = torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0][:-1])
 
