@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+from graphddp.cli import inner_backend
+
 from .link import Link, LinkUnavailable
 from .modes import MODES
 from .pictures import chrome_trace, draw
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bucket-ramps", action="store_true", help="graphddp with PyTorch's bucket layout (Note [Bucket ramps])")
     parser.add_argument("--no-sparse-embedding-grads", action="store_true", help="graphddp reduces every bucket dense (Note [Row-sparse gradients])")
     parser.add_argument("--no-pin", action="store_true", help="let the OS place the ranks (default: each rank on a CPU of its own, when there are enough)")
-    parser.add_argument("--inner", default=d.inner, help="inner compiler of both compiled modes")
+    parser.add_argument("--inner", type=inner_backend, default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
     args = parser.parse_args(argv)

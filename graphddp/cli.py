@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .demo import DemoOptions, run_demo
 
 
+def inner_backend(name: str) -> str:
+    """``--inner``: a Dynamo backend name, checked before any rank starts (argparse: one line, exit 2)."""
+    import torch
+
+    if name == "graphddp":
+        raise argparse.ArgumentTypeError("graphddp is the splitting backend itself; name the compiler of each segment")
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        usual = ", ".join(b for b in torch._dynamo.list_backends() if b != "graphddp")
+        raise argparse.ArgumentTypeError(f"unknown backend {name!r}; for example {usual}")
+    return name
+
+
+def log_level(name: str) -> str:
+    """``--log-level``: one of logging's level names, any case."""
+    level = name.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"unknown level {name!r}; choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphddp", description="Distributed data parallel that works with torch.compile")
-    parser.add_argument("--log-level", default="WARNING", help="logging level for graphddp (INFO shows one line per rank)")
+    parser.add_argument("--log-level", type=log_level, default="WARNING", help="logging level for graphddp (INFO shows one line per rank)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train a small GPT on 2 spawned gloo ranks with graphddp under torch.compile")
@@ -25,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--last-bucket-cap-mb", type=float, default=defaults.last_bucket_cap_mb)
     demo.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
     demo.add_argument("--no-sparse-embedding-grads", action="store_true", help="every bucket all-reduced dense (Note [Row-sparse gradients])")
-    demo.add_argument("--inner", default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
+    demo.add_argument("--inner", type=inner_backend, default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
 
     inspect = commands.add_parser(
         "inspect", help="show a model's bucket plan and graph split, in one process, without launching ranks"
@@ -47,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         try:
             options = DemoOptions(
@@ -73,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .inspection import InspectError, inspect_target, render
+
+    if os.getcwd() not in sys.path:  # `graphddp inspect mymodels:factory` finds mymodels.py where it runs
+        sys.path.insert(0, os.getcwd())
 
     try:
         inspection = inspect_target(
