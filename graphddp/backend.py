@@ -36,12 +36,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tabulate import tabulate
 from torch import fx, nn
 
 from .compile_target import CompileTarget, Events, running
 from .dump import DebugDump
 from .graph_pipeline import lower_graph, prepare_graph
 from .passes import BucketCaps, GraphSplit
+from .profiling import label_backward, labelled, trace_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +168,7 @@ class GraphDDPBackend:
         if target is not None and not prepared.reused_plan:
             target.propose_graph_plan(graph_key, prepared.plan)
         split = prepared.split
+        trace_artifact(f"graphddp_split_{graph_key}", lambda: _describe_split(prepared))
         extended = [s.index for s in split.segments if s.extended]
         logger.info(
             "[rank %s] graphddp.backend: %s: %d parameters, %d buckets, %d segments%s%s",
@@ -216,6 +219,16 @@ def is_graphddp_backend(compile_fn: Any) -> bool:
     return isinstance(fn, GraphDDPBackend) or fn is registered_backend
 
 
+def _describe_split(prepared: Any) -> str:
+    plan, split = prepared.plan, prepared.split
+    rows = [(s.index, s.buckets, s.nodes, s.param_bytes, s.extended) for s in split.segments]
+    return (
+        tabulate(plan.table_rows(), headers=plan.TABLE_HEADERS)
+        + "\n\n"
+        + tabulate(rows, headers=("segment", "buckets", "nodes", "parameter bytes", "extended"))
+    )
+
+
 # -- without a graphddp.DDP -------------------------------------------------------------------------------------
 def _refuse_pytorch_ddp() -> None:
     if isinstance(nn.parallel.DistributedDataParallel._get_active_ddp_module(), nn.parallel.DistributedDataParallel):
@@ -247,13 +260,22 @@ class CompiledSegment(nn.Module):
         self._target = weakref.ref(target) if target is not None else None
 
     def forward(self, *args: Any) -> Any:
-        out = self.compiled(*args)
+        with labelled(f"graphddp: segment {self.index} forward"):
+            out = self.compiled(*args)
         if self.unwrap:
             out = out[0]
+        _label_backward_of(out, self.index)
         target = self._target() if self._target is not None else None
         if target is not None and target.events.recording:
             _mark_backward_start(out, self.index, target.events)
         return out
+
+
+def _label_backward_of(out: Any, index: int) -> None:
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    node = next((t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+    if node is not None:
+        label_backward(_past_views(node), f"graphddp: segment {index} backward")
 
 
 def _mark_backward_start(out: Any, index: int, events: Events) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .buckets import FlatBucket
+from .profiling import labelled
 from .reductions import InFlight
 
 
@@ -83,7 +84,9 @@ class Launcher:
                 self.launch_ready()
             self._commit_open()
             assert bucket.in_flight is not None, f"bucket {bucket.index} was never launched"
-            yield bucket, bucket.in_flight.wait()
+            with labelled(f"graphddp: wait for bucket {bucket.index}"):
+                reduced = bucket.in_flight.wait()
+            yield bucket, reduced
 
     def shadow(self) -> None:
         """A joined rank's stand-in for one backward: every bucket launched on zeros and awaited, one after the
@@ -97,7 +100,8 @@ class Launcher:
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
         self._commit_open()  # the previous bucket's last collective goes first, on every rank
         self.events.record("launch", bucket.index)
-        in_flight = self.reductions[bucket.index].start(bucket, buffer, bucket.index == len(self.buckets) - 1)
+        with labelled(f"graphddp: all-reduce bucket {bucket.index}"):
+            in_flight = self.reductions[bucket.index].start(bucket, buffer, bucket.index == len(self.buckets) - 1)
         self._open = (bucket.index, in_flight)
         self._watch(bucket.index, in_flight)
         return in_flight

@@ -51,6 +51,7 @@ from .iteration import ActiveRanks, Iteration
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
+from .profiling import trace_artifact
 from .reductions import CommHook, DenseReduction, RowSparseReduction
 from .trace import NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
@@ -128,6 +129,11 @@ class Reducer:
             self._layout.move(p, slots.view(slots.slot[i]))
         self._slots, self.plans.current = slots, plan
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
+        trace_artifact(
+            "graphddp_bucket_plan",
+            lambda: f"rank {self.rank}, {plan.source}, fingerprint {plan.fingerprint}\n"
+            + tabulate(plan.table_rows(), headers=plan.TABLE_HEADERS),
+        )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "[rank %d] bucket plan (%s, fingerprint %s):\n%s",

@@ -164,3 +164,47 @@ def test_flex_attention_forward_compiles_and_matches_eager() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(x), eager(x))
     assert ddp.reducer.splits == []
+
+
+# -- where users look: the profiler and torch's structured trace ------------------------------------------------------
+def test_buckets_and_segments_appear_as_labelled_profiler_ranges() -> None:
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = torch.compile(ddp, backend="aot_eager")
+    loss(model).backward()  # compile outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss(model, 1).backward()
+    names = {e.name for e in prof.events()}
+    segments = ddp.reducer.splits[0].num_segments
+    assert {f"graphddp: all-reduce bucket {k}" for k in range(len(ddp.bucket_plan.buckets))} <= names
+    assert {f"graphddp: wait for bucket {k}" for k in range(len(ddp.bucket_plan.buckets))} <= names
+    assert {f"graphddp: segment {s} backward" for s in range(segments)} <= names
+    assert {f"graphddp: segment {s} forward" for s in range(segments)} <= names
+
+
+class _Records(__import__("logging").Handler):
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.names: list[str] = []
+
+    def emit(self, record) -> None:  # type: ignore[no-untyped-def]
+        metadata = getattr(record, "metadata", {}) or {}
+        self.names.append(str(metadata.get("artifact", {}).get("name", "")))
+
+
+def test_the_split_and_the_plan_go_to_torchs_structured_trace() -> None:
+    import logging
+
+    trace_log = logging.getLogger("torch.__trace")
+    records, level = _Records(), trace_log.level
+    trace_log.addHandler(records)
+    trace_log.setLevel(logging.DEBUG)
+    try:
+        ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+        model = torch.compile(ddp, backend="aot_eager")
+        loss(model).backward()
+        loss(model, 1).backward()  # the graph's plan is adopted here
+    finally:
+        trace_log.removeHandler(records)
+        trace_log.setLevel(level)
+    assert any(name.startswith("graphddp_split_graph") for name in records.names), records.names
+    assert records.names.count("graphddp_bucket_plan") >= 2  # construction, then the graph's plan

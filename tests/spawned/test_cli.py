@@ -40,3 +40,15 @@ def test_demo_as_the_readme_runs_it() -> None:
     result = run_cli("demo", timeout=600)
     assert result.returncode == 0, result.stderr
     check_demo_output(result.stdout, 20)
+
+
+def test_torch_logs_turns_on_graphddps_debug_log() -> None:
+    script = (
+        "import tempfile, torch, torch.distributed as dist, graphddp\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mkdtemp() + '/i', rank=0, world_size=1)\n"
+        "graphddp.DDP(torch.nn.Linear(4, 4))\n"
+    )
+    env = {**__import__("os").environ, "TORCH_LOGS": "+graphddp"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "bucket plan (registration, fingerprint" in result.stderr  # the Reducer's DEBUG line
