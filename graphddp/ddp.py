@@ -362,6 +362,42 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self.reducer.set_comm_hook(state, hook)
 
+    def _set_static_graph(self) -> None:
+        """PyTorch's way (used by Lightning strategies) to turn on ``static_graph`` after construction; only
+        before the first iteration, as there."""
+        if self.options.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer.usage.iterations:
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp.DDP: _set_static_graph() must be called before the first iteration "
+                "(pass static_graph=True to the constructor instead)."
+            )
+        self.options = dataclasses.replace(self.options, static_graph=True)
+        self.reducer.usage.policy = self.options.usage_policy()
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """The subset of PyTorch's DDP logging data that frameworks read (Lightning's teardown, for one)."""
+        usage = self.reducer.usage
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "device_ids": ",".join(str(d) for d in self.device_ids or ()),
+            "backend_name": dist.get_backend(self.process_group),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "broadcast_buffers": int(self.options.broadcast_buffers),
+            "find_unused_parameters": int(self.options.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.options.gradient_as_bucket_view),
+            "static_graph": int(self.options.static_graph),
+            "has_rebuilt_buckets": int(self.bucket_plan.source != "registration"),
+            "num_buckets": len(self.bucket_plan.buckets),
+            "comm_hook": "custom" if self.reducer.has_custom_comm_hook else "graphddp average all-reduce",
+            "iteration": usage.iterations,
+            # As PyTorch: the set of unused parameters never changed, so static_graph=True would be safe.
+            "can_set_static_graph": int(usage.iterations > 0 and len(usage.unused_sets) == 1),
+        }
+
     def register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """PyTorch's built-in hooks by name: ``ALLREDUCE`` (sum, then average) or ``FP16_COMPRESS``."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -150,6 +150,10 @@ class GradientUsage:
         self._world_size = world_size
         self.used = [False] * len(names)
         """Per parameter: got a gradient here since the last synchronised backward ended (no_sync included)."""
+        self.iterations = 0
+        """Synchronised backwards ended so far."""
+        self.unused_sets: set[frozenset[int]] = set()
+        """The distinct sets of parameters without a gradient anywhere, one per kind of iteration seen."""
 
     def start_count(self) -> UsageCount | None:
         """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""
@@ -176,6 +180,8 @@ class GradientUsage:
         the next forward if a parameter missed its gradient where the policy forbids it (the same on every rank)."""
         self.policy.observe(local_unused, counts)
         self.used = [False] * len(self._names)
+        self.iterations += 1
+        self.unused_sets.add(frozenset(i for i, c in enumerate(counts) if c == 0))
         if self.policy.allows_unused:
             return None
         bad = [i for i, c in enumerate(counts) if c < expected]

@@ -333,3 +333,20 @@ def test_distributed_checkpoint_state_dicts_carry_no_module_prefix_and_move_betw
         bare.fc1.weight.add_(1.0)
     set_model_state_dict(ours, get_model_state_dict(bare))  # and back into graphddp
     torch.testing.assert_close(ours.module.fc1.weight, bare.fc1.weight)
+
+
+def test_set_static_graph_and_logging_data_as_frameworks_call_them() -> None:
+    ddp = graphddp.DDP(Branchy(), find_unused_parameters=True)
+    ddp._set_static_graph()
+    assert ddp.static_graph and ddp._get_ddp_logging_data()["static_graph"] == 1
+    with pytest.warns(UserWarning, match="no need to set it again"):
+        ddp._set_static_graph()
+    for seed in range(2):
+        step(ddp, Case(model="branchy"), seed)
+    data = ddp._get_ddp_logging_data()
+    assert data["iteration"] == 2 and data["can_set_static_graph"] == 1 and data["world_size"] == 1
+    assert data["backend_name"] == "gloo" and data["module_name"] == "Branchy"
+    late = graphddp.DDP(MLP())
+    step(late)
+    with pytest.raises(RuntimeError, match="before the first iteration"):
+        late._set_static_graph()
