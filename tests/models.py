@@ -30,6 +30,8 @@ VOCAB = 512  # 4 x 16 tokens per rank: at most 192 of 512 rows on 3 ranks, so th
 
 # -- regression models -------------------------------------------------------------------------------------------
 class MLP(nn.Module):
+    """Three linear layers; several models below keep these layers and write a forward of their own."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
@@ -89,12 +91,8 @@ class Unordered(nn.Module):
         return self.b(F.relu(self.a(F.relu(self.c(x)))))
 
 
-class InPlace(nn.Module):
+class InPlace(MLP):
     """In-place ops inside the captured graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.fc1(x), inplace=True)
@@ -103,12 +101,8 @@ class InPlace(nn.Module):
         return self.fc3(F.relu_(h))
 
 
-class Checkpointed(nn.Module):
+class Checkpointed(MLP):
     """``torch.utils.checkpoint`` inside the model: a higher-order op in the captured graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
@@ -118,12 +112,8 @@ class Checkpointed(nn.Module):
         return self.fc3(h)
 
 
-class GraphBreaks(nn.Module):
+class GraphBreaks(MLP):
     """Three captured graphs: one without parameters, two with."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x * 2.0
@@ -133,12 +123,8 @@ class GraphBreaks(nn.Module):
         return self.fc3(h)
 
 
-class NoGradMiddle(nn.Module):
+class NoGradMiddle(MLP):
     """``fc2`` is first used inside ``torch.no_grad()``: a cut there would leave a compiled segment without grad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.fc1(x))
@@ -266,12 +252,8 @@ REGRESSION = {
 
 
 # -- data-dependent values (unbacked symbols under capture_scalar_outputs) -----------------------------------------
-class ScalarsDirect(nn.Module):
+class ScalarsDirect(MLP):
     """``.item()`` read at the start, used directly in the last segment."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 32), nn.Linear(32, 32), nn.Linear(32, OUT)
 
     def forward(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         u = codes[0].item()

@@ -53,13 +53,17 @@ class TwoHeads(nn.Module):
         return (h @ self.emb.weight.t()).logsumexp(-1).mean() + (self.norm(h) @ self.emb.weight.t()).mean()
 
 
-class UsedBeforeLookup(nn.Module):
-    """The table is multiplied with before it is looked up: its gradient is dense from the start."""
+class OneTable(nn.Module):
+    """One embedding table; the models below use it in different ways."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, 16)
+
+
+class UsedBeforeLookup(OneTable):
+    """The table is multiplied with before it is looked up: its gradient is dense from the start."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         scale = self.emb.weight.sum()
@@ -75,13 +79,8 @@ class MaxNorm(nn.Module):
         return self.emb(idx).sum()
 
 
-class DetachedUse(nn.Module):
+class DetachedUse(OneTable):
     """The table is also read detached (a logged norm, say): that use sends no gradient back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, 16)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.emb(idx)  # [B, T, 16]
