@@ -43,7 +43,7 @@ from .compile_target import CompileTarget, Events, running
 from .dump import DebugDump
 from .graph_pipeline import lower_graph, prepare_graph
 from .passes import BucketCaps, GraphSplit
-from .profiling import label_backward, labelled, trace_artifact
+from .profiling import label_backward, labelled, profiling, trace_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +211,6 @@ def registered_backend(
     return _named_backends[key](gm, example_inputs)
 
 
-def is_graphddp_backend(compile_fn: Any) -> bool:
-    """Whether ``compile_fn`` (as Dynamo holds it: under its debug wrapper, or ``torch.compile``'s wrapper of a
-    named backend) is graphddp's backend already."""
-    fn = getattr(compile_fn, "_torchdynamo_orig_backend", compile_fn)
-    fn = getattr(fn, "compiler_fn", fn)  # torch._TorchCompileWrapper (a named backend with mode/options)
-    return isinstance(fn, GraphDDPBackend) or fn is registered_backend
-
-
 def _describe_split(prepared: Any) -> str:
     plan, split = prepared.plan, prepared.split
     rows = [(s.index, s.buckets, s.nodes, s.param_bytes, s.extended) for s in split.segments]
@@ -264,24 +256,28 @@ class CompiledSegment(nn.Module):
             out = self.compiled(*args)
         if self.unwrap:
             out = out[0]
-        _label_backward_of(out, self.index)
         target = self._target() if self._target is not None else None
-        if target is not None and target.events.recording:
-            _mark_backward_start(out, self.index, target.events)
+        recording = target is not None and target.events.recording
+        if recording or profiling():  # nothing to find on the hot path otherwise
+            nodes = _segment_nodes(out)
+            if profiling():
+                for node in nodes:
+                    label_backward(node, f"graphddp: segment {self.index} backward")
+            if recording:
+                _mark_backward_start(nodes, self.index, target.events)
         return out
 
 
-def _label_backward_of(out: Any, index: int) -> None:
+def _segment_nodes(out: Any) -> set[Any]:
+    """The autograd nodes that run a segment's backward: its outputs' gradient functions, past the view nodes
+    AOTAutograd puts on view outputs (usually one compiled node)."""
     outputs = out if isinstance(out, (tuple, list)) else (out,)
-    node = next((t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-    if node is not None:
-        label_backward(_past_views(node), f"graphddp: segment {index} backward")
+    return {_past_views(t.grad_fn) for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
 
 
-def _mark_backward_start(out: Any, index: int, events: Events) -> None:
+def _mark_backward_start(nodes: set[Any], index: int, events: Events) -> None:
     """Record ``segment_backward`` when autograd is about to run this segment's backward (tests, timelines): at the
-    first of its outputs' gradient functions to run (an output may carry no gradient, e.g. a mask)."""
-    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    first of its nodes to run (an output may carry no gradient, e.g. a mask)."""
     fired = [False]
 
     def record(grads: Any) -> None:
@@ -289,7 +285,7 @@ def _mark_backward_start(out: Any, index: int, events: Events) -> None:
             fired[0] = True
             events.record("segment_backward", index)
 
-    for node in {_past_views(t.grad_fn) for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+    for node in nodes:
         node.register_prehook(record)
 
 

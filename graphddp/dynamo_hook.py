@@ -45,11 +45,12 @@ def user_backend(compile_fn: Any) -> Any:
 def split_backend_for(compile_fn: Callable[..., Any]) -> Any:
     """graphddp's backend with ``compile_fn`` as its inner compiler (one per user backend, so its ``splits``
     collect every graph compiled through it); ``compile_fn`` itself when it is graphddp's already."""
-    from .backend import GraphDDPBackend, is_graphddp_backend
+    from .backend import GraphDDPBackend, registered_backend
 
-    if is_graphddp_backend(compile_fn):
-        return compile_fn
     key = user_backend(compile_fn)
+    named = getattr(key, "compiler_fn", key)  # torch._TorchCompileWrapper: a named backend given mode/options
+    if isinstance(named, GraphDDPBackend) or named is registered_backend:
+        return compile_fn
     try:
         found = _split_backends.get(key)
     except TypeError:  # not weakly referenceable: a backend of its own each time

@@ -24,9 +24,8 @@ def labelled(name: str) -> Any:
 
 
 def label_backward(node: Any, name: str) -> None:
-    """A range named ``name`` around the backward of autograd ``node`` (a compiled segment's), when profiling."""
-    if not profiling():
-        return
+    """A range named ``name`` around the backward of autograd ``node`` (a compiled segment's); call it while
+    ``profiling()``."""
     record = torch.profiler.record_function(name)
     node.register_prehook(lambda grads: record.__enter__() and None)
     node.register_hook(lambda grad_inputs, grad_outputs: record.__exit__(None, None, None) and None)
