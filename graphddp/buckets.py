@@ -30,17 +30,26 @@ class FlatBucket:
         self.index = spec.index
         self.params = params
         self.param_indices = param_indices
-        # [numel]: the gradients of `params`, back to back, in plan order.
-        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in spec.params:
-            self.views.append(self.buffer[offset : offset + p.numel].view(p.shape))
-            offset += p.numel
+        self.buffer, self.views = self._storage(spec)
         self._ready = [False] * len(params)
         self._pending = len(params)
         self.in_flight: Any = None
         """This iteration's reduction (``graphddp.reductions.InFlight``), once started."""
+
+    @staticmethod
+    def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # [numel]: the gradients of the bucket's parameters, back to back, in plan order; a view per parameter.
+        buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        views, offset = [], 0
+        for p in spec.params:
+            views.append(buffer[offset : offset + p.numel].view(p.shape))
+            offset += p.numel
+        return buffer, views
+
+    def take(self, reduced: torch.Tensor) -> None:
+        """The reduced result becomes the bucket's content (a hook may return a tensor of its own)."""
+        if reduced.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(reduced.reshape(-1))
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -74,22 +83,65 @@ class FlatBucket:
         return self.in_flight is not None
 
 
+class SparseGradBucket(FlatBucket):
+    """A bucket of one ``torch.sparse`` gradient (``ParamSpec.sparse_grad``): no flat storage, ``buffer`` *is* the
+    gradient, put there when it is ready (``grad_layout.SparseGrads``) and replaced by the reduced tensor (a
+    sparse all-reduce returns a tensor of its own size), as PyTorch's Reducer does with sparse gradients."""
+
+    @staticmethod
+    def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        (param,) = spec.params
+        empty = _no_rows(param.shape, param.dtype, param.device)
+        return empty, [empty]  # the view is never written: ``put`` replaces the buffer
+
+    @torch.no_grad()
+    def put(self, grad: torch.Tensor | None, scale: float | None) -> None:
+        """The parameter's gradient, scaled, as the bucket's content (a copy: ``.grad`` stays as it was until the
+        write-back); no gradient: a tensor with no rows."""
+        if grad is None:
+            spec = self.spec.params[0]
+            self.buffer = _no_rows(spec.shape, spec.dtype, spec.device)
+        else:
+            grad = grad.coalesce()
+            self.buffer = grad * scale if scale is not None else grad.clone()
+
+    def take(self, reduced: torch.Tensor) -> None:
+        self.buffer = reduced
+
+
+def _no_rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    # indices [1, 0], values [0, *shape[1:]]: the hybrid layout of an embedding's gradient, so ranks that had no
+    # gradient all-reduce a tensor shaped like the others'.
+    return torch.sparse_coo_tensor(
+        torch.empty(1, 0, dtype=torch.long), torch.empty(0, *shape[1:], dtype=dtype), shape, device=device,
+        check_invariants=False,  # empty: nothing to check
+    )
+
+
 class BucketSlots:
-    """A plan's flat buckets for the Reducer's parameters, and where each gradient lives in them.
+    """A plan's flat buckets for the Reducer's parameters, where each gradient lives in them, and how it gets there.
 
     ``slot[i]`` is parameter ``i``'s ``(bucket, slot)``; ``parts_of[i]`` the slots of its parts (a tied weight's
     contributions reduced on their own, Note [Row-sparse gradients]); ``part_slot[(name, node)]`` the same by key.
     """
 
-    def __init__(self, plan: BucketPlan, params: list[torch.nn.Parameter], index_of_name: dict[str, int]) -> None:
+    def __init__(
+        self, plan: BucketPlan, params: list[torch.nn.Parameter], index_of_name: dict[str, int], dense_layout: Any
+    ) -> None:
+        from .grad_layout import SparseGrads
+
         self.buckets: list[FlatBucket] = []
+        self.layout: list[Any] = [dense_layout] * len(params)
+        """Parameter ``i``'s ``graphddp.grad_layout`` policy: ``dense_layout``, or ``SparseGrads`` for its bucket."""
         self.slot: list[tuple[int, int]] = [(-1, -1)] * len(params)
         self.part_slot: dict[tuple[str, str], tuple[int, int]] = {}
         self.parts_of: dict[int, list[tuple[int, int]]] = {}
         for spec in plan.buckets:
             indices = [index_of_name[p.name] for p in spec.params]
-            bucket = FlatBucket(spec, [params[i] for i in indices], indices)
+            bucket = (SparseGradBucket if spec.sparse_grad else FlatBucket)(spec, [params[i] for i in indices], indices)
             self.buckets.append(bucket)
+            if isinstance(bucket, SparseGradBucket):
+                self.layout[indices[0]] = SparseGrads(bucket)
             for slot, (i, p) in enumerate(zip(indices, spec.params)):
                 if p.part:
                     self.part_slot[p.key] = (bucket.index, slot)
@@ -139,6 +191,8 @@ class GradBucket:
         return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._buffer.is_sparse:  # a sparse gradient's bucket is that gradient (as in PyTorch)
+            return [self._buffer]
         views, offset = [], 0
         for p in self._params:
             views.append(self._buffer[offset : offset + p.numel()].view(p.shape))

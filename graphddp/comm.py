@@ -78,7 +78,7 @@ def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) 
     lists and raises the same ``ModelMismatchError`` naming the first differing entry and the ranks involved.
     """
     rows = [
-        f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" + (" row-sparse" if s.row_sparse else "")
+        f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" + (" row-sparse" if s.row_sparse else " sparse" if s.sparse_grad else "")
         for s in specs
     ]
     digest = hashlib.sha256("\n".join(rows).encode()).digest()

@@ -22,7 +22,15 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import checkpoint, compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
-from .passes import BucketCaps, BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply
+from .passes import (
+    BucketCaps,
+    BucketPlan,
+    ParamSpec,
+    embedding_tables,
+    plan_buckets,
+    rows_apply,
+    sparse_gradient_params,
+)
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
@@ -197,9 +205,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             custom_comm_hook=False,
         )
         row_sparse = embedding_tables(module) - self.parameters_to_ignore if reduces_rows else frozenset()
+        sparse = sparse_gradient_params(module)  # torch.sparse gradients: each alone, all-reduced as sparse tensors
+
+        def spec(name: str, p: torch.Tensor, label: str = "") -> ParamSpec:
+            return ParamSpec.of(label + name, p, row_sparse=name in row_sparse, sparse_grad=name in sparse)
+
         if init_sync:  # as in PyTorch: every collective of construction is gated by it
             verify_same_params(
-                [ParamSpec.of(f"parameter {n}", p, row_sparse=n in row_sparse) for n, p in self._synced_parameters()]
+                [spec(n, p, "parameter ") for n, p in self._synced_parameters()]
                 + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
                 group=self.process_group,
             )
@@ -207,7 +220,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._broadcast_state(src=0, buffers=init_sync_buffers)
 
         plan = plan_buckets(
-            [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in reversed(named)],
+            [spec(n, p) for n, p in reversed(named)],
             caps=self.options.caps,
             source="registration",
         )
@@ -238,7 +251,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             usage=self.options.usage_policy(),
             comm=comm_for(self.device),
             active_ranks=self._active_ranks,
-            row_sparse=frozenset(spec.name for b in plan.buckets for spec in b.params if spec.row_sparse),
             sparse_embedding_grads=self.options.sparse_embedding_grads,
         )
 

@@ -1,10 +1,15 @@
-"""How ``param.grad`` relates to its bucket slice: two small policies, chosen once at construction."""
+"""How ``param.grad`` relates to its bucket slice: small policies, chosen per parameter when a plan is installed
+(``buckets.BucketSlots``): copied or a view for dense gradients, the tensor itself for sparse ones."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .buckets import SparseGradBucket
 
 
 @torch.no_grad()  # a gradient with a graph of its own (backward(create_graph=True)) is reduced as data, as in PyTorch
@@ -71,3 +76,22 @@ class BucketViewGrads:
         if param.grad is not None:
             new_view.copy_(param.grad)
             param.grad = new_view
+
+
+class SparseGrads:
+    """A ``torch.sparse`` gradient (``nn.Embedding(sparse=True)``): its bucket (``buckets.SparseGradBucket``)
+    holds the gradient tensor itself, and the reduced tensor becomes ``param.grad``. Whatever
+    ``gradient_as_bucket_view`` says: a sparse tensor is no slice of anything (PyTorch does the same)."""
+
+    def __init__(self, bucket: SparseGradBucket) -> None:
+        self.bucket = bucket
+
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
+        self.bucket.put(param.grad, scale)
+
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
+        assert not parts, "a sparse gradient has no parts"
+        param.grad = self.bucket.buffer
+
+    def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
+        """Buckets were re-planned: the gradient is its own tensor, nothing to move."""

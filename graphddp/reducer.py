@@ -74,7 +74,6 @@ class Reducer:
         usage: UsagePolicy | None = None,
         comm: HostComm | CudaCommStream | None = None,
         active_ranks: ActiveRanks | None = None,
-        row_sparse: frozenset[str] = frozenset(),
         sparse_embedding_grads: bool = True,
     ) -> None:
         self._names = [n for n, _ in named_params]
@@ -99,7 +98,11 @@ class Reducer:
         self._hook = CommHook(state, average_allreduce_hook, custom=False)
         self._policy: EagerLaunch | ChainedLaunch = EagerLaunch()
 
-        specs = [ParamSpec.of(n, p, row_sparse=n in row_sparse) for n, p in named_params]
+        marked = {s.name: s for b in plan.buckets for s in b.params if not s.part}  # row-sparse, sparse: as planned
+        specs = [
+            ParamSpec.of(n, p, row_sparse=s.row_sparse, sparse_grad=s.sparse_grad) if (s := marked.get(n)) else ParamSpec.of(n, p)
+            for n, p in named_params
+        ]
         self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device)
         self._iteration: Iteration | None = None
         self._pending_error: str | None = None
@@ -124,9 +127,9 @@ class Reducer:
             )
         if (problem := plan.coverage_problem(self._names)) is not None:
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
-        slots = BucketSlots(plan, self._params, self._index_of_name)
+        slots = BucketSlots(plan, self._params, self._index_of_name, self._layout)
         for i, p in enumerate(self._params):
-            self._layout.move(p, slots.view(slots.slot[i]))
+            slots.layout[i].move(p, slots.view(slots.slot[i]))
         self._slots, self.plans.current = slots, plan
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
         trace_artifact(
@@ -294,7 +297,7 @@ class Reducer:
     def _mark_ready(self, i: int) -> None:
         where = self._slots.slot[i]
         assert self._iteration is not None
-        self._layout.to_bucket(self._params[i], self._slots.view(where), self._iteration.prescale)
+        self._slots.layout[i].to_bucket(self._params[i], self._slots.view(where), self._iteration.prescale)
         self._events.record("ready", where[0], self._names[i])
         self._slot_filled(where)
 
@@ -330,8 +333,7 @@ class Reducer:
             for bucket, reduced in self._launcher.reduced_in_order():
                 self._events.record("wait", bucket.index)
                 self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
-                if reduced.data_ptr() != bucket.buffer.data_ptr():
-                    bucket.buffer.copy_(reduced.reshape(-1))
+                bucket.take(reduced)
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
                 for i, spec in zip(bucket.param_indices, bucket.spec.params):
                     if used_here[i] and not spec.part:
@@ -368,7 +370,7 @@ class Reducer:
     def _write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
         their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
-        self._layout.from_bucket(self._params[i], self._slots.view(self._slots.slot[i]), self._slots.parts(i))
+        self._slots.layout[i].from_bucket(self._params[i], self._slots.view(self._slots.slot[i]), self._slots.parts(i))
 
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:

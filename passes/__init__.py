@@ -24,6 +24,7 @@ from .row_sparse import (
     misplaced_parts,
     row_sparse_params,
     rows_apply,
+    sparse_gradient_params,
 )
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 from .taps import place_taps, tap_parts
@@ -54,6 +55,7 @@ __all__ = [
     "ready_groups",
     "row_sparse_params",
     "rows_apply",
+    "sparse_gradient_params",
     "split_at_buckets",
     "tap_parts",
     "tensor_bytes",

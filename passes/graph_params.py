@@ -37,6 +37,9 @@ class GraphUse:
     """Its output can carry a gradient back to the parameter (False for ``.detach()``, or inside ``no_grad``)."""
     positions: bool = False
     """A lookup whose indices are ``torch.arange(...)``: positions, every row up to the sequence length."""
+    sparse_grad: bool = False
+    """An embedding (or embedding-bag) lookup with ``sparse=True``: the table's gradient is a ``torch.sparse``
+    tensor (``ParamSpec.sparse_grad``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +88,10 @@ def find_graph_params(
         seen.add(id(value))
         users.sort(key=position.__getitem__)
         uses = tuple(_use(u, node, position[u]) for u in users)
-        found.append(
-            GraphParam(
-                ParamSpec.of(names_by_id[id(value)], value), node.name, uses[0].position, uses[0].node, uses, node.op == "placeholder"
-            )
-        )
+        # Autograd makes the gradient sparse only if every use that sends one back is a sparse lookup.
+        sparse_grad = all(u.sparse_grad for u in uses if u.differentiable) and any(u.differentiable for u in uses)
+        spec = ParamSpec.of(names_by_id[id(value)], value, sparse_grad=sparse_grad)
+        found.append(GraphParam(spec, node.name, uses[0].position, uses[0].node, uses, node.op == "placeholder"))
     found.sort(key=lambda p: (position[_node(gm, p.node)], p.spec.name))
     return found
 
@@ -119,7 +121,14 @@ def ready_groups(
 
 def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:
     lookup = _is_lookup(user, table)
-    return GraphUse(position, user.name, lookup, _carries_gradient(user), lookup and _is_arange(_lookup_input(user)))
+    return GraphUse(
+        position,
+        user.name,
+        lookup,
+        _carries_gradient(user),
+        lookup and _is_arange(_lookup_input(user)),
+        sparse_grad=bool((args := _embedding_args(user, table)) and args.get("sparse", False)),
+    )
 
 
 def _value(node: Any) -> Any:
@@ -146,21 +155,32 @@ def _is_arange(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start)
 
 
-def _is_lookup(user: fx.Node, table: fx.Node) -> bool:
-    """Does ``user`` look rows of ``table`` up, with a gradient for ``table`` that touches only those rows?"""
-    if user.op != "call_function":
-        return False
-    if user.target is torch.nn.functional.embedding:
-        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-    elif user.target is torch.embedding:
-        names = ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse")
-    else:
-        return False
+_EMBEDDING_ARGS = {
+    torch.nn.functional.embedding: ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+    torch.embedding: ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse"),
+    torch.nn.functional.embedding_bag: (
+        "input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
+    ),
+}
+
+
+def _embedding_args(user: fx.Node, table: fx.Node) -> dict[str, Any] | None:
+    """The arguments by name of ``user`` when it is an embedding (or bag) lookup in ``table``, else None."""
+    names = _EMBEDDING_ARGS.get(user.target) if user.op == "call_function" else None
+    if names is None:
+        return None
     args = dict(zip(names, user.args)) | dict(user.kwargs)
-    # max_norm renormalises the looked-up rows in place; sparse=True makes a sparse gradient tensor.
+    return args if args.get("weight") is table and args.get("input") is not table else None
+
+
+def _is_lookup(user: fx.Node, table: fx.Node) -> bool:
+    """Does ``user`` look rows of ``table`` up, with a dense gradient for ``table`` that touches only those rows?"""
+    args = _embedding_args(user, table)
+    # max_norm renormalises the looked-up rows in place; sparse=True makes a sparse gradient tensor (planned
+    # apart: ``GraphUse.sparse_grad``); a bag's rows are not tracked.
     return (
-        args.get("weight") is table
-        and args.get("input") is not table
+        args is not None
+        and user.target is not torch.nn.functional.embedding_bag
         and args.get("max_norm") is None
         and not args.get("sparse", False)
     )

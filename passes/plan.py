@@ -20,8 +20,8 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
 * buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first;
 * every parameter's gradient is in exactly one bucket; besides, a tied embedding table may have *parts* (the
   contribution of one other use, ``ParamSpec.part``), each in a bucket no later than the table's own, and a
-  row-sparse gradient (``ParamSpec.row_sparse``) is alone in its bucket (Note [Row-sparse gradients] in
-  ``passes/row_sparse.py``).
+  row-sparse gradient (``ParamSpec.row_sparse``, Note [Row-sparse gradients] in ``passes/row_sparse.py``) and a
+  ``torch.sparse`` gradient (``ParamSpec.sparse_grad``) are each alone in their bucket.
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
@@ -96,6 +96,15 @@ class ParamSpec:
     row_sparse: bool = False
     """The gradient is expected to touch few rows (an embedding table's): its bucket holds it alone, and the
     Reducer may reduce only the rows some rank touched (Note [Row-sparse gradients])."""
+    sparse_grad: bool = False
+    """Autograd gives this parameter a ``torch.sparse`` COO gradient (``nn.Embedding``/``nn.EmbeddingBag`` with
+    ``sparse=True``): its bucket holds it alone and the Reducer all-reduces it as a sparse tensor, as PyTorch's DDP
+    does (``sparse_gradient_params`` in ``passes/row_sparse.py`` says which)."""
+
+    @property
+    def alone(self) -> bool:
+        """The planner gives this gradient a bucket of its own (row-sparse or a sparse tensor)."""
+        return self.row_sparse or self.sparse_grad
 
     @property
     def numel(self) -> int:
@@ -115,12 +124,16 @@ class ParamSpec:
 
     @property
     def label(self) -> str:
-        """``name``, ``name@node`` for a part, ``name[rows]`` for a row-sparse gradient (tables and errors)."""
-        return f"{self.name}@{self.part}" if self.part else f"{self.name}[rows]" if self.row_sparse else self.name
+        """``name``, ``name@node`` for a part, ``name[rows]`` for a row-sparse gradient, ``name[sparse]`` for a
+        sparse tensor (tables and errors)."""
+        if self.part:
+            return f"{self.name}@{self.part}"
+        return f"{self.name}[rows]" if self.row_sparse else f"{self.name}[sparse]" if self.sparse_grad else self.name
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor, *, row_sparse: bool = False) -> ParamSpec:
-        return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device), row_sparse=row_sparse)
+    def of(cls, name: str, tensor: torch.Tensor, *, row_sparse: bool = False, sparse_grad: bool = False) -> ParamSpec:
+        assert not (row_sparse and sparse_grad), f"{name}: a sparse gradient is not reduced as rows"
+        return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device), row_sparse=row_sparse, sparse_grad=sparse_grad)
 
     def part_at(self, node: str) -> ParamSpec:
         """The part of this parameter's gradient that graph node ``node`` contributes."""
@@ -216,6 +229,11 @@ class Bucket:
         """The bucket is one row-sparse gradient (the planner keeps those alone)."""
         return len(self.params) == 1 and self.params[0].row_sparse
 
+    @property
+    def sparse_grad(self) -> bool:
+        """The bucket is one ``torch.sparse`` gradient (``ParamSpec.sparse_grad``; alone, too)."""
+        return len(self.params) == 1 and self.params[0].sparse_grad
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
@@ -233,7 +251,7 @@ class BucketPlan:
         for k, bucket in enumerate(self.buckets):
             assert bucket.index == k, f"bucket {bucket.index} stored at position {k}"
             assert bucket.params, f"bucket {k} is empty"
-            assert not any(p.row_sparse for p in bucket.params) or len(bucket.params) == 1, f"bucket {k}: a row-sparse gradient shares it"
+            assert not any(p.alone for p in bucket.params) or len(bucket.params) == 1, f"bucket {k}: a gradient planned alone shares it"
             for p in bucket.params:
                 assert p.key not in seen, f"{p.label} planned twice"
                 assert (p.dtype, p.device) == (bucket.dtype, bucket.device), f"bucket {k} mixes dtypes/devices"
@@ -292,7 +310,7 @@ class BucketPlan:
         for b in self.buckets:
             h.update(f"[{b.index}]".encode())
             for p in b.params:
-                h.update(f"{p.name}:{p.shape}:{p.dtype}:{p.device}:{p.part}:{int(p.row_sparse)};".encode())
+                h.update(f"{p.name}:{p.shape}:{p.dtype}:{p.device}:{p.part}:{int(p.row_sparse)}:{int(p.sparse_grad)};".encode())
         return h.hexdigest()[:16]
 
     def describe(self) -> list[tuple[str, str]]:
@@ -331,15 +349,15 @@ def plan_bucket_groups(
     """Like ``plan_buckets``, but the parameters of a group always share a bucket (per dtype and device).
 
     The graph planner groups parameters by the node that first uses them: they become ready together, so
-    separating them could not make either bucket ready earlier. A row-sparse gradient (``ParamSpec.row_sparse``)
-    leaves its group and gets a bucket of its own, at the same place in the order.
+    separating them could not make either bucket ready earlier. A gradient planned alone (``ParamSpec.alone``:
+    row-sparse, or a sparse tensor) leaves its group and gets a bucket of its own, at the same place in the order.
     """
     if not isinstance(caps, BucketCaps):
         raise TypeError(f"caps must be a BucketCaps, got {type(caps).__name__}")
     groups = [
         split
         for g in groups_in_ready_order
-        for split in ([p for p in g if not p.row_sparse], *([p] for p in g if p.row_sparse))
+        for split in ([p for p in g if not p.alone], *([p] for p in g if p.alone))
         if split
     ]
     keys = [p.key for g in groups for p in g]
@@ -388,12 +406,12 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list
 
 def _fitting(items: Sequence[list[ParamSpec]], cap: int) -> int:
     """How many leading items fit in ``cap`` bytes; at least one (a parameter larger than the cap goes alone).
-    A row-sparse gradient is always alone."""
-    if items[0][0].row_sparse:
+    A gradient planned alone (``ParamSpec.alone``) is always alone."""
+    if items[0][0].alone:
         return 1
     total = 0
     for n, members in enumerate(items):
-        if members[0].row_sparse:
+        if members[0].alone:
             return n
         total += sum(p.nbytes for p in members)
         if total > cap and n > 0:

@@ -143,3 +143,15 @@ def embedding_tables(module: nn.Module) -> frozenset[str]:
         and m.weight.dim() == 2
         and owners[id(m.weight)] == 1
     )
+
+
+def sparse_gradient_params(module: nn.Module) -> frozenset[str]:
+    """Trainable weights that autograd gives a ``torch.sparse`` gradient: those of ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` modules built with ``sparse=True``, the rule PyTorch's DDP applies. Each is planned alone
+    (``ParamSpec.sparse_grad``) and all-reduced as a sparse tensor; never as rows, which are for dense tables."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return frozenset(
+        names[id(m.weight)]
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad and id(m.weight) in names
+    )

@@ -328,6 +328,21 @@ class Bag(nn.Module):
         return F.cross_entropy(self.head(self.emb(idx).mean(1)), target)  # idx [B, 8] -> [B, 16] -> [B, 8]
 
 
+class SparseBags(nn.Module):
+    """Bag with ``torch.sparse`` gradients: an ``nn.Embedding`` and an ``nn.EmbeddingBag``, both ``sparse=True``."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 16, sparse=True)
+        self.bag = nn.EmbeddingBag(vocab, 16, mode="sum", sparse=True)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.emb(idx).mean(1), self.bag(idx)], dim=1)  # idx [B, 8] -> [B, 32]
+        return F.cross_entropy(self.head(x), target)
+
+
 class BrokenGPT(GPT):
     """The tied GPT with a graph break between the blocks and the output layer: lookup and lm_head in two graphs."""
 
@@ -353,12 +368,18 @@ def broken_gpt(vocab: int) -> GPT:
     return module
 
 
-TOKENS = {"gpt": tied_gpt, "gpt_untied": untied_gpt, "broken": broken_gpt, "bag": Bag}
+TOKENS = {
+    "gpt": tied_gpt,
+    "gpt_untied": untied_gpt,
+    "broken": broken_gpt,
+    "bag": Bag,
+    "sparse_bags": SparseBags,
+}
 
 
 def tokens(model: str, g: torch.Generator, batch: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bag``: ids ``[B, 8]`` and classes ``[B]``; the GPTs: ids and next-token targets ``[B, 16]``."""
-    if model == "bag":
+    """The bags: ids ``[B, 8]`` and classes ``[B]``; the GPTs: ids and next-token targets ``[B, 16]``."""
+    if "bag" in model:
         return torch.randint(0, vocab, (batch, 8), generator=g), torch.randint(0, 8, (batch,), generator=g)
     return torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g)
 

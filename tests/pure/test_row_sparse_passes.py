@@ -21,6 +21,7 @@ from graphddp.passes import (
     plan_buckets,
     plan_graph,
     row_sparse_params,
+    sparse_gradient_params,
     split_at_buckets,
     tap_parts,
 )
@@ -220,8 +221,9 @@ def test_a_row_sparse_gradient_gets_a_bucket_of_its_own_and_the_plan_guards_part
     assert with_part.fingerprint != plan.fingerprint
     with pytest.raises(AssertionError, match="without a whole gradient in it or after it"):
         BucketPlan((Bucket(0, (spec("table", 100),), 1), Bucket(1, (part,), 1)), plan.caps)
-    with pytest.raises(AssertionError, match="row-sparse gradient shares"):
-        BucketPlan((Bucket(0, (spec("a", 1), spec("t", 1, row_sparse=True)), 1),), plan.caps)
+    for mark in ("row_sparse", "sparse_grad"):
+        with pytest.raises(AssertionError, match="a gradient planned alone shares it"):
+            BucketPlan((Bucket(0, (spec("a", 1), spec("t", 1, **{mark: True})), 1),), plan.caps)
     with pytest.raises(ValueError, match="'table' part 'head' appears twice"):
         plan_buckets([part, part, *params], caps=plan.caps)
 
@@ -244,3 +246,22 @@ def test_compose_keeps_each_part_once_and_the_whole_gradient_with_the_first_grap
     labels = [n for b in composite.buckets for n in b.names]
     assert labels.count("table@head") == 1 and labels.count("table[rows]") == 1 and "table" not in labels
     assert composite.bucket_of("table", "head") < composite.bucket_of("table")
+
+
+# -- torch.sparse gradients (sparse=True): planned alone, never as rows ---------------------------------------------
+def test_sparse_gradient_tables_are_planned_alone_in_graphs_and_eagerly() -> None:
+    from models import SparseBags
+
+    model = SparseBags()
+    batch = draw_tokens("sparse_bags", torch.Generator().manual_seed(1), 4)
+    (captured,) = capture_graphs(model, *batch)
+    params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+    marks = {p.spec.name: (p.spec.sparse_grad, p.spec.row_sparse) for p in params}
+    assert marks == {"emb.weight": (True, False), "bag.weight": (True, False), "head.weight": (False, False), "head.bias": (False, False)}
+    assert sparse_gradient_params(model) == {"emb.weight", "bag.weight"}
+    assert embedding_tables(model) == frozenset(), "a sparse=True table is never reduced as rows"
+    plan = plan_graph(captured.gm, params, BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20)).plan
+    alone = [b.names for b in plan.buckets if b.sparse_grad]
+    assert sorted(alone) == [("bag.weight[sparse]",), ("emb.weight[sparse]",)], plan.describe()
+    unmarked = plan_buckets([dataclasses.replace(p, sparse_grad=False) for b in plan.buckets for p in b.params], caps=plan.caps)
+    assert unmarked.fingerprint != plan.fingerprint, "ranks that disagree on sparse gradients must not agree on a plan"

@@ -111,6 +111,9 @@ CASES: dict[str, tuple[Case, Expect]] = {
     "plain_torch_compile_callable_backend": (compiled(compile="plain", inner="callable"), Expect()),
     "module_compile_method": (compiled(compile="module.compile"), Expect()),
     "named_backend_graphddp": (compiled(model="w:gpt", compile="named"), Expect()),
+    # torch.sparse gradients (Embedding and EmbeddingBag, sparse=True): each table alone in its bucket, as planned
+    # from the graph (the lookups' sparse=True), reduced as sparse tensors.
+    "sparse_embedding_gradients": (compiled(model="sparse_bags"), Expect()),
 }
 # Slow (Inductor compiles each segment): run by CI through the `slow` marker.
 INDUCTOR_CASES = {
