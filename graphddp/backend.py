@@ -157,6 +157,7 @@ class GraphDDPBackend:
             row_sparse=target is not None and target.reduces_rows,  # without a Reducer, nothing takes parts
             plan_for=target.plan_for_graph if target is not None else lambda params: None,
             sink=target,
+            bucket_dtypes=target.bucket_dtypes() if target is not None else None,
         )
         if prepared is None:
             logger.debug("graphddp.backend: graph without trainable parameters, compiled whole")

@@ -50,6 +50,10 @@ class CompileTarget(PartSink, Protocol):
         """``id(param)`` to name, for every parameter the Reducer covers."""
         ...
 
+    def bucket_dtypes(self) -> Mapping[str, torch.dtype]:
+        """Each parameter's bucket dtype (its own, or ``mixed_precision``'s reduce dtype): graph plans use it too."""
+        ...
+
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         """The plan already made for a graph with exactly these parameters: a recompile is cut by it."""
         ...

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import checkpoint, compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
+from .precision import MixedPrecision
 from .passes import (
     BucketCaps,
     BucketPlan,
@@ -153,8 +154,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         _unsupported_arguments(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             bucket_cap_mb_list=bucket_cap_mb_list,
         )
         if check_reduction:  # as in PyTorch: a no-op, the Reducer always completes the reduction
@@ -167,6 +166,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync, init_sync_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.dim = dim  # kept for PyTorch's API: one device per process, inputs are never scattered
         self.batched_grad_copy = batched_grad_copy  # a copy-speed knob of PyTorch's C++ Reducer: nothing to batch
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
+        self.mixed_precision = mixed_precision  # as given (PyTorch's attribute); the policy is self._precision
+        self._precision = MixedPrecision.of(mixed_precision)  # Note [Mixed precision] in graphddp.precision
         self.options = DDPOptions(
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -208,7 +210,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         sparse = sparse_gradient_params(module)  # torch.sparse gradients: each alone, all-reduced as sparse tensors
 
         def spec(name: str, p: torch.Tensor, label: str = "") -> ParamSpec:
-            return ParamSpec.of(label + name, p, row_sparse=name in row_sparse, sparse_grad=name in sparse)
+            return ParamSpec.of(
+                label + name, p, row_sparse=name in row_sparse, sparse_grad=name in sparse,
+                dtype=self._precision.reduce_dtype_of(p),  # buckets in mixed_precision's reduce_dtype
+            )
 
         if init_sync:  # as in PyTorch: every collective of construction is gated by it
             verify_same_params(
@@ -219,6 +224,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.world_size > 1:
                 self._broadcast_state(src=0, buffers=init_sync_buffers)
 
+        self._precision.cast_buffers(module, self.parameters_to_ignore)
         plan = plan_buckets(
             [spec(n, p) for n, p in reversed(named)],
             caps=self.options.caps,
@@ -252,6 +258,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             comm=comm_for(self.device),
             active_ranks=self._active_ranks,
             sparse_embedding_grads=self.options.sparse_embedding_grads,
+            skip_unused=self.skip_all_reduce_unused_params,
         )
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
@@ -284,7 +291,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         compile_target.enter(self.reducer)  # graphs Dynamo captures now are planned for this Reducer
         previous = dynamo_hook.activate(self)  # and split at its buckets whatever the backend (Note [Split without asking])
         try:
-            output = self.module(*inputs, **kwargs)
+            output = self._precision.run(self.module, inputs, kwargs, self.parameters_to_ignore)
         finally:
             dynamo_hook.deactivate(previous)
             compile_target.leave()
@@ -509,8 +516,6 @@ DDP = DistributedDataParallel
 _UNSUPPORTED = {
     "delay_all_reduce_named_params": "delaying some parameters' all-reduce to the end of backward",
     "param_to_hook_all_reduce": "delaying some parameters' all-reduce to the end of backward",
-    "mixed_precision": "PyTorch's experimental _MixedPrecision (reduced-precision parameter copies)",
-    "skip_all_reduce_unused_params": "skipping the all-reduce of unused parameters",
     "bucket_cap_mb_list": "per-bucket caps (graphddp's first/last caps and ramps: Note [Bucket ramps])",
 }
 

@@ -57,13 +57,14 @@ def prepare_graph(
     row_sparse: bool,
     plan_for: Callable[[frozenset[str]], BucketPlan | None] = lambda params: None,
     sink: PartSink | None = None,
+    bucket_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> PreparedGraph | None:
     """Plan and cut ``gm``; None when it has no trainable parameter (``names``: ``id(param)`` to name).
 
     ``plan_for(params)`` returns a plan already made for a graph with exactly these parameters, to cut by instead
     of planning afresh (Note [Plan agreement] in ``graphddp/plans.py``). Taps hand parts to ``sink``.
     """
-    params = find_graph_params(gm, example_inputs, names)
+    params = find_graph_params(gm, example_inputs, names, bucket_dtypes)
     if not params:
         return None
     earlier = plan_for(frozenset(p.spec.name for p in params))

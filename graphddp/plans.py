@@ -19,7 +19,10 @@ backward in flight:
   Cauchy-Schwarz). At the next forward every rank adopts the proposal, or, when the tokens disagree, every rank
   gathers the plans and raises the same error naming the first differing bucket (with
   ``find_unused_parameters=True``, where ranks may legitimately capture different branches, it warns and keeps
-  the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other;
+  the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other.
+  Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
+  plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
+  graph's split;
 * **tables gone dense**: a row-sparse table with parts that gave up rows (``graphddp.reductions``) is re-planned
   without its parts; every rank saw the same all-reduced outcomes, so every rank does it at the same forward.
 
@@ -56,8 +59,9 @@ class GraphPlans:
         """Record ``plan`` for ``graph``, compiled now for the first time (graphs are first compiled in the order
         forward runs them)."""
         self._by_graph[graph] = plan
-        composite = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
-        self.proposed = None if composite.fingerprint == current.fingerprint else composite
+        # Proposed even when it equals the plan in force: adopting it (agreed by every rank) is what stops the
+        # ready-order rebuild, which would otherwise re-cut the buckets away from the graph's split.
+        self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
 
     def plan_for(self, params: frozenset[str]) -> BucketPlan | None:
         """The plan made for an earlier graph with exactly these parameters (a recompile cuts by it)."""

@@ -52,7 +52,7 @@ from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .profiling import trace_artifact
-from .reductions import CommHook, DenseReduction, RowSparseReduction
+from .reductions import CommHook, DenseReduction, RowSparseReduction, SkippedReduction
 from .trace import NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
 
@@ -75,6 +75,7 @@ class Reducer:
         comm: HostComm | CudaCommStream | None = None,
         active_ranks: ActiveRanks | None = None,
         sparse_embedding_grads: bool = True,
+        skip_unused: bool = False,
     ) -> None:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
@@ -93,16 +94,17 @@ class Reducer:
         self._active = active_ranks if active_ranks is not None else ActiveRanks(self.world_size)
         self._events: Events = NullEvents()
         self._rows_enabled = sparse_embedding_grads
+        self._skip_unused = skip_unused  # skip_all_reduce_unused_params (reductions.SkippedReduction)
+        self._skipped: frozenset[int] = frozenset()  # buckets launched without a collective
+        self._skip_basis: frozenset[int] = frozenset()  # the never-used parameters they were chosen from
         state = AverageState(process_group)
         state.divisor = 1  # the Reducer scales while copying into the bucket: the default hook only sums
         self._hook = CommHook(state, average_allreduce_hook, custom=False)
         self._policy: EagerLaunch | ChainedLaunch = EagerLaunch()
 
-        marked = {s.name: s for b in plan.buckets for s in b.params if not s.part}  # row-sparse, sparse: as planned
-        specs = [
-            ParamSpec.of(n, p, row_sparse=s.row_sparse, sparse_grad=s.sparse_grad) if (s := marked.get(n)) else ParamSpec.of(n, p)
-            for n, p in named_params
-        ]
+        # As planned: marks (row-sparse, sparse) and bucket dtype (mixed_precision) carry over to every re-plan.
+        planned = {s.name: s for b in plan.buckets for s in b.params if not s.part}
+        specs = [planned.get(n) or ParamSpec.of(n, p) for n, p in named_params]
         self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device)
         self._iteration: Iteration | None = None
         self._pending_error: str | None = None
@@ -145,8 +147,14 @@ class Reducer:
 
     def _make_launcher(self) -> Launcher:
         dense = DenseReduction(self._hook, self._comm, self.rank)
+        never_used = self._skip_basis = self.usage.never_used if self._skip_unused else frozenset()
+        self._skipped = frozenset(
+            b.index for b in self._slots.buckets if not any(p.part for p in b.spec.params) and never_used.issuperset(b.param_indices)
+        )
         reductions = [
-            RowSparseReduction(dense, group=self._group, mask_group=self._side_group)
+            SkippedReduction(dense)
+            if bucket.index in self._skipped
+            else RowSparseReduction(dense, group=self._group, mask_group=self._side_group)
             if self.reduces_rows and bucket.spec.row_sparse
             else dense
             for bucket in self._slots.buckets
@@ -202,6 +210,9 @@ class Reducer:
 
     def params_by_id(self) -> Mapping[int, str]:
         return {id(p): n for n, p in zip(self._names, self._params)}
+
+    def bucket_dtypes(self) -> Mapping[str, torch.dtype]:
+        return {s.name: s.dtype for s in self.plans.specs}
 
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self.plans.plan_for_graph(params)
@@ -341,12 +352,15 @@ class Reducer:
                 self._events.record("written", bucket.index)
             self._reduce_usage()  # if ChainedLaunch held the last launch back until now
             counts = self.usage.counts(iteration.usage)
+            self._reduce_late(counts)
             self._comm.join_compute()
             for i, used in enumerate(used_here):  # the rest, once the ranks' usage is known
                 if not used and counts[i] > 0:  # unused everywhere: keep .grad as it was
                     self._write_back(i)
             expected = self._active.count() if self.world_size > 1 else 1
             error = self.usage.end(iteration.local_unused, counts, missing, expected)
+            if self._skip_unused and self.usage.never_used != self._skip_basis:
+                self._launcher = self._make_launcher()  # between iterations: skip what no rank ever used
             if error is not None:
                 logger.warning("%s", error)
                 self._pending_error = error
@@ -354,6 +368,21 @@ class Reducer:
         finally:
             self._iteration = None
             self._active.clear()
+
+    def _reduce_late(self, counts: list[int]) -> None:
+        """Skipped buckets that some rank used after all (every rank knows from ``counts``): all-reduce them now,
+        in index order, and write their averages back (``reductions.SkippedReduction``)."""
+        for k in sorted(self._skipped):
+            bucket = self.buckets[k]
+            used = [i for i in bucket.param_indices if counts[i] > 0]
+            if not used:
+                continue
+            self._events.record("late", k)
+            in_flight = DenseReduction(self._hook, self._comm, self.rank).start(bucket, bucket.buffer, False)
+            in_flight.commit()
+            bucket.take(in_flight.wait())
+            for i in used:
+                self._write_back(i)
 
     def _fill_missing(self) -> list[int]:
         """Mark every slot no gradient reached (parts: zeros); returns the parameters among them."""

@@ -124,6 +124,38 @@ def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: i
     return value
 
 
+class SkippedReduction:
+    """``skip_all_reduce_unused_params``: a bucket none of whose parameters got a gradient on any rank in any
+    iteration so far (``GradientUsage.never_used``, the same on every rank) issues no collective. If some rank
+    used one after all, every rank learns it from the usage all-reduce and the Reducer all-reduces the bucket
+    late (``Reducer._reduce_late``): never a hang, never a silently local gradient, unlike PyTorch's DDP."""
+
+    gave_up = False
+
+    def __init__(self, dense: DenseReduction) -> None:
+        self.dense = dense
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> SkippedInFlight:
+        return SkippedInFlight(buffer)
+
+
+class SkippedInFlight:
+    outcome = ("skipped", "")
+    future = None
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def commit(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self._buffer
+
+
 class RowSparseReduction:
     """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
 

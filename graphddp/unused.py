@@ -154,6 +154,9 @@ class GradientUsage:
         """Synchronised backwards ended so far."""
         self.unused_sets: set[frozenset[int]] = set()
         """The distinct sets of parameters without a gradient anywhere, one per kind of iteration seen."""
+        self.never_used: frozenset[int] = frozenset()
+        """Parameters that got no gradient on any rank in any synchronised backward so far (none before the first
+        ends): from all-reduced counts, so the same on every rank (``skip_all_reduce_unused_params``)."""
 
     def start_count(self) -> UsageCount | None:
         """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""
@@ -180,8 +183,10 @@ class GradientUsage:
         the next forward if a parameter missed its gradient where the policy forbids it (the same on every rank)."""
         self.policy.observe(local_unused, counts)
         self.used = [False] * len(self._names)
+        unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
+        self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
         self.iterations += 1
-        self.unused_sets.add(frozenset(i for i, c in enumerate(counts) if c == 0))
+        self.unused_sets.add(unused_everywhere)
         if self.policy.allows_unused:
             return None
         bad = [i for i, c in enumerate(counts) if c < expected]

@@ -64,13 +64,16 @@ def find_graph_params(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     names_by_id: Mapping[int, str],
+    bucket_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> list[GraphParam]:
     """Trainable parameters of ``gm`` with their earliest use, in graph order.
 
     A placeholder is a parameter when its example input is one of the tensors in ``names_by_id`` (``id(param)``
     to its name), which is how Dynamo passes lifted parameters: the real ``nn.Parameter`` objects. ``get_attr``
     nodes are resolved on ``gm``. Parameters that no node uses are left out: they get no gradient from this graph.
+    ``bucket_dtypes``: a parameter's bucket dtype where it is not its own (``mixed_precision``'s reduce dtype).
     """
+    bucket_dtypes = bucket_dtypes or {}
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found: list[GraphParam] = []
@@ -90,7 +93,8 @@ def find_graph_params(
         uses = tuple(_use(u, node, position[u]) for u in users)
         # Autograd makes the gradient sparse only if every use that sends one back is a sparse lookup.
         sparse_grad = all(u.sparse_grad for u in uses if u.differentiable) and any(u.differentiable for u in uses)
-        spec = ParamSpec.of(names_by_id[id(value)], value, sparse_grad=sparse_grad)
+        name = names_by_id[id(value)]
+        spec = ParamSpec.of(name, value, sparse_grad=sparse_grad, dtype=bucket_dtypes.get(name))
         found.append(GraphParam(spec, node.name, uses[0].position, uses[0].node, uses, node.op == "placeholder"))
     found.sort(key=lambda p: (position[_node(gm, p.node)], p.spec.name))
     return found

@@ -131,9 +131,21 @@ class ParamSpec:
         return f"{self.name}[rows]" if self.row_sparse else f"{self.name}[sparse]" if self.sparse_grad else self.name
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor, *, row_sparse: bool = False, sparse_grad: bool = False) -> ParamSpec:
+    def of(
+        cls,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        row_sparse: bool = False,
+        sparse_grad: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> ParamSpec:
+        """The spec of ``tensor``; ``dtype``: the bucket's, when the gradient is reduced in another dtype than the
+        tensor's (``mixed_precision``'s ``reduce_dtype``)."""
         assert not (row_sparse and sparse_grad), f"{name}: a sparse gradient is not reduced as rows"
-        return cls(name, tuple(tensor.shape), tensor.dtype, str(tensor.device), row_sparse=row_sparse, sparse_grad=sparse_grad)
+        return cls(
+            name, tuple(tensor.shape), dtype or tensor.dtype, str(tensor.device), row_sparse=row_sparse, sparse_grad=sparse_grad
+        )
 
     def part_at(self, node: str) -> ParamSpec:
         """The part of this parameter's gradient that graph node ``node`` contributes."""

@@ -272,16 +272,23 @@ def test_the_constructor_takes_pytorchs_arguments_in_pytorchs_order_then_graphdd
 @pytest.mark.parametrize(
     "argument, value",
     [
-        ("mixed_precision", object()),
         ("delay_all_reduce_named_params", [("w", torch.nn.Parameter(torch.ones(1)))]),
         ("param_to_hook_all_reduce", torch.nn.Parameter(torch.ones(1))),
-        ("skip_all_reduce_unused_params", True),
         ("bucket_cap_mb_list", [1, 2]),
     ],
 )
 def test_arguments_graphddp_does_not_implement_say_so(argument: str, value: object) -> None:
     with pytest.raises(NotImplementedError, match=f"graphddp.DDP does not implement {argument}="):
         graphddp.DDP(MLP(), **{argument: value})
+
+
+def test_a_mixed_precision_config_must_name_floating_dtypes() -> None:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    with pytest.raises(TypeError, match="must be a torch.nn.parallel.distributed._MixedPrecision"):
+        graphddp.DDP(MLP(), mixed_precision=object())
+    with pytest.raises(TypeError, match="mixed_precision.param_dtype must be a floating dtype"):
+        graphddp.DDP(MLP(), mixed_precision=_MixedPrecision(param_dtype=torch.int8))
 
 
 def test_buffer_sync_follows_pytorchs_rules_and_warnings() -> None:

@@ -4,6 +4,7 @@ the one-time rebuild, static_graph, PowerSGD over several buckets, join's early 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from models import MLP, build_model
 from ranks import expect_failure_on_every_rank, run_on_ranks
 from torch import nn
-from training import Case, batch_for, loss_for, make_hook, train
+from training import Case, batch_for, loss_for, make_hook, state_of, train
 
 import graphddp
 from graphddp.trace import EventLog
@@ -228,7 +229,7 @@ def test_ignored_parameters_and_buffers_are_neither_broadcast_nor_reduced(compil
 
 # -- backward(create_graph=True) ----------------------------------------------------------------------------------------
 def create_graph_against_one_process(rank: int, world: int) -> None:
-    from training import assert_same_on_all_ranks, state_of, train_single_process
+    from training import assert_same_on_all_ranks, train_single_process
 
     case = Case(create_graph=True, ddp=(("bucket_cap_mb", 0.002),), graphddp=(("first_bucket_cap_mb", 0.001),))
     ours = train("graphddp", case, rank).ddp
@@ -271,3 +272,129 @@ def test_sparse_gradient_used_on_one_rank_only(world: int) -> None:
     """PyTorch's DDP fails here ("Expected sparse gradient to be defined"); graphddp all-reduces an empty sparse
     tensor from the ranks that did not use the table."""
     run_on_ranks(sparse_table_used_on_rank0_only, world)
+
+
+# -- mixed_precision (Note [Mixed precision] in graphddp/precision.py) ----------------------------------------------
+# PyTorch's DDP mixed precision needs an accelerator's streams and events ("cpu backend doesn't support events"), so
+# the reference is the definition: each rank's forward and backward on a param_dtype copy of the model and inputs,
+# gradients summed in reduce_dtype, averaged, and applied in full precision.
+MIXED = {
+    "bf16": {"param_dtype": torch.bfloat16},
+    "bf16_reduce_fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "fp32_reduce_bf16": {"reduce_dtype": torch.bfloat16},
+}
+COMPILED = "bf16_reduce_fp32"  # also trained under torch.compile: graph plans use the reduce dtype too
+
+
+def mixed_precision_reference(case: Case, world: int, dtypes: dict[str, torch.dtype]) -> nn.Module:
+    import copy
+
+    master = build_model(case.model)
+    opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
+    param_dtype = dtypes.get("param_dtype", torch.float32)
+    reduce_dtype = dtypes.get("reduce_dtype", param_dtype)
+    for step in range(case.steps):
+        grads = []
+        for r in range(world):
+            low = copy.deepcopy(master).to(param_dtype)
+            x, y = batch_for(case, step, 0, r)
+            loss_for(low, case, (x.to(param_dtype), y), r).backward()  # DDP casts its inputs: x, not the target
+            grads.append([p.grad.to(reduce_dtype) for p in low.parameters()])
+        for p, *per_rank in zip(master.parameters(), *grads):
+            p.grad = (torch.stack(per_rank).sum(0) / world).to(reduce_dtype).float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return master
+
+
+def train_mixed_precision(rank: int, world: int, name: str, compile: str | None) -> None:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    case = Case(
+        ddp=(("mixed_precision", _MixedPrecision(**MIXED[name])), ("bucket_cap_mb", 0.002)),
+        graphddp=(("first_bucket_cap_mb", 0.001),),
+        compile=compile,
+        steps=4,
+    )
+    run = train("graphddp", case, rank)
+    if compile:
+        assert run.ddp.bucket_plan.source == "graph" and len(run.ddp.bucket_plan.buckets) > 1, run.ddp.bucket_plan.describe()
+    reduce_dtype = MIXED[name].get("reduce_dtype", MIXED[name].get("param_dtype"))
+    assert {b.dtype for b in run.ddp.bucket_plan.buckets} == {reduce_dtype}, run.ddp.bucket_plan.describe()
+    for n, p in run.ddp.module.named_parameters():  # outside forward and backward: full precision
+        assert p.dtype == torch.float32 and p.grad is None or p.grad.dtype == torch.float32, n
+    reference = mixed_precision_reference(case, world, MIXED[name])
+    # graphddp scales by 1/world before the sum, the reference after it: the same in low precision only when
+    # dividing by the world size is exact (Note [Mixed precision]).
+    exact = world & (world - 1) == 0
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if exact else {"rtol": 5e-2, "atol": 1e-3}  # bf16 rounding, 6 steps
+    torch.testing.assert_close(run.ddp.module.state_dict(), reference.state_dict(), **tolerance)
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "compile"),
+    [(name, world, None) for name in sorted(MIXED) for world in (2, 3)] + [(COMPILED, 2, "torch.compile")],
+)
+def test_mixed_precision_matches_its_definition(name: str, world: int, compile: str | None) -> None:
+    run_on_ranks(train_mixed_precision, world, name, compile)
+
+
+def mixed_precision_buffers_and_hooks(rank: int, world: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    ddp = graphddp.DDP(build_model("bn"), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    assert ddp.module.bn.running_mean.dtype == torch.bfloat16 and ddp.module.bn.num_batches_tracked.dtype == torch.int64
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # PyTorch's mixed precision takes the hook slot
+    x = torch.randn(8, 12)  # [B, IN]
+    with torch.no_grad():
+        assert ddp(x).dtype == torch.bfloat16  # computed in param_dtype; parameters stay full precision
+    ddp(x).float().square().mean().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in ddp.parameters())
+
+
+def test_mixed_precision_casts_buffers_and_keeps_the_comm_hook_free() -> None:
+    run_on_ranks(mixed_precision_buffers_and_hooks, 2)
+
+
+# -- skip_all_reduce_unused_params ---------------------------------------------------------------------------------
+class RarelyUsed(nn.Module):
+    """``extra`` is used only where the caller says: no rank uses it in the first steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.extra = nn.Linear(12, 32), nn.Linear(32, 6), nn.Linear(12, 6)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.fc2(torch.relu(self.fc1(x)))  # [B, 12] -> [B, 6]
+        return y + self.extra(x) if use_extra else y
+
+
+def train_rarely_used(rank: int, world: int, impl: str) -> tuple[dict[str, torch.Tensor], list[tuple[str, int | None]]]:
+    kwargs: dict[str, Any] = {"find_unused_parameters": True, "bucket_cap_mb": 0.0005}
+    if impl == "graphddp":
+        ddp: nn.Module = graphddp.DDP(RarelyUsed(), skip_all_reduce_unused_params=True, first_bucket_cap_mb=0.0005, **kwargs)
+        ddp.reducer.events = log = EventLog()
+    else:  # the reference: PyTorch's DDP without the skip (with it, step 3 would desynchronise the ranks)
+        ddp, log = nn.parallel.DistributedDataParallel(RarelyUsed(), **kwargs), EventLog()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(5):
+        x, y = batch_for(Case(), step, 0, rank)
+        F.mse_loss(ddp(x, use_extra=step == 3 and rank == 0), y).backward()  # step 3: rank 0 uses it after all
+        opt.step()
+        opt.zero_grad()
+    return state_of(ddp.module), [(e.kind, e.bucket) for e in log.events if e.kind in ("skipped", "late")]
+
+
+def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_what_one_did() -> None:
+    ours = run_on_ranks(train_rarely_used, 2, "graphddp")
+    theirs = run_on_ranks(train_rarely_used, 2, "torch")
+    for (state, events), (reference, _) in zip(ours, theirs):
+        torch.testing.assert_close(state, reference)
+        skipped = [b for kind, b in events if kind == "skipped"]
+        late = [b for kind, b in events if kind == "late"]
+        # Iteration 0 reduces everything; then extra's buckets skip their collectives, step 3 reduces them late,
+        # and from then on they are reduced as usual (rank 0 used them).
+        assert skipped and late and set(late) == set(skipped), events
+        assert len(skipped) == 3 * len(set(skipped)), events  # steps 1, 2 and 3
