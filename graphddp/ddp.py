@@ -22,7 +22,6 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import checkpoint, compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
-from .precision import MixedPrecision
 from .passes import (
     BucketCaps,
     BucketPlan,
@@ -32,6 +31,7 @@ from .passes import (
     rows_apply,
     sparse_gradient_params,
 )
+from .precision import MixedPrecision
 from .reducer import Reducer
 from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
