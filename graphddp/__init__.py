@@ -7,7 +7,18 @@ eager path and the compile backend share (see ``graphddp.passes.plan`` and ``doc
 
 from .backend import backend, compile
 from .ddp import DDP, DDPOptions, DistributedDataParallel
+from .frameworks import install, installed, uninstall
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DDPOptions", "DistributedDataParallel", "__version__", "backend", "compile"]
+__all__ = [
+    "DDP",
+    "DDPOptions",
+    "DistributedDataParallel",
+    "__version__",
+    "backend",
+    "compile",
+    "install",
+    "installed",
+    "uninstall",
+]

@@ -140,7 +140,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only. Arguments
         graphddp does not implement raise ``NotImplementedError`` saying why (``_unsupported_arguments``)."""
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): in InstalledDDP (Note [Frameworks]) PyTorch's DDP comes next
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"graphddp.DDP wraps an nn.Module, got {type(module).__name__}")
@@ -271,7 +271,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         plan = state.pop("_plan")
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)  # not super(): see __init__
         self.process_group, self.device_mesh = dist.group.WORLD, None  # as PyTorch: the default group
         self._make_reducer(plan)
 
@@ -299,6 +299,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @torch.compiler.disable  # collectives and bookkeeping: never captured
     def _pre_forward(self) -> None:
+        _refuse_torch_ddp_outside(self.rank)
         work = Join.notify_join_context(self)
         if work is not None:
             self._active_ranks.set_join_work(work)
@@ -595,6 +596,16 @@ class _DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
+
+
+def _refuse_torch_ddp_outside(rank: int) -> None:
+    """PyTorch's DDP wrapped around a graphddp DDP would all-reduce every gradient twice (Note [Frameworks])."""
+    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+        raise RuntimeError(
+            f"[rank {rank}] graphddp.DDP runs inside torch.nn.parallel.DistributedDataParallel's forward: every "
+            "gradient would be all-reduced twice. Hand the framework the unwrapped model and call graphddp.install() "
+            "first, so that the DDP it builds is graphddp's (docs/migrating.md)."
+        )
 
 
 def _single_device(params: list[nn.Parameter], rank: int) -> torch.device:

@@ -1,0 +1,43 @@
+"""The classic DDP training script with one import swapped, as docs/migrating.md shows it:
+
+    torchrun --standalone --nproc-per-node 2 tests/frameworks/plain_script.py --impl graphddp --out state.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["graphddp", "torch"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.impl == "graphddp":
+        from graphddp import DistributedDataParallel as DDP  # the only line that changes
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 6)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)  # each rank its own data
+    for _ in range(5):
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    if rank == 0:
+        torch.save({"state": model.module.state_dict(), "wrapper": type(model).__module__}, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
