@@ -118,7 +118,7 @@ def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
         f"rank 0 has {entries[0]!r}, "
         + "; ".join(f"rank {r} has {entries[r]!r}" for r in differing)
         + f" (parameters and buffers per rank: {counts}). Build the same model on every rank (same "
-        "parameters and buffers, same order, shapes and dtypes) before wrapping it in graphddp.DDP."
+        "parameters and buffers, same order, shapes, dtypes and requires_grad) before wrapping it in graphddp.DDP."
     )
 
 
@@ -191,8 +191,3 @@ def collective_device(group: dist.ProcessGroup, param_device: torch.device) -> t
     if param_device.type == "cuda" and dist.get_backend(group) != "gloo":
         return param_device
     return torch.device("cpu")
-
-
-def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A gloo group over the same ranks, off the main group's queue: the usage map and row-sparse masks."""
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)

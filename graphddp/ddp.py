@@ -217,7 +217,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         if init_sync:  # as in PyTorch: every collective of construction is gated by it
             verify_same_params(
-                [spec(n, p, "parameter ") for n, p in self._synced_parameters()]
+                # requires_grad is compared too: ranks that differ in it would plan different buckets.
+                [spec(n, p, "parameter " if p.requires_grad else "parameter (requires_grad=False) ") for n, p in self._synced_parameters()]
                 + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
                 group=self.process_group,
             )

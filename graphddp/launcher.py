@@ -29,6 +29,9 @@ from .reductions import InFlight
 class EagerLaunch:
     """Launch a complete bucket at once: the hook issues one collective and chains none."""
 
+    chains = False
+    """The hook may issue collectives after its first one (from future callbacks)."""
+
     @staticmethod
     def may_launch(previous: FlatBucket | None) -> bool:
         return True
@@ -36,6 +39,8 @@ class EagerLaunch:
 
 class ChainedLaunch:
     """Launch a bucket only after its predecessor's result is there (see the module docstring)."""
+
+    chains = True
 
     @staticmethod
     def may_launch(previous: FlatBucket | None) -> bool:
@@ -75,6 +80,10 @@ class Launcher:
             bucket.start(self._launch(bucket, bucket.buffer))
             self._next += 1
         return self._next == len(buckets)
+
+    def flush(self) -> None:
+        """Issue the last launched bucket's remaining collective now (before a collective of the Reducer's own)."""
+        self._commit_open()
 
     def reduced_in_order(self) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
         """End of backward: each bucket and its reduced buffer, in index order (buckets ``ChainedLaunch`` held

@@ -13,9 +13,10 @@ One iteration, on every rank:
    its bucket slice (``graphddp.grad_layout``); a tap hands over a *part* of a tied weight's gradient the same
    way (``take_part``). When a bucket is complete, the launcher (``graphddp.launcher``) launches every bucket the
    index order allows, each through its reduction strategy (``graphddp.reductions``: dense through the comm
-   hook, or an embedding table's rows). After the last launch, the usage all-reduce (which parameters got a
-   gradient, summed over ranks, on the side group). The first hook queues ``_finalize`` as an autograd engine
-   callback.
+   hook, or an embedding table's rows). After the last bucket's collectives, the usage all-reduce (which
+   parameters got a gradient, summed over ranks), on the DDP's own group like every collective of graphddp's:
+   after the last launch, or, with a hook that may chain collectives (``ChainedLaunch``), after the last wait.
+   The first hook queues ``_finalize`` as an autograd engine callback.
 4. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current ``.grad``)
    so every bucket is launched on every rank (never a hang), await the buckets in index order and write each
    one's averages into ``.grad`` at once (for the gradients this rank produced) while later buckets are still in
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from .buckets import BucketSlots, FlatBucket
-from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook, side_group
+from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook
 from .compile_target import Events
 from .grad_layout import BucketViewGrads, CopiedGrads, fill
 from .iteration import ActiveRanks, Iteration
@@ -86,10 +87,9 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         self._layout = BucketViewGrads() if gradient_as_bucket_view else CopiedGrads()
         self._comm = comm if comm is not None else HostComm()
-        self._side_group = side_group(process_group) if self.world_size > 1 else None
         self.usage = GradientUsage(
             self._names, usage if usage is not None else ExpectAllUsed(),
-            side_group=self._side_group, rank=self.rank, world_size=self.world_size,
+            group=process_group, device=collective_device, rank=self.rank, world_size=self.world_size,
         )
         self._active = active_ranks if active_ranks is not None else ActiveRanks(self.world_size)
         self._events: Events = NullEvents()
@@ -154,7 +154,7 @@ class Reducer:
         reductions = [
             SkippedReduction(dense)
             if bucket.index in self._skipped
-            else RowSparseReduction(dense, group=self._group, mask_group=self._side_group)
+            else RowSparseReduction(dense, group=self._group)
             if self.reduces_rows and bucket.spec.row_sparse
             else dense
             for bucket in self._slots.buckets
@@ -320,17 +320,21 @@ class Reducer:
 
     def _slot_filled(self, where: tuple[int, int]) -> None:
         if self.buckets[where[0]].mark_ready(where[1]) and self._launcher.launch_ready():
-            self._reduce_usage()
+            if not self._policy.chains:  # else a hook's chained collectives may still come: count after the waits
+                self._reduce_usage()
             assert self._iteration is not None
             if self._iteration.finalize_at_last_launch:
                 self._finalize()
 
     def _reduce_usage(self) -> None:
-        """After the last launch: count on how many ranks each parameter got a gradient (``graphddp.unused``)."""
+        """After the buckets' collectives: count on how many ranks each parameter got a gradient
+        (``graphddp.unused``), on the DDP's own group, at the same point of the collective sequence as a joined
+        rank's ``shadow_backward``: after the last bucket's every collective."""
         iteration = self._iteration
         assert iteration is not None
         if not iteration.usage_counting:
             iteration.usage_counting = True
+            self._launcher.flush()
             iteration.usage = self.usage.start_count()
 
     def _finalize(self) -> None:
@@ -350,7 +354,7 @@ class Reducer:
                     if used_here[i] and not spec.part:
                         self._write_back(i)
                 self._events.record("written", bucket.index)
-            self._reduce_usage()  # if ChainedLaunch held the last launch back until now
+            self._reduce_usage()  # ChainedLaunch: only now, after every bucket (and its hook's chain) is done
             counts = self.usage.counts(iteration.usage)
             self._reduce_late(counts)
             self._comm.join_compute()
@@ -369,20 +373,24 @@ class Reducer:
             self._iteration = None
             self._active.clear()
 
-    def _reduce_late(self, counts: list[int]) -> None:
+    def _reduce_late(self, counts: list[int], *, joined: bool = False) -> None:
         """Skipped buckets that some rank used after all (every rank knows from ``counts``): all-reduce them now,
-        in index order, and write their averages back (``reductions.SkippedReduction``)."""
+        in index order, and write their averages back (``reductions.SkippedReduction``); a joined rank adds
+        zeros."""
         for k in sorted(self._skipped):
             bucket = self.buckets[k]
             used = [i for i in bucket.param_indices if counts[i] > 0]
             if not used:
                 continue
             self._events.record("late", k)
-            in_flight = DenseReduction(self._hook, self._comm, self.rank).start(bucket, bucket.buffer, False)
+            buffer = torch.zeros_like(bucket.buffer) if joined else bucket.buffer
+            in_flight = DenseReduction(self._hook, self._comm, self.rank).start(bucket, buffer, False)
             in_flight.commit()
-            bucket.take(in_flight.wait())
-            for i in used:
-                self._write_back(i)
+            reduced = in_flight.wait()
+            if not joined:
+                bucket.take(reduced)
+                for i in used:
+                    self._write_back(i)
 
     def _fill_missing(self) -> list[int]:
         """Mark every slot no gradient reached (parts: zeros); returns the parameters among them."""
@@ -407,7 +415,7 @@ class Reducer:
         zeros through the same launcher, the usage all-reduce."""
         self.plans.start_agreement()
         self._launcher.shadow()
-        self.usage.shadow()
+        self._reduce_late(self.usage.shadow(), joined=True)
         self._comm.join_compute()
 
     # -- introspection ---------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ step, nothing to commit.
 ``RowSparseReduction`` (Note [Row-sparse gradients] in ``passes/row_sparse.py``): an embedding table's gradient
 in two steps, both issued from the thread that runs backward:
 
-* ``start``: which rows does this rank's gradient touch? A ``[rows]`` byte mask, max-reduced on the side group
-  (off the main group, where the buckets' all-reduces queue);
+* ``start``: which rows does this rank's gradient touch? A ``[rows]`` byte mask, max-reduced on the DDP's group
+  (graphddp makes no group of its own: every collective has the user's timeout, nothing leaks);
 * ``commit``: with the union known, the main group all-reduces the touched rows only, packed; or, when the union
   is over ``ROW_SPARSE_MAX_DENSITY`` of the rows, the whole bucket through the default hook. ``commit`` waits
   for the mask: for a table in the middle of backward that is one small round trip in which backward pauses; a
@@ -159,8 +159,8 @@ class SkippedInFlight:
 class RowSparseReduction:
     """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
 
-    def __init__(self, dense: DenseReduction, *, group: dist.ProcessGroup, mask_group: dist.ProcessGroup) -> None:
-        self.dense, self.group, self.mask_group = dense, group, mask_group
+    def __init__(self, dense: DenseReduction, *, group: dist.ProcessGroup) -> None:
+        self.dense, self.group = dense, group
         self._dense_streak = 0
 
     @property
@@ -191,7 +191,7 @@ class RowSparseInFlight:
         self._packed: torch.Tensor | None = None
         # |x| max per row is 0 exactly for untouched rows; a NaN row stays "touched" (NaN != 0), so NaNs travel.
         self._mask = self.table.abs().amax(dim=1).ne(0).to(torch.uint8)  # [rows]
-        self._mask_work = dist.all_reduce(self._mask, op=dist.ReduceOp.MAX, group=reduction.mask_group, async_op=True)
+        self._mask_work = dist.all_reduce(self._mask, op=dist.ReduceOp.MAX, group=reduction.group, async_op=True)
 
     def commit(self) -> None:
         if self.outcome is not None:

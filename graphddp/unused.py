@@ -138,14 +138,16 @@ class UsageCount:
 class GradientUsage:
     """Which parameters got a gradient: on this rank, and summed over the ranks once the last bucket is out.
 
-    The count goes over the side group: comm hooks such as PowerSGD issue further collectives on the main group
-    from future callbacks, and ours must not interleave with theirs.
+    The count goes over the DDP's own process group (no group of graphddp's: it would need threads, sockets and a
+    timeout of its own), after the buckets' collectives; the Reducer says when (Note [Reducer]).
     """
 
-    def __init__(self, names: list[str], policy: UsagePolicy, *, side_group: Any, rank: int, world_size: int) -> None:
+    def __init__(
+        self, names: list[str], policy: UsagePolicy, *, group: Any, device: torch.device, rank: int, world_size: int
+    ) -> None:
         self.policy = policy
         self._names = names
-        self._side_group = side_group
+        self._group, self._device = group, device
         self._rank = rank
         self._world_size = world_size
         self.used = [False] * len(names)
@@ -162,8 +164,8 @@ class GradientUsage:
         """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""
         if self._world_size == 1 or not self.policy.reduces_usage():
             return None
-        counts = torch.tensor([int(u) for u in self.used], dtype=torch.int64)
-        return UsageCount(counts, dist.all_reduce(counts, group=self._side_group, async_op=True))
+        counts = torch.tensor([int(u) for u in self.used], dtype=torch.int64, device=self._device)
+        return UsageCount(counts, dist.all_reduce(counts, group=self._group, async_op=True))
 
     def counts(self, pending: UsageCount | None) -> list[int]:
         """Per parameter: on how many ranks it got a gradient this iteration."""
@@ -173,10 +175,13 @@ class GradientUsage:
             return self.policy.known_counts
         return [1 if u else 0 for u in self.used]  # one rank, or a policy that does not reduce: all there is
 
-    def shadow(self) -> None:
-        """A joined rank's part in the usage all-reduce: it used nothing."""
+    def shadow(self) -> list[int]:
+        """A joined rank's part in the usage all-reduce: it used nothing. Returns the counts (what others used)."""
         if self._world_size > 1 and self.policy.reduces_usage():
-            dist.all_reduce(torch.zeros(len(self._names), dtype=torch.int64), group=self._side_group)
+            counts = torch.zeros(len(self._names), dtype=torch.int64, device=self._device)
+            dist.all_reduce(counts, group=self._group)
+            return counts.tolist()
+        return [0] * len(self._names)
 
     def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> str | None:
         """End of a synchronised backward: tell the policy, forget this rank's usage, and return the error for

@@ -149,6 +149,61 @@ def expect_failure_on_every_rank(fn: Callable[..., Any], world_size: int, *args:
     raise AssertionError(f"{fn.__name__} was expected to raise on every rank, but succeeded")
 
 
+# -- faults: fresh ranks with the process group timeout a user would give ---------------------------------------
+def _isolated_worker(rank: int, world_size: int, init_file: str, pg_timeout_s: float, fn: Any, args: tuple, results: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException as e:
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_with_faults(
+    fn: Callable[..., Any], world_size: int, *args: Any, pg_timeout_s: float, timeout: float = DEFAULT_TIMEOUT_S
+) -> dict[int, tuple[bool, Any]]:
+    """Run ``fn`` on fresh ranks (no pool: a fault may leave a rank stopped, dead or stuck) whose process group
+    has ``pg_timeout_s``, as ``init_process_group(timeout=...)`` gives it. Returns ``{rank: (ok, value or error)}``
+    for the ranks that answered within ``timeout``; every rank is killed afterwards, stopped ones included."""
+    import signal
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="graphddp-faults-") as directory:
+        init_file = os.path.join(directory, "init")
+        procs = [
+            ctx.Process(target=_isolated_worker, args=(r, world_size, init_file, pg_timeout_s, fn, args, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        done: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(done) < world_size and time.monotonic() < deadline:
+                try:
+                    rank, ok, value = results.get(timeout=0.5)
+                    done[rank] = (ok, value)
+                except queue.Empty:
+                    if all(not p.is_alive() for r, p in enumerate(procs) if r not in done):
+                        break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGCONT)  # a stopped rank must wake to die
+                    p.kill()
+                p.join(timeout=10)
+    return done
+
+
 def close_all() -> None:
     while _pools:
         _pools.popitem()[1].close()

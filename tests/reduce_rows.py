@@ -3,8 +3,6 @@ and the two-rank tests of the two-step reduction."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
@@ -15,13 +13,13 @@ from graphddp.comm import HostComm
 from graphddp.reductions import CommHook, DenseReduction, RowSparseInFlight, RowSparseReduction
 
 
-def reduce_rows(table: torch.Tensor, mask_group: Any) -> tuple[torch.Tensor, RowSparseInFlight]:
-    """``table`` reduced on the world group, the mask on ``mask_group`` (dense fallback: the plain sum)."""
+def reduce_rows(table: torch.Tensor) -> tuple[torch.Tensor, RowSparseInFlight]:
+    """``table`` reduced on the world group, its mask too (dense fallback: the plain sum)."""
     spec = plan_buckets([ParamSpec.of("t", table, row_sparse=True)], caps=BucketCaps(bucket=2048, first=1024, last=512)).buckets[0]
     bucket = FlatBucket(spec, [nn.Parameter(table.clone())], [0])
     summed = CommHook(None, lambda state, b: dist.all_reduce(b.buffer(), async_op=True).get_future(), custom=True)
     dense = DenseReduction(summed, HostComm(), dist.get_rank())
-    reduction = RowSparseReduction(dense, group=dist.group.WORLD, mask_group=mask_group)
+    reduction = RowSparseReduction(dense, group=dist.group.WORLD)
     in_flight = reduction.start(bucket, table.view(-1), is_last=True)
     in_flight.commit()
     return in_flight.wait().view_as(table), in_flight
