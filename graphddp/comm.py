@@ -71,8 +71,9 @@ class ModelMismatchError(RuntimeError, ValueError):
     ``ValueError`` too, as graphddp raised before)."""
 
 
-def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) -> None:
-    """Check on every rank that all ranks hold the same parameters (count, names, shapes, dtypes, order).
+def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup, options: Sequence[str] = ()) -> None:
+    """Check on every rank that all ranks hold the same parameters (count, names, shapes, dtypes, order), and the
+    same ``options`` (lines such as ``"option find_unused_parameters=True"``: what changes the collectives).
 
     Two small collectives when the models agree (a digest each); on a mismatch, every rank gathers the full
     lists and raises the same ``ModelMismatchError`` naming the first differing entry and the ranks involved.
@@ -80,7 +81,7 @@ def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup) 
     rows = [
         f"{s.name} shape={list(s.shape)} dtype={str(s.dtype).replace('torch.', '')}" + (" row-sparse" if s.row_sparse else " sparse" if s.sparse_grad else "")
         for s in specs
-    ]
+    ] + list(options)
     digest = hashlib.sha256("\n".join(rows).encode()).digest()
     digests = all_gather_bytes(digest, group=group)
     if all(d == digests[0] for d in digests):
@@ -117,8 +118,8 @@ def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
         f"[rank {rank}] graphddp.DDP: the ranks wrapped different models. First difference at entry #{i}: "
         f"rank 0 has {entries[0]!r}, "
         + "; ".join(f"rank {r} has {entries[r]!r}" for r in differing)
-        + f" (parameters and buffers per rank: {counts}). Build the same model on every rank (same "
-        "parameters and buffers, same order, shapes, dtypes and requires_grad) before wrapping it in graphddp.DDP."
+        + f" (entries per rank: {counts}). Build the same model on every rank (same parameters and buffers, same "
+        "order, shapes, dtypes and requires_grad) and pass the same DDP options before wrapping it in graphddp.DDP."
     )
 
 

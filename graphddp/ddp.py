@@ -221,6 +221,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 [spec(n, p, "parameter " if p.requires_grad else "parameter (requires_grad=False) ") for n, p in self._synced_parameters()]
                 + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
                 group=self.process_group,
+                options=self._collective_options(),
             )
             if self.world_size > 1:
                 self._broadcast_state(src=0, buffers=init_sync_buffers)
@@ -244,6 +245,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             [b.nbytes for b in plan.buckets],
             self.world_size,
         )
+
+    def _collective_options(self) -> list[str]:
+        """The options that change which collectives a rank issues: every rank must pass the same ones."""
+        o = self.options
+        return [
+            f"option buckets={o.caps}",
+            f"option find_unused_parameters={o.find_unused_parameters} static_graph={o.static_graph}",
+            f"option forward_sync_buffers={o.broadcast_buffers} sparse_embedding_grads={o.sparse_embedding_grads}",
+            f"option skip_all_reduce_unused_params={self.skip_all_reduce_unused_params}",
+        ]
 
     def _make_reducer(self, plan: BucketPlan) -> None:
         """The Reducer for ``plan`` (local: no collective), with what it shares with this module."""

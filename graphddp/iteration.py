@@ -20,6 +20,8 @@ class Iteration:
     """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
     finalize_queued: bool = False
     """The end-of-backward callback is queued: the backward has begun."""
+    agreement_started: bool = False
+    """The plan agreement all-reduce was issued: before the first hook or the first launch, whichever comes first."""
     finalize_at_last_launch: bool = False
     """Under compiled autograd, which runs no queued callback: finalize once the last bucket is launched."""
     usage_counting: bool = False

@@ -20,6 +20,11 @@ backward in flight:
   gathers the plans and raises the same error naming the first differing bucket (with
   ``find_unused_parameters=True``, where ranks may legitimately capture different branches, it warns and keeps
   the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other.
+  The same all-reduce carries each rank's count of training forwards (forwards with gradients enabled), so ranks
+  that fell out of step (one skipped a backward, ran one under ``no_sync`` alone, ran out of data without
+  ``join``) raise a clear error at their next forward instead of reducing one iteration's gradients with
+  another's. It is issued at the first hook of a backward (or the first launch, if unused parameters launch a
+  bucket at the end of forward), not at the end of forward: a forward that no backward follows issues nothing.
   Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
   plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
   graph's split;
@@ -99,17 +104,26 @@ def agreed(tokens: tuple[int, ...], sums: list[int], ranks: int) -> bool | None:
 
 
 class PlanAgreement:
-    """One agreement all-reduce in flight (see the Note); its verdict is read at the next forward."""
+    """One agreement all-reduce in flight (see the Note); its verdict is read at the next forward. It also carries
+    the rank's count of training forwards (``step``; None for a joined rank, which does not count), so ranks that
+    fell out of step (Note [Plan agreement]) are found."""
 
-    def __init__(self, tokens: tuple[int, int], group: dist.ProcessGroup, device: torch.device) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: tuple[int, int], step: int | None, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.tokens, self.step = tokens, step
         self._ranks = dist.get_world_size(group)
-        self._sums = torch.tensor(agreement_entries(tokens), dtype=torch.int64, device=device)
+        counted = (step, step * step, 1) if step is not None else (0, 0, 0)  # [step, step², ranks counting]
+        self._sums = torch.tensor([*agreement_entries(tokens), *counted], dtype=torch.int64, device=device)
         self._work = dist.all_reduce(self._sums, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
         self._work.wait()
-        return agreed(self.tokens, self._sums.tolist(), self._ranks)
+        sums = self._sums.tolist()
+        return agreed(self.tokens, sums[:-3], self._ranks)
+
+    def out_of_step(self) -> bool:
+        """Some counting rank was at another training forward than this one (read after ``verdict``)."""
+        step_sum, square_sum, counting = self._sums.tolist()[-3:]
+        return self.step is not None and (step_sum != counting * self.step or square_sum != counting * self.step**2)
 
 
 class ReadyOrder:
@@ -151,6 +165,8 @@ class PlanKeeper:
         self._group, self._device = group, device
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._agreement: PlanAgreement | None = None
+        self.training_forwards = 0
+        """Forwards run with gradients enabled (synchronising or under no_sync); ranks must agree on it."""
 
     # -- compiled graphs -----------------------------------------------------------------------------------------
     def propose(self, graph: str, plan: BucketPlan) -> None:
@@ -159,10 +175,12 @@ class PlanKeeper:
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self.graph_plans.plan_for(params)
 
-    def start_agreement(self) -> None:
-        """End of a synchronising forward (or a joined rank's shadow of one): the agreement all-reduce, async."""
+    def start_agreement(self, *, joined: bool = False) -> None:
+        """Before a synchronised backward's first collective (or a joined rank's shadow of one): the agreement
+        all-reduce, async."""
         if self.world_size > 1:
-            self._agreement = PlanAgreement(self.graph_plans.tokens(), self._group, self._device)
+            step = None if joined else self.training_forwards
+            self._agreement = PlanAgreement(self.graph_plans.tokens(), step, self._group, self._device)
 
     # -- switching -----------------------------------------------------------------------------------------------
     def next_plan(self, *, grad_enabled: bool, allows_unused: bool, gone_dense: Sequence[str]) -> BucketPlan | None:
@@ -197,7 +215,18 @@ class PlanKeeper:
         if self.world_size == 1:
             return True if self.graph_plans.proposed is not None else None
         agreement, self._agreement = self._agreement, None
-        return agreement.verdict() if agreement is not None else None
+        if agreement is None:
+            return None
+        verdict = agreement.verdict()
+        if agreement.out_of_step():
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp.DDP: the ranks are out of step: this rank's last synchronised backward "
+                f"(after its training forward #{agreement.step}) was matched with another rank's at a different "
+                "forward. A rank skipped a backward, ran one under no_sync() alone, or ran out of data without "
+                "ddp.join(); every rank must run the same sequence of training forwards and backwards "
+                "(Note [Plan agreement] in graphddp/plans.py)."
+            )
+        return verdict
 
     def _rebuild_in_ready_order(self) -> BucketPlan | None:
         """Rank 0's observed order, broadcast (collective), planned with the current caps."""

@@ -80,6 +80,7 @@ class Reducer:
     ) -> None:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
+        self._placed = [(p.dtype, p.device) for p in self._params]  # as planned; begin_forward checks it holds
         self._index_of_name = {n: i for i, n in enumerate(self._names)}
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
         self._group = process_group
@@ -239,7 +240,22 @@ class Reducer:
         if self._pending_error is not None:
             message, self._pending_error = self._pending_error, None
             raise RuntimeError(message)
+        self._check_placement()
         self.switch_plan(grad_enabled)
+        if grad_enabled:
+            self.plans.training_forwards += 1  # sent with the next agreement: ranks out of step are found
+
+    def _check_placement(self) -> None:
+        """A parameter moved to another dtype or device after wrapping no longer fits its bucket (PyTorch's DDP
+        raises there too): say which, instead of casting its gradient silently."""
+        for i, p in enumerate(self._params):
+            if (p.dtype, p.device) != self._placed[i]:
+                dtype, device = self._placed[i]
+                raise RuntimeError(
+                    f"[rank {self.rank}] graphddp.DDP: parameter {self._names[i]!r} is now {p.dtype} on {p.device}, "
+                    f"but was {dtype} on {device} when graphddp.DDP wrapped the module; its bucket was planned for "
+                    "that. Change dtypes and devices (model.to(...), .half(), .double()) before wrapping."
+                )
 
     def switch_plan(self, grad_enabled: bool) -> None:
         """Adopt the plan the ranks agreed on, if any (collective: every rank, joined ones too, calls it)."""
@@ -265,7 +281,8 @@ class Reducer:
             local_unused=self.usage.policy.locally_unused(outputs, self._index_of_id),
             prescale=1.0 / divisor if divisor not in (None, 1) else None,
         )
-        self.plans.start_agreement()  # on the main group, before any bucket: the same order on every rank
+        if self._iteration.local_unused:  # they may launch a bucket now: the agreement goes first
+            self._start_agreement(self._iteration)
         for i in self._iteration.local_unused:
             self._mark_ready(i)
             for where in self._slots.parts_of.get(i, ()):  # no gradient reaches it, through a tap neither
@@ -298,7 +315,15 @@ class Reducer:
         self._mark_part_ready(where, grad)
         return True
 
+    def _start_agreement(self, iteration: Iteration) -> None:
+        """The iteration's first collective, before any bucket's: only once a backward begins (or a bucket of
+        unused parameters launches), so a forward without backward on one rank issues nothing."""
+        if not iteration.agreement_started:
+            iteration.agreement_started = True
+            self.plans.start_agreement()
+
     def _queue_finalize(self, iteration: Iteration) -> None:
+        self._start_agreement(iteration)
         iteration.finalize_queued = True
         if _compiled_autograd_running():
             iteration.finalize_at_last_launch = True  # its engine runs no queued callback (Note [Reducer])
@@ -413,7 +438,7 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one synchronised forward and backward: the plan agreement, every bucket on
         zeros through the same launcher, the usage all-reduce."""
-        self.plans.start_agreement()
+        self.plans.start_agreement(joined=True)
         self._launcher.shadow()
         self._reduce_late(self.usage.shadow(), joined=True)
         self._comm.join_compute()
