@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
+from graphddp.launch import init_process_group
 from graphddp.trace import EventLog, NullEvents
 from graphddp.workloads import Workload, build_workload
 
@@ -50,7 +51,7 @@ class PreparedMode:
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     pinned = config.get("pin", False) and _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo")
+    init_process_group("gloo")  # torchrun-restart safe (Note [Restarts] in graphddp/launch.py)
     rank, world = dist.get_rank(), dist.get_world_size()
     # Pinned, the CPUs this rank may use are its own; unpinned, the ranks share them.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if pinned else world)))

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import checkpoint, compile_target, dynamo_hook
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
+from .optimizer_overlap import StepPerBucket
 from .passes import (
     BucketCaps,
     BucketPlan,
@@ -235,6 +236,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._make_reducer(plan)
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
+        self._logged_error: str | None = None  # the last usage error, for _get_ddp_logging_data as PyTorch keeps it
         dynamo_hook.install()  # torch.compile with any backend splits at our buckets (Note [Split without asking])
         checkpoint.install()  # get_model_state_dict names parameters without "module." (Note [Checkpoints])
         logger.info(
@@ -394,6 +396,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self.reducer.set_comm_hook(state, hook)
 
+    def step_in_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let graphddp call ``optimizer.step()`` during backward, bucket by bucket, as soon as each bucket's
+        averaged gradients are final, hidden behind the all-reduces still in flight (Note [Optimizer overlap] in
+        ``graphddp/optimizer_overlap.py``). The training loop then drops its ``optimizer.step()`` and keeps
+        ``zero_grad()``. Only optimizers that update each parameter from its own gradient and state (SGD, Adam,
+        AdamW, ...): ``TypeError`` otherwise."""
+        self.reducer.after_bucket = StepPerBucket(optimizer, self.reducer.params())
+
     def _set_static_graph(self) -> None:
         """PyTorch's way (used by Lightning strategies) to turn on ``static_graph`` after construction; only
         before the first iteration, as there."""
@@ -401,10 +411,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         if self.reducer.usage.iterations:
-            raise RuntimeError(
-                f"[rank {self.rank}] graphddp.DDP: _set_static_graph() must be called before the first iteration "
-                "(pass static_graph=True to the constructor instead)."
+            # PyTorch's words (its tests and frameworks match on them), and logged as PyTorch logs it.
+            self._logged_error = (
+                f"[rank {self.rank}] graphddp.DDP: _set_static_graph() should be called before training loop starts "
+                "and after DistributedDataParallel is constructed (or pass static_graph=True to the constructor)."
             )
+            raise RuntimeError(self._logged_error)
         self.options = dataclasses.replace(self.options, static_graph=True)
         self.reducer.usage.policy = self.options.usage_policy()
 
@@ -428,6 +440,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             "iteration": usage.iterations,
             # As PyTorch: the set of unused parameters never changed, so static_graph=True would be safe.
             "can_set_static_graph": int(usage.iterations > 0 and len(usage.unused_sets) == 1),
+            "has_error": int(self._logged_error is not None),
+            "error": self._logged_error or "",
         }
 
     def register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:

@@ -50,6 +50,7 @@ from .compile_target import Events
 from .grad_layout import BucketViewGrads, CopiedGrads, fill
 from .iteration import ActiveRanks, Iteration
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
+from .optimizer_overlap import NoStep, StepPerBucket
 from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .profiling import trace_artifact
@@ -102,6 +103,9 @@ class Reducer:
         state.divisor = 1  # the Reducer scales while copying into the bucket: the default hook only sums
         self._hook = CommHook(state, average_allreduce_hook, custom=False)
         self._policy: EagerLaunch | ChainedLaunch = EagerLaunch()
+        self.after_bucket: NoStep | StepPerBucket = NoStep()
+        """What happens once a bucket's averages are in ``.grad``: nothing, or its optimizer step (Note
+        [Optimizer overlap] in ``graphddp.optimizer_overlap``)."""
 
         # As planned: marks (row-sparse, sparse) and bucket dtype (mixed_precision) carry over to every re-plan.
         planned = {s.name: s for b in plan.buckets for s in b.params if not s.part}
@@ -370,15 +374,21 @@ class Reducer:
             self._events.record("finalize")
             missing = self._fill_missing()
             used_here = self.usage.used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
+            later = []  # buckets with a parameter not used here: final only once the usage count is in
             for bucket, reduced in self._launcher.reduced_in_order():
                 self._events.record("wait", bucket.index)
                 self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
                 bucket.take(reduced)
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
-                for i, spec in zip(bucket.param_indices, bucket.spec.params):
-                    if used_here[i] and not spec.part:
+                whole = [i for i, spec in zip(bucket.param_indices, bucket.spec.params) if not spec.part]
+                for i in whole:
+                    if used_here[i]:
                         self._write_back(i)
                 self._events.record("written", bucket.index)
+                if all(used_here[i] for i in whole):
+                    self._bucket_final(bucket.index, whole)
+                else:
+                    later.append((bucket.index, whole))
             self._reduce_usage()  # ChainedLaunch: only now, after every bucket (and its hook's chain) is done
             counts = self.usage.counts(iteration.usage)
             self._reduce_late(counts)
@@ -386,6 +396,8 @@ class Reducer:
             for i, used in enumerate(used_here):  # the rest, once the ranks' usage is known
                 if not used and counts[i] > 0:  # unused everywhere: keep .grad as it was
                     self._write_back(i)
+            for k, whole in later:
+                self._bucket_final(k, whole)
             expected = self._active.count() if self.world_size > 1 else 1
             error = self.usage.end(iteration.local_unused, counts, missing, expected)
             if self._skip_unused and self.usage.never_used != self._skip_basis:
@@ -397,6 +409,13 @@ class Reducer:
         finally:
             self._iteration = None
             self._active.clear()
+
+    def _bucket_final(self, k: int, whole: list[int]) -> None:
+        """Bucket ``k``'s parameters have their final ``.grad``: the optimizer may step them (Note [Optimizer
+        overlap])."""
+        if whole:
+            self.after_bucket.bucket_final([self._params[i] for i in whole])
+            self._events.record("stepped", k)
 
     def _reduce_late(self, counts: list[int], *, joined: bool = False) -> None:
         """Skipped buckets that some rank used after all (every rank knows from ``counts``): all-reduce them now,

@@ -34,6 +34,10 @@ def test_while_installed_pytorchs_ddp_builds_graphddps_recognisable_as_pytorchs(
         buffer.seek(0)
         assert type(torch.load(buffer, weights_only=False)) is InstalledDDP
         assert ddp._get_ddp_logging_data()["find_unused_parameters"] == 1
+        # PyTorch DDP methods that need its C++ Reducer say so instead of failing deep inside.
+        with pytest.raises(NotImplementedError, match="_register_fused_optim belongs to PyTorch's C\\+\\+ Reducer"):
+            ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
+        ddp._set_ddp_runtime_logging_sample_rate(10)  # accepted: nothing to sample
     assert type(BoundAtImport(MLP())) is nn.parallel.DistributedDataParallel, "the context manager uninstalls"
 
 

@@ -355,5 +355,8 @@ def test_set_static_graph_and_logging_data_as_frameworks_call_them() -> None:
     assert data["backend_name"] == "gloo" and data["module_name"] == "Branchy"
     late = graphddp.DDP(MLP())
     step(late)
-    with pytest.raises(RuntimeError, match="before the first iteration"):
+    assert late._get_ddp_logging_data()["has_error"] == 0
+    with pytest.raises(RuntimeError, match="should be called before training loop starts"):  # PyTorch's words
         late._set_static_graph()
+    logged = late._get_ddp_logging_data()
+    assert logged["has_error"] == 1 and "should be called before training loop starts" in logged["error"]

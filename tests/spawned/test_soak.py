@@ -6,7 +6,6 @@ import gc
 import os
 
 import pytest
-import torch
 from ranks import run_on_ranks
 from training import Case, batch_for, loss_for, make_optimizer, wrap
 

@@ -1,0 +1,76 @@
+"""Optimizer steps during backward: each bucket's parameters stepped as soon as their averaged gradient is final.
+
+Note [Optimizer overlap]
+~~~~~~~~~~~~~~~~~~~~~~~~
+``ddp.step_in_backward(optimizer)`` hands graphddp the user's own optimizer. At the end of backward the Reducer
+awaits the buckets in index order and writes each one's averages into ``.grad`` while later buckets are still in
+flight (Note [Reducer]); with an optimizer registered it then steps that bucket's parameters at once, so the
+optimizer's work hides behind the remaining all-reduces instead of following them.
+
+A bucket is stepped by calling the optimizer's own ``step()`` with its parameter groups narrowed to the bucket's
+parameters (the groups' hyperparameters, a learning-rate scheduler's changes and the optimizer's ``state`` stay
+the optimizer's own, so ``optimizer.state_dict()`` and schedulers work as before). That equals one
+``optimizer.step()`` over every parameter exactly when the optimizer updates each parameter from its own
+gradient and state alone, which holds for PyTorch's element-wise optimizers (``SUPPORTED``); the others (LBFGS,
+anything that reads every gradient at once, such as a global gradient-norm clip) are refused. A bucket holding a
+parameter that this rank did not use is stepped once the ranks' usage is known (its gradient is final only then).
+
+The training loop drops its ``optimizer.step()`` (graphddp made it) and keeps ``optimizer.zero_grad()``. Under
+``no_sync()`` nothing is reduced and nothing is stepped: the step comes with the synchronising backward, as in
+the usual accumulation loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SUPPORTED = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
+)
+"""Optimizers whose update of a parameter depends only on that parameter's gradient and state."""
+
+
+class NoStep:
+    """No optimizer registered: the training loop steps it."""
+
+    def bucket_final(self, params: Sequence[torch.nn.Parameter]) -> None:
+        pass
+
+
+class StepPerBucket:
+    """``step_in_backward(optimizer)``: step each bucket's parameters once their averages are in ``.grad``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainable: Sequence[torch.nn.Parameter]) -> None:
+        if not isinstance(optimizer, SUPPORTED):
+            raise TypeError(
+                f"graphddp.DDP.step_in_backward: {type(optimizer).__name__} is not one of the optimizers that update "
+                f"each parameter from its own gradient ({', '.join(c.__name__ for c in SUPPORTED)}); stepping it "
+                "bucket by bucket would change its result. Call optimizer.step() after backward instead."
+            )
+        mine = {id(p) for p in trainable}
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        outside = [p for p in stepped if id(p) not in mine]
+        if outside:
+            raise ValueError(
+                f"graphddp.DDP.step_in_backward: the optimizer holds {len(outside)} parameter(s) this DDP module does "
+                "not synchronise (shape of the first: "
+                f"{tuple(outside[0].shape)}); graphddp would never step them. Give it the module's parameters only."
+            )
+        self.optimizer = optimizer
+
+    @torch.no_grad()
+    def bucket_final(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """``optimizer.step()`` for ``params`` only (Note [Optimizer overlap])."""
+        wanted = {id(p) for p in params}
+        groups = self.optimizer.param_groups
+        everything = [group["params"] for group in groups]
+        try:
+            for group, all_params in zip(groups, everything):
+                group["params"] = [p for p in all_params if id(p) in wanted]
+            self.optimizer.step()
+        finally:
+            for group, all_params in zip(groups, everything):
+                group["params"] = all_params
