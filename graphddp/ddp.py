@@ -537,6 +537,30 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._broadcast_state(src=self._find_common_rank(is_last_joiner))
 
 
+def _internal(name: str) -> Any:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"graphddp: DistributedDataParallel.{name} belongs to PyTorch's C++ Reducer and logger, which graphddp's "
+            "DDP does not have; code calling it needs PyTorch's DDP (with graphddp.install(): graphddp.uninstall())."
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+# PyTorch DDP methods that reach into its C++ Reducer or logger: they say so (an InstalledDDP, Note [Frameworks],
+# would otherwise inherit PyTorch's and fail with an AttributeError deep inside).
+for _name in (
+    "_register_fused_optim", "_set_sparse_metadata", "_remove_autograd_hooks", "_update_process_group",
+    "_set_ddp_sink_clone", "_register_buffer_comm_hook", "_get_data_parallel_params", "_check_reducer_finalized",
+    "scatter", "gather", "to_kwargs", "_run_ddp_forward", "_delay_all_reduce",
+):
+    if hasattr(nn.parallel.DistributedDataParallel, _name) and _name not in DistributedDataParallel.__dict__:
+        setattr(DistributedDataParallel, _name, _internal(_name))
+DistributedDataParallel._set_ddp_runtime_logging_sample_rate = lambda self, sample_rate: None  # nothing sampled
+DistributedDataParallel._register_builtin_comm_hook = DistributedDataParallel.register_builtin_comm_hook
+
+
 DDP = DistributedDataParallel
 
 

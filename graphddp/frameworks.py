@@ -51,30 +51,6 @@ _options: dict[str, Any] = {}
 """graphddp's own options (keyword-only arguments of graphddp.DDP) for every DDP built while installed."""
 
 
-def _internal(name: str) -> Any:
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"graphddp: DistributedDataParallel.{name} belongs to PyTorch's C++ Reducer and logger, which graphddp's "
-            "DDP does not have; the framework calling it needs PyTorch's DDP (graphddp.uninstall())."
-        )
-
-    refuse.__name__ = name
-    return refuse
-
-
-# PyTorch DDP methods that reach into its C++ Reducer or logger: InstalledDDP would otherwise inherit them and
-# fail with an AttributeError deep inside; they say what they are instead.
-for _name in (
-    "_register_fused_optim", "_set_sparse_metadata", "_remove_autograd_hooks", "_update_process_group",
-    "_set_ddp_sink_clone", "_register_buffer_comm_hook", "_get_data_parallel_params", "_check_reducer_finalized",
-    "_register_builtin_comm_hook", "scatter", "gather", "to_kwargs", "_run_ddp_forward", "_delay_all_reduce",
-):
-    if hasattr(_TorchDDP, _name) and _name not in DistributedDataParallel.__dict__:
-        setattr(InstalledDDP, _name, _internal(_name))
-InstalledDDP._set_ddp_runtime_logging_sample_rate = lambda self, sample_rate: None  # graphddp samples nothing
-InstalledDDP._register_builtin_comm_hook = lambda self, comm_hook_type: self.register_builtin_comm_hook(comm_hook_type)
-
-
 def _new(cls: type, *args: Any, **kwargs: Any) -> Any:
     """PyTorch DDP's ``__new__`` once ``install()`` ran: while installed, constructions become ``InstalledDDP``;
     unpickling and copies (no arguments), subclasses of PyTorch's DDP other than ours, and everything after

@@ -168,11 +168,17 @@ def _isolated_worker(rank: int, world_size: int, init_file: str, pg_timeout_s: f
 
 
 def run_with_faults(
-    fn: Callable[..., Any], world_size: int, *args: Any, pg_timeout_s: float, timeout: float = DEFAULT_TIMEOUT_S
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    pg_timeout_s: float,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    wait_for: tuple[int, ...] | None = None,
 ) -> dict[int, tuple[bool, Any]]:
     """Run ``fn`` on fresh ranks (no pool: a fault may leave a rank stopped, dead or stuck) whose process group
     has ``pg_timeout_s``, as ``init_process_group(timeout=...)`` gives it. Returns ``{rank: (ok, value or error)}``
-    for the ranks that answered within ``timeout``; every rank is killed afterwards, stopped ones included."""
+    for the ranks that answered within ``timeout``; every rank is killed afterwards, stopped ones included.
+    ``wait_for``: the ranks whose answers to wait for (default: all; a frozen rank never answers)."""
     import signal
 
     ctx = mp.get_context("spawn")
@@ -187,8 +193,9 @@ def run_with_faults(
             p.start()
         done: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
+        awaited = set(range(world_size) if wait_for is None else wait_for)
         try:
-            while len(done) < world_size and time.monotonic() < deadline:
+            while not awaited <= set(done) and time.monotonic() < deadline:
                 try:
                     rank, ok, value = results.get(timeout=0.5)
                     done[rank] = (ok, value)

@@ -49,7 +49,7 @@ def freeze_peer(rank: int, world: int, how: str, compile: str | None) -> tuple[s
 @pytest.mark.parametrize("compile", [None, "torch.compile"])
 @pytest.mark.parametrize("how", ["sigstop", "stuck"])
 def test_a_frozen_peer_makes_the_survivor_raise_within_the_process_groups_timeout(how: str, compile: str | None) -> None:
-    outcomes = run_with_faults(freeze_peer, 2, how, compile, pg_timeout_s=PG_TIMEOUT_S, timeout=60)
+    outcomes = run_with_faults(freeze_peer, 2, how, compile, pg_timeout_s=PG_TIMEOUT_S, timeout=60, wait_for=(0,))
     assert 0 in outcomes, f"rank 0 did not raise within 60 s (the user's timeout is {PG_TIMEOUT_S:.0f} s): it hangs"
     ok, (message, elapsed) = outcomes[0]
     assert ok and message != "finished", outcomes[0]
