@@ -4,6 +4,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
+from .cost import LinkModel, Prediction, StepInputs, allreduce_seconds, fit_link, predict_step
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
 from .plan import (
     Bucket,
@@ -37,21 +38,27 @@ __all__ = [
     "GraphParam",
     "GraphSplit",
     "GraphUse",
+    "LinkModel",
+    "Prediction",
+    "StepInputs",
     "MiB",
     "ParamSpec",
     "RowSparseParam",
     "Segment",
     "Tap",
+    "allreduce_seconds",
     "assign_segments",
     "compose_plans",
     "embedding_tables",
     "find_graph_params",
+    "fit_link",
     "first_difference_across",
     "misplaced_parts",
     "place_taps",
     "plan_bucket_groups",
     "plan_buckets",
     "plan_graph",
+    "predict_step",
     "ready_groups",
     "row_sparse_params",
     "rows_apply",

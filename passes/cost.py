@@ -1,0 +1,156 @@
+"""A cost model of one data-parallel training step: the link, the backward segments, and their overlap.
+
+Note [Step cost model]
+~~~~~~~~~~~~~~~~~~~~~~
+**The link** (α-β): one all-reduce of ``n`` bytes over ``w`` ranks with the ring algorithm sends
+``2 (w - 1) / w * n`` bytes per rank in ``2 (w - 1)`` steps, so it takes
+
+    T(n, w) = 2 (w - 1) α + 2 (w - 1) / w · n β
+
+with ``α`` the per-message latency and ``β`` the seconds per byte (1 / bandwidth). ``allreduce_seconds`` gives the
+expression in sympy, symbolic in bytes, world size, latency and bandwidth; ``fit_link`` fits ``α`` and ``β`` to
+measured all-reduce times by least squares over the ring's two terms.
+
+**The step** is a DAG (networkx): the backward segments run one after the other on the compute side; bucket
+``k``'s all-reduce can start when the segment that completes it has run *and* bucket ``k - 1``'s all-reduce is
+done (one link, buckets in index order); the step ends when the last segment and the last all-reduce are done,
+plus the time after backward (the optimizer). On CPU hosts communication also costs CPU (gloo's reduction, the
+network stack): ``cpu_seconds_per_byte`` adds that much compute time to the segment that runs while a bucket is
+sent (the one after the segment that completed it). The longest path through the DAG is the predicted step time;
+the timeline gives each node's start and end.
+
+This module is pure: no ``torch.distributed``, no graphddp runtime module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import networkx as nx
+import sympy
+
+
+def allreduce_seconds() -> tuple[sympy.Expr, dict[str, sympy.Symbol]]:
+    """The ring all-reduce time as a sympy expression, and its symbols by name (``bytes``, ``world``,
+    ``latency``, ``bandwidth`` in bytes per second)."""
+    n, w, alpha, bw = sympy.symbols("bytes world latency bandwidth", positive=True)
+    expr = 2 * (w - 1) * alpha + 2 * (w - 1) / w * n / bw
+    return expr, {"bytes": n, "world": w, "latency": alpha, "bandwidth": bw}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """α-β model of the link between the ranks (see Note [Step cost model])."""
+
+    latency_s: float
+    """α: seconds per message."""
+    seconds_per_byte: float
+    """β: seconds per byte on the wire (1 / bandwidth)."""
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.seconds_per_byte < 0:
+            raise ValueError(f"a link's latency and seconds per byte must be >= 0, got {self}")
+
+    @classmethod
+    def of_rate(cls, bits_per_second: float, latency_s: float = 50e-6) -> LinkModel:
+        """A link of ``bits_per_second`` (e.g. ``2e9`` for 2 Gbit/s) and ``latency_s``."""
+        if bits_per_second <= 0:
+            raise ValueError(f"a link's rate must be > 0 bit/s, got {bits_per_second}")
+        return cls(latency_s=latency_s, seconds_per_byte=8.0 / bits_per_second)
+
+    def allreduce_s(self, nbytes: int, world: int) -> float:
+        """Seconds for one ring all-reduce of ``nbytes`` over ``world`` ranks."""
+        if world <= 1:
+            return 0.0
+        return 2 * (world - 1) * self.latency_s + 2 * (world - 1) / world * nbytes * self.seconds_per_byte
+
+
+def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
+    """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks: least squares on the ring's
+    terms ``2 (w - 1)`` (α) and ``2 (w - 1) / w · bytes`` (β), clamped at zero."""
+    if world < 2:
+        raise ValueError(f"fitting a link needs at least 2 ranks, got world size {world}")
+    if len({n for n, _ in samples}) < 2:
+        raise ValueError("fitting a link needs all-reduces of at least two different sizes")
+    a = 2 * (world - 1)
+    xs = [2 * (world - 1) / world * n for n, _ in samples]
+    ys = [t for _, t in samples]
+    # Normal equations of y = a·α + x·β over the samples (a is the same for every sample).
+    count, sx, sy = len(xs), sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    beta = (count * sxy - sx * sy) / (count * sxx - sx * sx)
+    alpha = (sy - beta * sx) / (count * a)
+    return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=max(beta, 0.0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepInputs:
+    """What one step's prediction needs, all per rank."""
+
+    segment_backward_s: tuple[float, ...]
+    """Backward seconds of each segment, in the order backward runs them (segment 0 first)."""
+    bucket_bytes: tuple[int, ...]
+    """Bytes of each bucket, in launch order."""
+    completed_by: tuple[int, ...]
+    """For bucket ``k``: the position (in ``segment_backward_s``) of the segment whose backward completes it."""
+    forward_s: float = 0.0
+    """Forward seconds (before backward starts)."""
+    after_backward_s: float = 0.0
+    """Seconds after the last all-reduce (the optimizer step, zeroing gradients)."""
+    cpu_seconds_per_byte: float = 0.0
+    """Compute time each communicated byte costs the rank (CPU hosts: gloo and the network stack share the CPU)."""
+
+    def __post_init__(self) -> None:
+        if len(self.bucket_bytes) != len(self.completed_by):
+            raise ValueError("every bucket needs the segment that completes it")
+        for k, segment in enumerate(self.completed_by):
+            if not 0 <= segment < len(self.segment_backward_s):
+                raise ValueError(f"bucket {k} is completed by segment {segment}, which does not exist")
+            if k and segment < self.completed_by[k - 1]:
+                raise ValueError(f"bucket {k} completes before bucket {k - 1}: buckets are numbered in ready order")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    """Predicted step time: the longest path through the step's DAG."""
+    timeline: dict[str, tuple[float, float]]
+    """Each node (``forward``, ``segment i``, ``bucket k``, ``after``) with its (start, end) in seconds."""
+    exposed_s: float
+    """Communication not hidden behind backward: step time minus the time without any communication."""
+    critical_path: tuple[str, ...]
+    """The nodes whose durations add up to the step time: which of compute and link binds where."""
+
+
+def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
+    """The step's DAG (Note [Step cost model]) and its longest path."""
+    graph = nx.DiGraph()
+    segments = list(inputs.segment_backward_s)
+    for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k falls on the next segment
+        if segment + 1 < len(segments):
+            segments[segment + 1] += inputs.cpu_seconds_per_byte * inputs.bucket_bytes[k]
+    durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
+    chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]
+    durations.update({f"segment {i}": s for i, s in enumerate(segments)})
+    for a, b in zip(chain, chain[1:]):
+        graph.add_edge(a, b)
+    graph.add_edge(chain[-1], "after")
+    for k, nbytes in enumerate(inputs.bucket_bytes):
+        node = f"bucket {k}"
+        durations[node] = link.allreduce_s(nbytes, world)
+        graph.add_edge(f"segment {inputs.completed_by[k]}", node)
+        if k:
+            graph.add_edge(f"bucket {k - 1}", node)
+        graph.add_edge(node, "after")
+    start: dict[str, float] = {}
+    for node in nx.topological_sort(graph):
+        start[node] = max((start[p] + durations[p] for p in graph.predecessors(node)), default=0.0)
+    timeline = {node: (start[node], start[node] + durations[node]) for node in graph.nodes}
+    step = timeline["after"][1]
+    local = inputs.forward_s + sum(inputs.segment_backward_s) + inputs.after_backward_s
+    for a, b in graph.edges:
+        graph.edges[a, b]["seconds"] = durations[a]
+    graph.add_edge("after", "end", seconds=durations["after"])
+    path = tuple(n for n in nx.dag_longest_path(graph, weight="seconds") if n != "end")
+    return Prediction(step, timeline, max(step - local, 0.0), path)

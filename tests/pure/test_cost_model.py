@@ -1,0 +1,72 @@
+"""The step cost model (Note [Step cost model] in passes/cost.py), without processes: the link's α-β expression
+and fit, and the step's DAG against hand-computed schedules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from graphddp.passes import LinkModel, StepInputs, allreduce_seconds, fit_link, predict_step
+
+
+def test_the_sympy_expression_is_the_ring_all_reduce_the_model_uses() -> None:
+    expr, s = allreduce_seconds()
+    link = LinkModel.of_rate(2e9, latency_s=1e-4)
+    for nbytes, world in [(1 << 20, 2), (25 << 20, 3), (4096, 8)]:
+        value = float(expr.subs({s["bytes"]: nbytes, s["world"]: world, s["latency"]: 1e-4, s["bandwidth"]: 2e9 / 8}))
+        assert value == pytest.approx(link.allreduce_s(nbytes, world), rel=1e-12)
+    assert LinkModel.of_rate(1e9).allreduce_s(1 << 20, 1) == 0.0  # one rank sends nothing
+
+
+def test_fitting_recovers_latency_and_bandwidth() -> None:
+    truth = LinkModel(latency_s=80e-6, seconds_per_byte=4e-9)
+    sizes = [1 << k for k in range(10, 25, 2)]
+    exact = fit_link([(n, truth.allreduce_s(n, 3)) for n in sizes], world=3)
+    assert exact.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
+    assert exact.seconds_per_byte == pytest.approx(truth.seconds_per_byte, rel=1e-9)
+    rng = random.Random(0)
+    noisy = fit_link([(n, truth.allreduce_s(n, 2) * rng.uniform(0.97, 1.03)) for n in sizes for _ in range(3)], world=2)
+    assert noisy.seconds_per_byte == pytest.approx(truth.seconds_per_byte, rel=0.05)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_link([(1024, 0.001), (1024, 0.002)], world=2)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        fit_link([(1024, 0.001), (2048, 0.002)], world=1)
+
+
+# A link of 1 byte per microsecond, no latency, and 2 ranks: an all-reduce of n bytes takes n microseconds.
+LINK = LinkModel(latency_s=0.0, seconds_per_byte=1e-6)
+
+
+def test_communication_hidden_behind_backward_costs_only_the_last_bucket() -> None:
+    # Three segments of 10 ms; buckets 0 and 1 (1 ms each) complete with segments 0 and 1, bucket 2 with the last.
+    inputs = StepInputs(segment_backward_s=(0.01, 0.01, 0.01), bucket_bytes=(1000, 1000, 2000), completed_by=(0, 1, 2), forward_s=0.005, after_backward_s=0.002)
+    p = predict_step(inputs, LINK, world=2)
+    assert p.step_s == pytest.approx(0.005 + 0.03 + 0.002 + 0.002)  # only bucket 2's 2 ms after backward
+    assert p.exposed_s == pytest.approx(0.002)
+    assert p.timeline["bucket 0"] == pytest.approx((0.015, 0.016))
+    assert p.critical_path == ("forward", "segment 0", "segment 1", "segment 2", "bucket 2", "after")
+
+
+def test_a_slow_link_binds_and_buckets_queue_in_index_order() -> None:
+    # 20 ms all-reduces behind 1 ms segments: the link is the critical resource from bucket 0 on.
+    inputs = StepInputs(segment_backward_s=(0.001, 0.001, 0.001), bucket_bytes=(20000, 20000, 20000), completed_by=(0, 1, 2))
+    p = predict_step(inputs, LINK, world=2)
+    assert p.step_s == pytest.approx(0.001 + 3 * 0.020)
+    assert p.timeline["bucket 1"][0] == pytest.approx(p.timeline["bucket 0"][1])  # waits for the link, not compute
+    assert p.critical_path == ("forward", "segment 0", "bucket 0", "bucket 1", "bucket 2", "after")
+
+
+def test_the_cpu_cost_of_communication_slows_the_next_segment() -> None:
+    inputs = StepInputs(segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 1000), completed_by=(0, 1), cpu_seconds_per_byte=2e-6)
+    p = predict_step(inputs, LINK, world=2)
+    assert p.timeline["segment 1"] == pytest.approx((0.01, 0.022))  # 10 ms + 1000 B x 2 us of gloo's work
+    assert p.step_s == pytest.approx(0.022 + 0.001)
+
+
+def test_inputs_are_checked() -> None:
+    with pytest.raises(ValueError, match="bucket 1 completes before bucket 0"):
+        StepInputs(segment_backward_s=(0.01, 0.01), bucket_bytes=(1, 1), completed_by=(1, 0))
+    with pytest.raises(ValueError, match="segment 3, which does not exist"):
+        StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(3,))
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        LinkModel.of_rate(0)
