@@ -250,8 +250,8 @@ class Reducer:
             self.plans.training_forwards += 1  # sent with the next agreement: ranks out of step are found
 
     def _check_placement(self) -> None:
-        """A parameter moved to another dtype or device after wrapping no longer fits its bucket (PyTorch's DDP
-        raises there too): say which, instead of casting its gradient silently."""
+        """A parameter moved to another dtype or device after wrapping no longer fits its bucket: say which,
+        instead of casting its gradient silently as PyTorch's DDP does (docs/reliability.md)."""
         for i, p in enumerate(self._params):
             if (p.dtype, p.device) != self._placed[i]:
                 dtype, device = self._placed[i]
