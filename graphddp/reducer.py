@@ -428,7 +428,7 @@ class Reducer:
                 continue
             self._events.record("late", k)
             buffer = torch.zeros_like(bucket.buffer) if joined else bucket.buffer
-            in_flight = DenseReduction(self._hook, self._comm, self.rank).start(bucket, buffer, False)
+            in_flight = self._launcher.reductions[k].dense.start(bucket, buffer, False)  # the SkippedReduction's
             in_flight.commit()
             reduced = in_flight.wait()
             if not joined:

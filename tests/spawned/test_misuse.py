@@ -13,6 +13,7 @@ unmatched, so each runs on fresh ranks whose process group has a short timeout (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
@@ -300,7 +301,7 @@ def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
         step(ddp, rank)
         step(ddp, rank)
     elif what == "no_sync_on_one_rank":
-        with ddp.no_sync() if rank == 1 else _nothing():
+        with ddp.no_sync() if rank == 1 else contextlib.nullcontext():
             step(ddp, rank)
         step(ddp, rank)
         step(ddp, rank)
@@ -323,14 +324,6 @@ def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
         F.mse_loss(ddp(x.to(next(ddp.parameters()).dtype)), y.to(next(ddp.parameters()).dtype)).backward()
     else:
         raise ValueError(what)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # -- the catalogue -----------------------------------------------------------------------------------------------
@@ -483,31 +476,23 @@ TORCH: dict[str, str] = {
 }
 
 
-def run_catalogue(rank: int, world: int, impl: str, names: list[str]) -> dict[str, str]:
-    """The symmetric scenarios, one after the other: ``works`` or ``<Type>: <message>`` each."""
-    outcomes = {}
-    for name in names:
-        entry = CATALOGUE[name]
-        try:
-            entry.scenario(rank, world, impl, *entry.args)
-            outcomes[name] = "works"
-        except Exception as error:  # noqa: BLE001 (the outcome is what the catalogue records)
-            outcomes[name] = f"{type(error).__name__}: {error}"
-        dist.barrier()  # every rank is past the scenario before the next one starts
-    return outcomes
-
-
-def run_one(rank: int, world: int, impl: str, name: str) -> str:
-    return run_catalogue(rank, world, impl, [name])[name] if not CATALOGUE[name].asymmetric else _attempt(rank, world, impl, name)
-
-
 def _attempt(rank: int, world: int, impl: str, name: str) -> str:
+    """One scenario on this rank: ``works`` or ``<Type>: <message>``."""
     entry = CATALOGUE[name]
     try:
         entry.scenario(rank, world, impl, *entry.args)
         return "works"
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001 (the outcome is what the catalogue records)
         return f"{type(error).__name__}: {error}"
+
+
+def run_catalogue(rank: int, world: int, impl: str, names: list[str]) -> dict[str, str]:
+    """The symmetric scenarios, one after the other."""
+    outcomes = {}
+    for name in names:
+        outcomes[name] = _attempt(rank, world, impl, name)
+        dist.barrier()  # every rank is past the scenario before the next one starts
+    return outcomes
 
 
 SYMMETRIC = sorted(n for n, e in CATALOGUE.items() if not e.asymmetric)
