@@ -153,7 +153,7 @@ class GraphDDPBackend:
             gm,
             example_inputs,
             target.params_by_id() if target is not None else _parameter_names_without_ddp(gm, example_inputs),
-            caps=target.caps if target is not None else BucketCaps(),
+            caps=target.caps_for_graph if target is not None else BucketCaps(),
             row_sparse=target is not None and target.reduces_rows,  # without a Reducer, nothing takes parts
             plan_for=target.plan_for_graph if target is not None else lambda params: None,
             sink=target,

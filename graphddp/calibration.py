@@ -1,8 +1,10 @@
-"""Measure the link a process group runs over: the α-β fit of the step cost model (Note [Step cost model] in
-``passes/cost.py``), from a short series of all-reduces on the group itself, cached per group.
+"""Measure what the step cost model (Note [Step cost model] in ``passes/cost.py``) needs, on the ranks themselves:
+the link (the α-β fit of a short series of all-reduces on the group, cached per group), how fast a rank computes
+(``compute_rates``, for estimating graphs), and how much compute communication takes away on a CPU host
+(``cpu_cost_of_communication``).
 
-Every rank times the same all-reduces, but clocks and noise differ; rank 0's fit is broadcast so every rank
-holds the same model (whatever is decided from it, such as bucket caps, must be the same on every rank).
+Every rank measures, but clocks and noise differ; rank 0's figures are broadcast so every rank holds the same
+model (whatever is decided from it, such as bucket caps, must be the same on every rank).
 """
 
 from __future__ import annotations
@@ -10,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .passes import LinkModel, fit_link
+from .passes import ComputeRates, LinkModel, fit_link
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +63,69 @@ def link_of(
     )
     _fitted[group] = link
     return link
+
+
+def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> ComputeRates:
+    """How fast this rank computes (a large matmul's flop rate, an elementwise op's byte rate), rank 0's
+    measurement broadcast so every rank estimates graphs alike (``graphddp.passes.graph_cost``). Collective."""
+    group = group if group is not None else dist.group.WORLD
+    device = device or torch.device("cpu")
+    a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
+    x, y = torch.randn(1 << 22, device=device), torch.randn(1 << 22, device=device)
+    matmul_s = _best_of(lambda: torch.mm(a, b), device)
+    add_s = _best_of(lambda: torch.add(x, y), device)
+    agreed = torch.tensor([2 * 1024**3 / matmul_s, 3 * x.nbytes / add_s], dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(agreed, group=group, group_src=0)
+    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]))
+
+
+def cpu_cost_of_communication(
+    group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.4, repeats: int = 3
+) -> float:
+    """Seconds of compute each all-reduced byte costs a CPU rank (gloo's copies and reductions, the network
+    stack): a fixed matmul loop timed alone and while all-reduces run beside it. Rank 0's figure, broadcast.
+    Collective; CPU groups only (on a GPU, communication does not take compute's processor)."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world < 2:
+        return 0.0
+    link = link or link_of(group)
+    # Enough bytes to keep the link busy for half the window, in 4 MiB buffers.
+    per_byte = 2 * (world - 1) / world * link.seconds_per_byte
+    buffers = [torch.zeros(1 << 20) for _ in range(max(1, int(0.5 * window_s / max(per_byte, 1e-12)) >> 22))]
+    sent = sum(b.nbytes for b in buffers)
+    a = torch.randn(512, 512)
+    loops = max(1, int(window_s / max(_best_of(lambda: torch.mm(a, a), torch.device("cpu")), 1e-6)))
+
+    def compute() -> float:
+        started = time.perf_counter()
+        for _ in range(loops):
+            torch.mm(a, a)
+        return time.perf_counter() - started
+
+    alone, beside = [], []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        alone.append(compute())
+        dist.barrier(group=group)
+        works = [dist.all_reduce(b, group=group, async_op=True) for b in buffers]
+        beside.append(compute())
+        for w in works:
+            w.wait()
+    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / sent], dtype=torch.float64)
+    dist.broadcast(cost, group=group, group_src=0)
+    logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
+    return float(cost)
+
+
+def _best_of(op: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    op()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return min(times)

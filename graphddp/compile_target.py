@@ -7,12 +7,13 @@ the Reducer), never the DDP module or the Reducer's attributes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
+from torch import fx
 
-from .passes import BucketCaps, BucketPlan, GraphSplit
+from .passes import BucketCaps, BucketPlan, GraphParam, GraphSplit
 
 
 class Events(Protocol):
@@ -35,8 +36,9 @@ class CompileTarget(PartSink, Protocol):
     rank: int
     world_size: int
 
-    @property
-    def caps(self) -> BucketCaps: ...
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
+        """The caps to plan a newly captured graph with (chosen for it, with ``bucket_cap_mb="auto"``)."""
+        ...
 
     @property
     def reduces_rows(self) -> bool:

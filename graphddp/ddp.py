@@ -20,12 +20,14 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import checkpoint, compile_target, dynamo_hook
+from .auto_caps import AutoCaps
 from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
 from .iteration import ActiveRanks
 from .optimizer_overlap import StepPerBucket
 from .passes import (
     BucketCaps,
     BucketPlan,
+    CapsSearch,
     ParamSpec,
     embedding_tables,
     plan_buckets,
@@ -38,18 +40,23 @@ from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
 logger = logging.getLogger(__name__)
 
+AUTO = "auto"
+_DEFAULT_MB = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "last_bucket_cap_mb": 1.0}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BucketOptions:
     """How gradients are bucketed and reduced, as users give it (caps in MiB); shared by ``DDPOptions`` and every
     tool that builds a DDP (demo, benchmark)."""
 
-    bucket_cap_mb: float = 25
-    """Cap of the buckets in the middle of backward, in MiB."""
-    first_bucket_cap_mb: float = 1
-    """Cap of the first bucket, in MiB: small, so the first all-reduce starts early in backward."""
-    last_bucket_cap_mb: float = 1
-    """Cap of the last bucket, in MiB: small, so little is left to all-reduce once backward is over."""
+    bucket_cap_mb: float | str = 25
+    """Cap of the buckets in the middle of backward, in MiB; ``"auto"``: chosen from the step cost model
+    (Note [Automatic caps] in ``graphddp.passes.caps_choice``)."""
+    first_bucket_cap_mb: float | str = 1
+    """Cap of the first bucket, in MiB: small, so the first all-reduce starts early in backward; or ``"auto"``."""
+    last_bucket_cap_mb: float | str = 1
+    """Cap of the last bucket, in MiB: small, so little is left to all-reduce once backward is over; or
+    ``"auto"``."""
     bucket_ramps: bool = True
     """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
     (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
@@ -63,13 +70,29 @@ class BucketOptions:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        for field in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
+            value = getattr(self, field)
+            if isinstance(value, str) and value != AUTO:
+                raise ValueError(f"{field} must be a number of MiB or {AUTO!r}, got {value!r}")
         _ = self.caps  # raises on a bad cap
 
     @property
     def caps(self) -> BucketCaps:
-        return BucketCaps.from_mb(
-            self.bucket_cap_mb, self.first_bucket_cap_mb, self.last_bucket_cap_mb, ramps=self.bucket_ramps
-        )
+        """The caps to plan with until an automatic choice is made (the defaults stand in for ``"auto"``)."""
+        fixed = [_DEFAULT_MB[f] if v == AUTO else v for f, v in self._cap_fields().items()]
+        return BucketCaps.from_mb(*fixed, ramps=self.bucket_ramps)
+
+    @property
+    def caps_search(self) -> CapsSearch | None:
+        """Which caps are chosen automatically (None: none of them)."""
+        fields = self._cap_fields()
+        if AUTO not in fields.values():
+            return None
+        bucket, first, last = (None if v == AUTO else float(v) for v in fields.values())
+        return CapsSearch(bucket_mb=bucket, first_mb=first, last_mb=last, ramps=self.bucket_ramps)
+
+    def _cap_fields(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in _DEFAULT_MB}
 
     def bucket_kwargs(self) -> dict[str, Any]:
         """These options as ``graphddp.DDP`` keyword arguments."""
@@ -120,7 +143,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -134,8 +157,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
-        first_bucket_cap_mb: float = 1,
-        last_bucket_cap_mb: float = 1,
+        first_bucket_cap_mb: float | str = 1,
+        last_bucket_cap_mb: float | str = 1,
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
     ) -> None:
@@ -228,6 +251,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._broadcast_state(src=0, buffers=init_sync_buffers)
 
         self._precision.cast_buffers(module, self.parameters_to_ignore)
+        self._auto_caps = self._calibrate_auto_caps()
         plan = plan_buckets(
             [spec(n, p) for n, p in reversed(named)],
             caps=self.options.caps,
@@ -252,11 +276,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The options that change which collectives a rank issues: every rank must pass the same ones."""
         o = self.options
         return [
-            f"option buckets={o.caps}",
+            f"option buckets={o.caps} automatic={o.caps_search}",
             f"option find_unused_parameters={o.find_unused_parameters} static_graph={o.static_graph}",
             f"option forward_sync_buffers={o.broadcast_buffers} sparse_embedding_grads={o.sparse_embedding_grads}",
             f"option skip_all_reduce_unused_params={self.skip_all_reduce_unused_params}",
         ]
+
+    def _calibrate_auto_caps(self) -> AutoCaps | None:
+        """For caps left to ``"auto"``: measure the link and the ranks (collective; Note [Automatic caps])."""
+        search = self.options.caps_search
+        if search is None:
+            return None
+        if self.world_size == 1:
+            logger.info("[rank %d] graphddp.DDP: one rank communicates nothing; automatic caps keep %s", self.rank, self.options.caps)
+            return None
+        return AutoCaps.calibrate(search, self.process_group, collective_device(self.process_group, self.device))
 
     def _make_reducer(self, plan: BucketPlan) -> None:
         """The Reducer for ``plan`` (local: no collective), with what it shares with this module."""
@@ -273,6 +307,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             active_ranks=self._active_ranks,
             sparse_embedding_grads=self.options.sparse_embedding_grads,
             skip_unused=self.skip_all_reduce_unused_params,
+            auto_caps=self._auto_caps,
         )
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------

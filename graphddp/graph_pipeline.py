@@ -53,7 +53,7 @@ def prepare_graph(
     example_inputs: list[Any],
     names: Mapping[int, str],
     *,
-    caps: BucketCaps,
+    caps: BucketCaps | Callable[[fx.GraphModule, list[GraphParam]], BucketCaps],
     row_sparse: bool,
     plan_for: Callable[[frozenset[str]], BucketPlan | None] = lambda params: None,
     sink: PartSink | None = None,
@@ -61,6 +61,7 @@ def prepare_graph(
 ) -> PreparedGraph | None:
     """Plan and cut ``gm``; None when it has no trainable parameter (``names``: ``id(param)`` to name).
 
+    ``caps``: the caps, or a function choosing them for this graph (``bucket_cap_mb="auto"``).
     ``plan_for(params)`` returns a plan already made for a graph with exactly these parameters, to cut by instead
     of planning afresh (Note [Plan agreement] in ``graphddp/plans.py``). Taps hand parts to ``sink``.
     """
@@ -68,7 +69,9 @@ def prepare_graph(
     if not params:
         return None
     earlier = plan_for(frozenset(p.spec.name for p in params))
-    split = plan_graph(gm, params, caps, row_sparse=row_sparse, plan=earlier)
+    if callable(caps) and earlier is None:  # a recompile is cut by its earlier plan: nothing to choose
+        caps = caps(gm, params)
+    split = plan_graph(gm, params, caps if isinstance(caps, BucketCaps) else earlier.caps, row_sparse=row_sparse, plan=earlier)
     split_gm = None
     if split.num_segments > 1:
         split_gm = split_at_buckets(gm, split)

@@ -8,7 +8,8 @@ iteration. Three sources of a new plan, all switched to at the start of a forwar
 backward in flight:
 
 * **ready order** (eager): after the first synchronised backward, the order in which gradients became ready,
-  rank 0's order broadcast (as PyTorch's DDP rebuilds its buckets once);
+  rank 0's order broadcast (as PyTorch's DDP rebuilds its buckets once); with ``bucket_cap_mb="auto"`` rank 0's
+  ready times too, from which every rank chooses the same caps (Note [Automatic caps]);
 * **graph plans** (compiled): the backend plans each graph Dynamo captures while it compiles, in the middle of a
   forward, possibly on one rank only. It must not issue a collective there, so it only *proposes* the plan
   (``GraphPlans``): the composite of all graphs' plans in forward order. At the end of every synchronising
@@ -41,11 +42,13 @@ cut would differ, the split follows the agreed plan: buckets still launch in pla
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .auto_caps import AutoCaps
 from .comm import all_gather_bytes
 from .passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 
@@ -127,25 +130,40 @@ class PlanAgreement:
 
 
 class ReadyOrder:
-    """The order gradients became ready in the first synchronised backward, for the one-time rebuild."""
+    """The order gradients became ready in the first synchronised backward, and when (seconds since the end of
+    forward), for the one-time rebuild and automatic caps."""
 
     def __init__(self) -> None:
         self._seen: list[int] | None = []  # None: not learning (any more)
+        self._times: list[float] = []
+        self._started = time.perf_counter()
         self.learned: list[int] | None = None
+        self.learned_times: list[float] = []
+        """Seconds from the end of forward to each of ``learned``'s gradients (the end of backward for gradients
+        that came in no hook)."""
+        self.backward_s = 0.0
 
     def restart(self) -> None:
         """A backward begins: one that failed part-way leaves no stale order behind."""
         if self._seen is not None:
-            self._seen = []
+            self._seen, self._times, self._started = [], [], time.perf_counter()
 
     def observe(self, i: int) -> None:
         if self._seen is not None:
             self._seen.append(i)
+            self._times.append(time.perf_counter() - self._started)
+
+    def compute_ended(self) -> None:
+        """Backward's compute is over (the Reducer's finalize begins, before it waits for the collectives)."""
+        if self._seen is not None:
+            self.backward_s = time.perf_counter() - self._started
 
     def backward_ended(self, in_plan_order: Sequence[int]) -> None:
         if self._seen is not None:
             seen = set(self._seen)
-            self.learned = self._seen + [i for i in dict.fromkeys(in_plan_order) if i not in seen]
+            missing = [i for i in dict.fromkeys(in_plan_order) if i not in seen]
+            self.learned = self._seen + missing
+            self.learned_times = self._times + [self.backward_s] * len(missing)
             self._seen = None
 
     def forget(self) -> None:
@@ -156,13 +174,22 @@ class ReadyOrder:
 class PlanKeeper:
     """Holds the plan in force and decides, at the start of each forward, whether to switch (see the Note)."""
 
-    def __init__(self, specs: Sequence[ParamSpec], initial: BucketPlan, *, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self,
+        specs: Sequence[ParamSpec],
+        initial: BucketPlan,
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        auto_caps: AutoCaps | None = None,
+    ) -> None:
         self.specs = list(specs)
         """Every parameter the Reducer covers, by index."""
         self.current = initial
         self.graph_plans = GraphPlans(self.specs)
         self.ready_order = ReadyOrder()
         self._group, self._device = group, device
+        self._auto_caps = auto_caps
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._agreement: PlanAgreement | None = None
         self.training_forwards = 0
@@ -229,13 +256,23 @@ class PlanKeeper:
         return verdict
 
     def _rebuild_in_ready_order(self) -> BucketPlan | None:
-        """Rank 0's observed order, broadcast (collective), planned with the current caps."""
-        assert self.ready_order.learned is not None
-        order = torch.tensor(self.ready_order.learned, dtype=torch.int64, device=self._device)
+        """Rank 0's observed order, broadcast (collective), planned with the current caps, or, with automatic
+        caps, with caps chosen from rank 0's ready times (broadcast too; Note [Automatic caps])."""
+        learned = self.ready_order
+        assert learned.learned is not None
+        order = torch.tensor(learned.learned, dtype=torch.int64, device=self._device)
+        times = torch.tensor([*learned.learned_times, learned.backward_s], dtype=torch.float64, device=self._device)
         if self.world_size > 1:
             dist.broadcast(order, group=self._group, group_src=0)
+            if self._auto_caps is not None:
+                dist.broadcast(times, group=self._group, group_src=0)
         self.ready_order.forget()
-        plan = plan_buckets([self.specs[i] for i in order.tolist()], caps=self.current.caps, source="ready-order")
+        specs = [self.specs[i] for i in order.tolist()]
+        caps = self.current.caps
+        if self._auto_caps is not None:
+            *ready_s, backward_s = times.tolist()
+            caps = self._auto_caps.for_ready_times(specs, ready_s, backward_s)
+        plan = plan_buckets(specs, caps=caps, source="ready-order")
         if plan.fingerprint == self.current.fingerprint:
             return None
         logger.info(

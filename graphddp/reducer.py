@@ -37,13 +37,15 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
+from torch import fx
 
+from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket
 from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook
 from .compile_target import Events
@@ -51,7 +53,7 @@ from .grad_layout import BucketViewGrads, CopiedGrads, fill
 from .iteration import ActiveRanks, Iteration
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
-from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, rows_apply
+from .passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .profiling import trace_artifact
 from .reductions import CommHook, DenseReduction, RowSparseReduction, SkippedReduction
@@ -78,6 +80,7 @@ class Reducer:
         active_ranks: ActiveRanks | None = None,
         sparse_embedding_grads: bool = True,
         skip_unused: bool = False,
+        auto_caps: AutoCaps | None = None,
     ) -> None:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
@@ -110,7 +113,8 @@ class Reducer:
         # As planned: marks (row-sparse, sparse) and bucket dtype (mixed_precision) carry over to every re-plan.
         planned = {s.name: s for b in plan.buckets for s in b.params if not s.part}
         specs = [planned.get(n) or ParamSpec.of(n, p) for n, p in named_params]
-        self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device)
+        self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
+        self.plans = PlanKeeper(specs, plan, group=process_group, device=collective_device, auto_caps=auto_caps)
         self._iteration: Iteration | None = None
         self._pending_error: str | None = None
         self.splits: list[GraphSplit] = []
@@ -195,6 +199,12 @@ class Reducer:
     @property
     def caps(self) -> BucketCaps:
         return self.plan.caps
+
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
+        """The caps to plan a newly captured graph with: the plan's, or the automatic choice for this graph."""
+        if self._auto_caps is None:
+            return self.caps
+        return self._auto_caps.for_graph(gm, params, row_sparse=self.reduces_rows)
 
     @property
     def reduces_rows(self) -> bool:
@@ -372,6 +382,7 @@ class Reducer:
         assert iteration is not None
         try:
             self._events.record("finalize")
+            self.plans.ready_order.compute_ended()
             missing = self._fill_missing()
             used_here = self.usage.used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             later = []  # buckets with a parameter not used here: final only once the usage count is in

@@ -4,7 +4,16 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
+from .caps_choice import (
+    CapsChoice,
+    CapsSearch,
+    choose_caps,
+    choose_graph_caps,
+    step_inputs_from_ready_times,
+    step_inputs_from_split,
+)
 from .cost import LinkModel, Prediction, StepInputs, allreduce_seconds, fit_link, predict_step
+from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
 from .plan import (
     Bucket,
@@ -33,6 +42,9 @@ from .taps import place_taps, tap_parts
 __all__ = [
     "ROW_SPARSE_MAX_DENSITY",
     "Bucket",
+    "CapsChoice",
+    "CapsSearch",
+    "ComputeRates",
     "BucketCaps",
     "BucketPlan",
     "GraphParam",
@@ -48,10 +60,13 @@ __all__ = [
     "Tap",
     "allreduce_seconds",
     "assign_segments",
+    "choose_caps",
+    "choose_graph_caps",
     "compose_plans",
     "embedding_tables",
     "find_graph_params",
     "fit_link",
+    "forward_seconds",
     "first_difference_across",
     "misplaced_parts",
     "place_taps",
@@ -62,8 +77,11 @@ __all__ = [
     "ready_groups",
     "row_sparse_params",
     "rows_apply",
+    "segment_backward_seconds",
     "sparse_gradient_params",
     "split_at_buckets",
+    "step_inputs_from_ready_times",
+    "step_inputs_from_split",
     "tap_parts",
     "tensor_bytes",
 ]

@@ -1,0 +1,76 @@
+"""``bucket_cap_mb="auto"``: the calibrated inputs of Note [Automatic caps] (``graphddp.passes.caps_choice``),
+measured once when the DDP is built, and the two choices made from them.
+
+Built collectively at construction (every rank measures the link and compute rates the same way, rank 0's
+figures are broadcast), so both choices are functions of agreed data: the eager one of the ready times of the
+first backward (rank 0's, broadcast with the ready order, ``graphddp.plans``), the compiled one of the captured
+graph. Until a choice is made, the caps the user did not leave to ``"auto"`` and the defaults for the others
+plan the buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .calibration import compute_rates, cpu_cost_of_communication, link_of
+from .passes import (
+    BucketCaps,
+    CapsSearch,
+    ComputeRates,
+    GraphParam,
+    LinkModel,
+    ParamSpec,
+    choose_caps,
+    choose_graph_caps,
+    step_inputs_from_ready_times,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCaps:
+    """What the automatic choice knows about the ranks and their link."""
+
+    search: CapsSearch
+    link: LinkModel
+    rates: ComputeRates
+    cpu_seconds_per_byte: float
+    world: int
+    rank: int
+
+    @classmethod
+    def calibrate(cls, search: CapsSearch, group: dist.ProcessGroup, device: torch.device) -> AutoCaps:
+        """Measure the link, the compute rates and (CPU collectives) communication's cost in compute. Collective."""
+        link = link_of(group, device=device)
+        rates = compute_rates(group, device=device)
+        cpu = cpu_cost_of_communication(group, link=link) if device.type == "cpu" else 0.0
+        return cls(search, link, rates, cpu, dist.get_world_size(group), dist.get_rank(group))
+
+    def for_ready_times(self, specs_in_ready_order: Sequence[ParamSpec], ready_s: Sequence[float], backward_s: float) -> BucketCaps:
+        """Caps for eager buckets, from the (agreed) ready times of one backward."""
+        choice = choose_caps(
+            self.search.candidates(),
+            lambda caps: step_inputs_from_ready_times(
+                specs_in_ready_order, ready_s, caps, backward_s=backward_s, cpu_seconds_per_byte=self.cpu_seconds_per_byte
+            ),
+            self.link,
+            self.world,
+        )
+        logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
+        return choice.caps
+
+    def for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool) -> BucketCaps:
+        """Caps for a captured graph, its backward estimated from its shapes."""
+        choice = choose_graph_caps(
+            gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
+            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte,
+        )  # fmt: skip
+        logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
+        return choice.caps

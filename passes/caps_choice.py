@@ -1,0 +1,169 @@
+"""Choose bucket caps from the step cost model: ``bucket_cap_mb="auto"``.
+
+Note [Automatic caps]
+~~~~~~~~~~~~~~~~~~~~~
+Small buckets start communicating early in backward but pay the link's latency once each; large ones pay it
+rarely but leave more to send after backward. Which wins depends on the link (α, β), the world size and where
+in backward the gradients become ready, all of which the step cost model (Note [Step cost model] in
+``passes/cost.py``) takes. So each cap the user leaves to ``"auto"`` is searched over a fixed grid
+(``MIDDLE_MB`` for ``bucket_cap_mb``, ``EDGE_MB`` for the first and last), every combination is planned exactly
+as a run would plan it, its step predicted, and the fastest kept; ties go to the earlier candidate, whose caps
+are larger (fewer collectives, less per-bucket overhead the model does not see).
+
+Where the gradients become ready comes from one of two sources:
+
+* **measured** (eager): the seconds from the end of forward to each parameter's gradient hook in the first
+  synchronised backward (``step_inputs_from_ready_times``);
+* **estimated** (compiled): each segment's backward from the captured graph's shapes and the device's rates
+  (``graphddp.passes.graph_cost``), because the split must be chosen while Dynamo compiles, before anything
+  ran (``step_inputs_from_split``).
+
+Every input is agreed by all ranks before the choice (rank 0's measurements, broadcast), and the search is
+deterministic, so every rank chooses the same caps without a further collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from torch import fx
+
+from .cost import LinkModel, StepInputs, predict_step
+from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
+from .graph_params import GraphParam
+from .plan import BucketCaps, MiB, ParamSpec, plan_buckets
+from .plan_graph import plan_graph
+from .split import GraphSplit
+
+MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
+"""Candidates for ``bucket_cap_mb``, largest first (ties go to larger caps)."""
+EDGE_MB = (4.0, 1.0, 0.25)
+"""Candidates for the first and last buckets' caps, besides the middle cap itself (no ramp at that end)."""
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CapsSearch:
+    """Which caps to search (None) and which the user fixed (MiB)."""
+
+    bucket_mb: float | None = None
+    first_mb: float | None = None
+    last_mb: float | None = None
+    ramps: bool = True
+
+    def candidates(self) -> list[BucketCaps]:
+        """Every combination of the searched caps with the fixed ones, larger caps first."""
+        candidates = []
+        for middle in MIDDLE_MB if self.bucket_mb is None else (self.bucket_mb,):
+            edges = [middle] + [e for e in EDGE_MB if e < middle]
+            for first, last in itertools.product(
+                edges if self.first_mb is None else (self.first_mb,), edges if self.last_mb is None else (self.last_mb,)
+            ):
+                candidates.append(BucketCaps.from_mb(middle, first, last, ramps=self.ramps))
+        return candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class CapsChoice:
+    caps: BucketCaps
+    predicted_s: float
+    """Predicted seconds of the backward-and-communication part of the step with ``caps``."""
+    ranking: tuple[tuple[BucketCaps, float], ...]
+    """Every candidate with its prediction, fastest first (for logs and tests)."""
+
+    def describe(self, top: int = 3) -> str:
+        return ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
+
+
+def choose_caps(candidates: Sequence[BucketCaps], inputs_for: Callable[[BucketCaps], StepInputs], link: LinkModel, world: int) -> CapsChoice:
+    """The candidate whose predicted step is shortest (the first such, on a tie)."""
+    if not candidates:
+        raise ValueError("choosing caps needs at least one candidate")
+    predicted = [(caps, predict_step(inputs_for(caps), link, world).step_s) for caps in candidates]
+    ranking = sorted(predicted, key=lambda cs: cs[1])  # stable: ties keep the candidates' order
+    return CapsChoice(ranking[0][0], ranking[0][1], tuple(ranking))
+
+
+def step_inputs_from_ready_times(
+    specs_in_ready_order: Sequence[ParamSpec],
+    ready_s: Sequence[float],
+    caps: BucketCaps,
+    *,
+    backward_s: float,
+    cpu_seconds_per_byte: float = 0.0,
+) -> StepInputs:
+    """The step's inputs for buckets planned with ``caps`` over parameters whose gradients became ready
+    ``ready_s`` seconds into backward (measured; ``backward_s`` is the whole backward)."""
+    if len(specs_in_ready_order) != len(ready_s):
+        raise ValueError("every parameter needs its ready time")
+    at = dict(zip((p.name for p in specs_in_ready_order), ready_s))
+    plan = plan_buckets(specs_in_ready_order, caps=caps)
+    completions, running = [], 0.0
+    for bucket in plan.buckets:  # a bucket is complete when its last gradient is ready
+        running = max([running, *(at[p.name] for p in bucket.params)])
+        completions.append(min(running, backward_s))
+    return _inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
+
+
+def step_inputs_from_split(split: GraphSplit, segment_seconds: Sequence[float], *, cpu_seconds_per_byte: float = 0.0) -> StepInputs:
+    """The step's inputs for a graph cut into ``split``: segment ``i``'s backward takes ``segment_seconds[i]``,
+    and backward runs the segments last to first."""
+    count = split.num_segments
+    completed_at = {}  # bucket -> its segment's position in backward order
+    for segment in split.segments:
+        for k in segment.buckets:
+            completed_at[k] = count - 1 - segment.index
+    positions, running = [], 0
+    for bucket in split.plan.buckets:  # buckets no segment completes (gradients from outside) wait for the end
+        running = max(running, completed_at.get(bucket.index, count - 1))
+        positions.append(running)
+    return StepInputs(
+        segment_backward_s=tuple(segment_seconds[count - 1 - p] for p in range(count)),
+        bucket_bytes=tuple(b.nbytes for b in split.plan.buckets),
+        completed_by=tuple(positions),
+        cpu_seconds_per_byte=cpu_seconds_per_byte,
+    )
+
+
+def choose_graph_caps(
+    gm: fx.GraphModule,
+    params: Sequence[GraphParam],
+    search: CapsSearch,
+    *,
+    rates: ComputeRates,
+    link: LinkModel,
+    world: int,
+    row_sparse: bool,
+    cpu_seconds_per_byte: float = 0.0,
+) -> CapsChoice:
+    """Caps for one captured graph: each candidate planned and cut as the backend would, its segments' backward
+    estimated from the graph (Note [Automatic caps])."""
+    node_seconds = forward_seconds(gm, rates)
+
+    def inputs_for(caps: BucketCaps) -> StepInputs:
+        split = plan_graph(gm, params, caps, row_sparse=row_sparse)
+        seconds = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
+        return step_inputs_from_split(split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
+
+    return choose_caps(search.candidates(), inputs_for, link, world)
+
+
+def _inputs_from_completions(completions: Sequence[float], nbytes: Sequence[int], backward_s: float, cpu: float) -> StepInputs:
+    """Segments between successive bucket completions (and one to the end of backward)."""
+    edges = sorted(set(completions) | {backward_s})
+    starts = [0.0, *edges[:-1]]
+    return StepInputs(
+        segment_backward_s=tuple(end - start for start, end in zip(starts, edges)),
+        bucket_bytes=tuple(nbytes),
+        completed_by=tuple(edges.index(c) for c in completions),
+        cpu_seconds_per_byte=cpu,
+    )
+
+
+def _mb(caps: BucketCaps) -> str:
+    return f"{caps.bucket / MiB:g}/{caps.first / MiB:g}/{caps.last / MiB:g} MiB"
+
+

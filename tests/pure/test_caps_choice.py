@@ -1,0 +1,123 @@
+"""Automatic caps (Note [Automatic caps] in passes/caps_choice.py) and the graph's compute estimate
+(passes/graph_cost.py), without processes: hand-computed FLOPs and schedules, and choices that follow the link."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from graphddp.passes import (
+    BucketCaps,
+    CapsSearch,
+    ComputeRates,
+    LinkModel,
+    MiB,
+    ParamSpec,
+    StepInputs,
+    choose_caps,
+    forward_seconds,
+    step_inputs_from_ready_times,
+)
+from graphddp.passes.graph_cost import flops, moved_bytes
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from graphddp.ddp import BucketOptions
+
+
+class ConvThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, kernel_size=3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x))
+        return self.fc(h.flatten(1)) @ torch.ones(10, 5)
+
+
+def traced() -> fx.GraphModule:
+    gm = fx.symbolic_trace(ConvThenLinear())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        FakeTensorProp(gm, mode).propagate(torch.randn(2, 3, 4, 4))  # shapes into node.meta["val"], as Dynamo's graphs carry
+    return gm
+
+
+def node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def test_flops_of_convolution_linear_and_matmul_from_the_shapes() -> None:
+    gm = traced()
+    assert flops(node(gm, "conv")) == 2 * (2 * 8 * 4 * 4) * (3 * 3 * 3)  # 2 x outputs x (in_channels x kernel)
+    assert flops(node(gm, "fc")) == 2 * (2 * 10) * 128  # 2 x outputs x in_features
+    assert flops(node(gm, "matmul")) == 2 * (2 * 5) * 10
+    assert flops(node(gm, "relu")) == 0
+    assert moved_bytes(node(gm, "relu")) == 2 * (2 * 8 * 4 * 4) * 4  # reads and writes one float tensor
+
+
+def test_a_node_costs_its_flops_and_its_bytes_at_the_device_rates() -> None:
+    gm = traced()
+    rates = ComputeRates(flops_per_s=1e9, bytes_per_s=1e8)
+    seconds = forward_seconds(gm, rates)
+    fc = node(gm, "fc")
+    assert seconds["fc"] == pytest.approx(flops(fc) / 1e9 + moved_bytes(fc) / 1e8)
+    assert set(seconds) == {n.name for n in gm.graph.nodes if n.op.startswith("call")}  # placeholders cost nothing
+    with pytest.raises(ValueError, match="must be > 0"):
+        ComputeRates(flops_per_s=0, bytes_per_s=1)
+
+
+def specs(*mib: float) -> list[ParamSpec]:
+    return [ParamSpec(f"p{i}", (int(m * MiB) // 4,), torch.float32, "cpu") for i, m in enumerate(mib)]
+
+
+def test_ready_times_become_segments_between_bucket_completions() -> None:
+    # Four 1 MiB gradients ready at 10, 20, 30, 40 ms of a 50 ms backward; 2 MiB buckets without ramps: two buckets.
+    caps = BucketCaps(bucket=2 * MiB, first=2 * MiB, last=2 * MiB, ramps=False)
+    inputs = step_inputs_from_ready_times(specs(1, 1, 1, 1), [0.01, 0.02, 0.03, 0.04], caps, backward_s=0.05)
+    assert inputs.segment_backward_s == pytest.approx((0.02, 0.02, 0.01))  # bucket 0 complete at 20 ms, 1 at 40 ms
+    assert (inputs.bucket_bytes, inputs.completed_by) == ((2 * MiB, 2 * MiB), (0, 1))
+
+
+def test_a_latency_bound_link_gets_one_bucket_and_a_bandwidth_bound_one_several() -> None:
+    # 32 gradients of 1 MiB ready evenly over a 320 ms backward.
+    params = specs(*[1] * 32)
+    ready = [0.01 * (i + 1) for i in range(32)]
+    candidates = CapsSearch(ramps=False).candidates()  # PyTorch's layout: the middle cap decides everything
+
+    def inputs_for(caps: BucketCaps) -> StepInputs:
+        return step_inputs_from_ready_times(params, ready, caps, backward_s=0.33)
+
+    slow_messages = choose_caps(candidates, inputs_for, LinkModel(latency_s=0.05, seconds_per_byte=1e-10), world=2)
+    slow_buckets = len(inputs_for(slow_messages.caps).bucket_bytes)
+    assert slow_buckets <= 3  # 100 ms per all-reduce: few, and all but the last hidden behind backward
+    assert slow_messages.predicted_s == pytest.approx(0.33 + 0.1, abs=0.01)
+    fast_messages = choose_caps(candidates, inputs_for, LinkModel(latency_s=1e-6, seconds_per_byte=8 / 2e9), world=2)
+    assert fast_messages.caps.bucket <= 8 * MiB  # 2 Gbit/s, no latency: start early, keep the tail small
+    assert len(inputs_for(fast_messages.caps).bucket_bytes) > slow_buckets
+    largest = BucketCaps(bucket=100 * MiB, first=4 * MiB, last=4 * MiB, ramps=False)
+    tail = inputs_for(largest).bucket_bytes[-1]  # everything after the first 4 MiB: sent after backward
+    assert dict(fast_messages.ranking)[largest] == pytest.approx(0.32 + 2e-6 + tail * 4e-9)  # from the last gradient (320 ms)
+    assert fast_messages.predicted_s < 0.34
+    assert [s for _, s in fast_messages.ranking] == sorted(s for _, s in fast_messages.ranking)
+
+
+def test_ties_go_to_the_first_candidate_and_fixed_caps_are_kept() -> None:
+    search = CapsSearch(first_mb=2.0, last_mb=None)
+    candidates = search.candidates()
+    assert {c.first for c in candidates} == {2 * MiB} and {c.last for c in candidates if c.bucket == 64 * MiB} == {64 * MiB, 4 * MiB, MiB, MiB // 4}
+    no_link = LinkModel(latency_s=0.0, seconds_per_byte=0.0)  # every layout costs the same
+    choice = choose_caps(candidates, lambda caps: step_inputs_from_ready_times(specs(1, 1), [0.1, 0.2], caps, backward_s=0.2), no_link, 2)
+    assert choice.caps == candidates[0]
+    with pytest.raises(ValueError, match="at least one candidate"):
+        choose_caps([], lambda caps: None, no_link, 2)  # type: ignore[arg-type,return-value]
+
+
+def test_auto_is_the_only_word_a_cap_accepts() -> None:
+    options = BucketOptions(bucket_cap_mb="auto", last_bucket_cap_mb="auto")
+    assert options.caps == BucketCaps()  # the defaults plan until the choice
+    assert options.caps_search == CapsSearch(bucket_mb=None, first_mb=1.0, last_mb=None)
+    assert BucketOptions().caps_search is None
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'auto', got 'big'"):
+        BucketOptions(bucket_cap_mb="big")
