@@ -18,6 +18,41 @@ import graphddp
 from graphddp.ddp import BucketOptions
 
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
+"""The default modes. A graphddp mode also takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``),
+``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's
+optimizer step inside backward, Note [Optimizer overlap]); ``graphddp-eager@auto+step`` combines them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeName:
+    """A mode as the command line names it: the base mode and its variant."""
+
+    base: str
+    cap: str | None = None
+    """``bucket_cap_mb`` for this mode (a number of MiB, or ``auto`` for every cap)."""
+    step_in_backward: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> ModeName:
+        rest, step = (name[: -len("+step")], True) if name.endswith("+step") else (name, False)
+        base, _, cap = rest.partition("@")
+        if base not in MODES:
+            raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, MODE+step)")
+        if (cap or step) and not base.startswith("graphddp"):
+            raise ValueError(f"mode {name!r}: only graphddp modes take @CAP or +step")
+        if cap and cap != "auto":
+            try:
+                float(cap)
+            except ValueError:
+                raise ValueError(f"mode {name!r}: the cap after @ must be a number of MiB or auto") from None
+        return cls(base, cap or None, step)
+
+    def config(self, cfg: ModeConfig) -> ModeConfig:
+        if self.cap == "auto":
+            return dataclasses.replace(cfg, bucket_cap_mb="auto", first_bucket_cap_mb="auto", last_bucket_cap_mb="auto")
+        if self.cap is not None:
+            return dataclasses.replace(cfg, bucket_cap_mb=float(self.cap))
+        return cfg
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +72,9 @@ gets the buckets' events too."""
 
 def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """``(step, handle)``: ``step(batch)`` runs one iteration; ``handle`` is the DDP module, when there is one."""
+    name = ModeName.parse(mode)
+    mode, cfg = name.base, name.config(cfg)
+    step_in_backward = name.step_in_backward
     builders: dict[str, Callable[[nn.Module, ModeConfig], tuple[Step, Any]]] = {
         "local": _local,
         "comm": _comm_only,
@@ -45,10 +83,11 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "torch-compiled": lambda m, c: _trained(
             nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb), compile_with=c.inner
         ),
-        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.bucket_kwargs())),
+        "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.bucket_kwargs()), step_in_backward=step_in_backward),
         "graphddp-compiled": lambda m, c: _trained(
             graphddp.DDP(m, **c.bucket_kwargs()),
             graphddp_backend=graphddp.backend(c.inner),
+            step_in_backward=step_in_backward,
         ),
     }
     if mode not in builders:
@@ -60,8 +99,10 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: Any = None) -> tuple[Step, Any]:
+def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: Any = None, step_in_backward: bool = False) -> tuple[Step, Any]:
     opt = _optimizer(ddp)
+    if step_in_backward:  # each bucket's update runs inside backward; opt.step() below then has nothing to do
+        ddp.step_in_backward(opt)
     model = ddp
     if graphddp_backend is not None:
         model = torch.compile(ddp, backend=graphddp_backend)
@@ -74,7 +115,8 @@ def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: 
         _mark(log, "backward")  # for DDP modes: until the averaged gradients are in .grad
         loss.backward()
         _mark(log, "optimizer")
-        opt.step()
+        if not step_in_backward:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         _mark(log, "end")
 

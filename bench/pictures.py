@@ -26,7 +26,7 @@ def _spans(timeline: list[list[Any]]) -> list[tuple[str, float, float, str]]:
     """(name, start ms, end ms, row) spans from one rank's events."""
     at = {}
     spans = []
-    for kind, bucket, t in timeline:
+    for kind, bucket, _param, t in timeline:
         at.setdefault((kind, bucket), t)
     phases = [("forward", "backward"), ("backward", "optimizer"), ("optimizer", "end")]
     for begin, finish in phases:

@@ -21,7 +21,8 @@ from tabulate import tabulate
 from graphddp.ddp import BucketOptions
 
 from .link import Link, LinkSpec
-from .modes import MODES
+from .modes import MODES, ModeName
+from .predict import predict_modes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +52,8 @@ class BenchOptions(BucketOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # bad caps: one line, before any rank starts
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown:
-            raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        for mode in self.modes:
+            ModeName.parse(mode)  # raises on an unknown mode or variant
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
         if not isinstance(self.pin, bool):
@@ -180,7 +180,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         label = "graphddp-compiled / max(local, comm)"
         ratios[label] = modes["graphddp-compiled"]["median_s"] / max(local, comm)
         ratio_rounds[label] = [x / max(y, z) for x, y, z in zip(per_round["graphddp-compiled"], per_round["local"], per_round["comm"])]
-    return {
+    summary = {
         "options": dataclasses.asdict(options),
         "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
@@ -193,7 +193,14 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         "timelines": {
             mode: [r["modes"][mode]["timeline"] for r in ranks] for mode in options.modes if ranks[0]["modes"][mode]["timeline"]
         },
+        "calibration": ranks[0].get("calibration"),
+        "params": ranks[0].get("params", []),
+        "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
     }
+    for mode, predicted in predict_modes(summary).items():
+        modes[mode].update(predicted)
+        modes[mode]["prediction_error"] = predicted["predicted_s"] / modes[mode]["median_s"] - 1
+    return summary
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -202,8 +209,9 @@ def table(summary: dict[str, Any]) -> str:
         rows.append([
             mode, f"{m['median_s'] * 1e3:.1f}", f"{m['min_s'] * 1e3:.1f}-{m['max_s'] * 1e3:.1f}", f"{m['samples_per_s']:.1f}",
             f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("added_peak_rss_mb")),
+            _ms(m.get("predicted_s")), _signed_pct(m.get("prediction_error")),
         ])  # fmt: skip
-    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB"]
+    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB", "predicted ms", "error"]
     lines = [tabulate(rows, headers=headers), "", phase_table(summary), ""]
     for label, value in summary["ratios"].items():
         rounds = summary.get("ratio_rounds", {}).get(label, [])
@@ -246,6 +254,10 @@ def _ms(v: float | None) -> str:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def _signed_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.0f}%"
 
 
 def _mb(v: float | None) -> str:

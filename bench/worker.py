@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
+from graphddp.calibration import cpu_cost_of_communication, link_of
 from graphddp.launch import init_process_group
 from graphddp.trace import EventLog, NullEvents
 from graphddp.workloads import Workload, build_workload
@@ -46,6 +47,7 @@ class PreparedMode:
     data: torch.Generator
     first_s: float
     added_peak_rss_mb: float | None
+    rows_touched: int | None = None
 
 
 def main(config_path: str) -> None:
@@ -59,7 +61,8 @@ def main(config_path: str) -> None:
     mode_config = ModeConfig(**config["mode_config"])
     modes, rounds = config["modes"], config["rounds"]
     results: dict[str, Any] = {
-        "rank": rank, "world_size": world, "batch_size": None, "cpus": sorted(os.sched_getaffinity(0)), "modes": {}
+        "rank": rank, "world_size": world, "batch_size": None, "cpus": sorted(os.sched_getaffinity(0)), "modes": {},
+        "calibration": calibrate(world),
     }  # fmt: skip
     for r in range(rounds):
         iters = config["iters"] // rounds + (r < config["iters"] % rounds)
@@ -75,7 +78,9 @@ def main(config_path: str) -> None:
             entry["round_of"] += [r] * iters
             if r == rounds - 1:
                 entry["timeline"] = record_timeline(m)
+                entry["buckets"] = bucket_layout(m)
             results["batch_size"] = m.workload.batch_size
+            results["params"] = [[n, p.numel() * p.element_size()] for n, p in m.workload.model.named_parameters() if p.requires_grad]
             say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)
             del m
             gc.collect()
@@ -149,18 +154,59 @@ class PhaseMarks:
         return durations | (self.instants if len(self.instants) == 2 else {})
 
 
-def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, float]] | None:
+def calibrate(world: int) -> dict[str, float] | None:
+    """What the step cost model needs of the link (rank 0's figures, on every rank): α, β and the compute each
+    communicated byte costs (graphddp.calibration)."""
+    if world < 2:
+        return None
+    link = link_of()
+    return {
+        "latency_s": link.latency_s,
+        "seconds_per_byte": link.seconds_per_byte,
+        "cpu_seconds_per_byte": cpu_cost_of_communication(link=link),
+    }
+
+
+def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
     """One more iteration of a graphddp mode with the Reducer's events recorded; None for other modes."""
     if not isinstance(m.ddp, graphddp.DDP):
         return None
     m.ddp.reducer.events = log = EventLog()
+    batch = m.workload.make_batch(m.data)
     dist.barrier()
-    m.step(m.workload.make_batch(m.data), log)
+    m.step(batch, log)
     # "done" events come from future callbacks on gloo's threads and may trail the step: let them land.
     dist.barrier()
     time.sleep(0.05)
     t0 = log.events[0].t_ns
-    return [(e.kind, e.bucket, (e.t_ns - t0) / 1e6) for e in log.events]
+    m.ddp.reducer.events = NullEvents()
+    m.rows_touched = _rows_touched(batch)
+    return [(e.kind, e.bucket, e.param, (e.t_ns - t0) / 1e6) for e in log.events]
+
+
+def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
+    """A graphddp mode's buckets as the step cost model sees them: bytes each all-reduce sends (a row-sparse
+    table: the row mask and the rows some rank touched in the recorded iteration)."""
+    if not isinstance(m.ddp, graphddp.DDP):
+        return None
+    layout = []
+    for b in m.ddp.bucket_plan.buckets:
+        sent = b.nbytes
+        if b.row_sparse and m.rows_touched is not None:
+            rows = b.params[0].shape[0]
+            sent = rows + b.nbytes * min(m.rows_touched, rows) // rows
+        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": b.row_sparse})
+    return layout
+
+
+def _rows_touched(batch: tuple) -> int | None:
+    """Embedding rows some rank looked up: the distinct token ids of every rank's batch (token workloads)."""
+    tokens = batch[0]
+    if tokens.is_floating_point():
+        return None
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tokens.unique().tolist())
+    return len(set().union(*everyone))
 
 
 def _pin_to_own_cpu(rank: int, world: int) -> bool:

@@ -9,6 +9,7 @@ from .caps_choice import (
     CapsSearch,
     choose_caps,
     choose_graph_caps,
+    step_inputs_from_completions,
     step_inputs_from_ready_times,
     step_inputs_from_split,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "segment_backward_seconds",
     "sparse_gradient_params",
     "split_at_buckets",
+    "step_inputs_from_completions",
     "step_inputs_from_ready_times",
     "step_inputs_from_split",
     "tap_parts",

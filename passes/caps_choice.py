@@ -105,7 +105,7 @@ def step_inputs_from_ready_times(
     for bucket in plan.buckets:  # a bucket is complete when its last gradient is ready
         running = max([running, *(at[p.name] for p in bucket.params)])
         completions.append(min(running, backward_s))
-    return _inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
+    return step_inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
 
 
 def step_inputs_from_split(split: GraphSplit, segment_seconds: Sequence[float], *, cpu_seconds_per_byte: float = 0.0) -> StepInputs:
@@ -151,8 +151,9 @@ def choose_graph_caps(
     return choose_caps(search.candidates(), inputs_for, link, world)
 
 
-def _inputs_from_completions(completions: Sequence[float], nbytes: Sequence[int], backward_s: float, cpu: float) -> StepInputs:
-    """Segments between successive bucket completions (and one to the end of backward)."""
+def step_inputs_from_completions(completions: Sequence[float], nbytes: Sequence[int], backward_s: float, cpu: float = 0.0) -> StepInputs:
+    """The step's inputs for buckets of ``nbytes`` complete ``completions`` seconds into a backward of
+    ``backward_s``: segments between successive completions, and one to the end of backward."""
     edges = sorted(set(completions) | {backward_s})
     starts = [0.0, *edges[:-1]]
     return StepInputs(

@@ -14,7 +14,8 @@ measured all-reduce times by least squares over the ring's two terms.
 **The step** is a DAG (networkx): the backward segments run one after the other on the compute side; bucket
 ``k``'s all-reduce can start when the segment that completes it has run *and* bucket ``k - 1``'s all-reduce is
 done (one link, buckets in index order); the step ends when the last segment and the last all-reduce are done,
-plus the time after backward (the optimizer). On CPU hosts communication also costs CPU (gloo's reduction, the
+plus the time after backward (the optimizer; or, stepped per bucket, each bucket's step once backward's compute
+is over and its all-reduce done). On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time to the segment that runs while a bucket is
 sent (the one after the segment that completed it). The longest path through the DAG is the predicted step time;
 the timeline gives each node's start and end.
@@ -100,10 +101,15 @@ class StepInputs:
     """Seconds after the last all-reduce (the optimizer step, zeroing gradients)."""
     cpu_seconds_per_byte: float = 0.0
     """Compute time each communicated byte costs the rank (CPU hosts: gloo and the network stack share the CPU)."""
+    step_per_bucket_s: tuple[float, ...] = ()
+    """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
+    on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""
 
     def __post_init__(self) -> None:
         if len(self.bucket_bytes) != len(self.completed_by):
             raise ValueError("every bucket needs the segment that completes it")
+        if self.step_per_bucket_s and len(self.step_per_bucket_s) != len(self.bucket_bytes):
+            raise ValueError("a per-bucket optimizer step needs one duration per bucket")
         for k, segment in enumerate(self.completed_by):
             if not 0 <= segment < len(self.segment_backward_s):
                 raise ValueError(f"bucket {k} is completed by segment {segment}, which does not exist")
@@ -143,12 +149,20 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         if k:
             graph.add_edge(f"bucket {k - 1}", node)
         graph.add_edge(node, "after")
+    for k, seconds in enumerate(inputs.step_per_bucket_s):
+        node = f"step {k}"
+        durations[node] = seconds
+        graph.add_edge(chain[-1], node)  # the Reducer's finalize steps the buckets: after backward's compute
+        graph.add_edge(f"bucket {k}", node)
+        if k:
+            graph.add_edge(f"step {k - 1}", node)
+        graph.add_edge(node, "after")
     start: dict[str, float] = {}
     for node in nx.topological_sort(graph):
         start[node] = max((start[p] + durations[p] for p in graph.predecessors(node)), default=0.0)
     timeline = {node: (start[node], start[node] + durations[node]) for node in graph.nodes}
     step = timeline["after"][1]
-    local = inputs.forward_s + sum(inputs.segment_backward_s) + inputs.after_backward_s
+    local = inputs.forward_s + sum(inputs.segment_backward_s) + inputs.after_backward_s + sum(inputs.step_per_bucket_s)
     for a, b in graph.edges:
         graph.edges[a, b]["seconds"] = durations[a]
     graph.add_edge("after", "end", seconds=durations["after"])

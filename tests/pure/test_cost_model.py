@@ -70,3 +70,15 @@ def test_inputs_are_checked() -> None:
         StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(3,))
     with pytest.raises(ValueError, match="rate must be > 0"):
         LinkModel.of_rate(0)
+
+
+def test_optimizer_steps_per_bucket_hide_behind_the_all_reduces_still_in_flight() -> None:
+    # Backward ends at 20 ms; bucket 0 done at 11 ms, bucket 1 (10 ms on the link) at 30 ms; 5 ms of step each.
+    inputs = StepInputs(segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 10000), completed_by=(0, 1), step_per_bucket_s=(0.005, 0.005))
+    p = predict_step(inputs, LINK, world=2)
+    assert p.timeline["step 0"] == pytest.approx((0.02, 0.025))  # while bucket 1 is still on the link
+    assert p.step_s == pytest.approx(0.030 + 0.005)  # only the last bucket's step is exposed
+    stepped_after = StepInputs(segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 10000), completed_by=(0, 1), after_backward_s=0.01)
+    assert predict_step(stepped_after, LINK, world=2).step_s == pytest.approx(0.030 + 0.01)
+    with pytest.raises(ValueError, match="one duration per bucket"):
+        StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,), step_per_bucket_s=(0.1, 0.1))

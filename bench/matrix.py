@@ -1,0 +1,186 @@
+"""``python -m bench.matrix``: workloads × links in one command, one summary table and one picture.
+
+Each cell is a full benchmark run (``bench.run``) into ``OUT/<workload>-<link>/``; with ``--sweep-caps``, a
+second run per cell times graphddp-compiled at each fixed cap and at ``auto`` (Note [Automatic caps]), so the
+automatic choice is compared with the best fixed one under the same conditions. ``OUT/matrix.md`` holds the
+table with the targets, ``OUT/matrix.json`` the numbers, ``OUT/matrix.png`` the picture.
+
+The testbed's limit of a cell is what no schedule can beat: the longer of compute and communication, where
+compute counts the CPU time communication takes from it on this host (the calibrated cost per byte times the
+bytes graphddp-compiled sends): ``max(local + cpu_cost * bytes, comm)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from .link import Link, LinkUnavailable
+from .modes import MODES
+from .run import BenchOptions, run
+
+TARGETS = {
+    "graphddp-compiled / torch-compiled": 0.90,
+    "graphddp-eager / torch-eager": 0.97,
+    "graphddp-compiled / limit": 1.10,
+}
+MATRIX_MODES = (*MODES, "graphddp-compiled+step")
+AUTO_WITHIN = 1.03
+"""The automatic caps' target: within 3 % of the best fixed cap of the sweep."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.matrix", description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="gpt,mlp,cnn")
+    parser.add_argument("--links", default="1gbit,5gbit")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MATRIX_MODES))
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--inner", default="inductor")
+    parser.add_argument("--sweep-caps", default="", help="comma-separated fixed caps (MiB) for the automatic-caps sweep, e.g. 1,4,16,25,64")
+    parser.add_argument("--sweep-inner", default="aot_eager", help="inner compiler of the sweep runs")
+    parser.add_argument("--out", default="bench-matrix")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    sweep = [c.strip() for c in args.sweep_caps.split(",") if c.strip()]
+    try:
+        cells = [(w.strip(), link.strip()) for w in args.workloads.split(",") for link in args.links.split(",")]
+        base = BenchOptions(
+            world_size=args.world_size, modes=tuple(m.strip() for m in args.modes.split(",")), iters=args.iters,
+            rounds=args.rounds, warmup=args.warmup, inner=args.inner,
+        )  # fmt: skip
+        if any(link != "loopback" for _, link in cells):
+            Link.check_available()
+    except (ValueError, LinkUnavailable) as e:
+        print(f"bench.matrix: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for workload, link in cells:
+        folder = out / f"{workload}-{link}"
+        print(f"bench.matrix: {workload}, link {link}, {args.world_size} ranks -> {folder}", flush=True)
+        summary = run(dataclasses.replace(base, workload=workload, link=link, out=str(folder)))
+        (folder / "results.json").write_text(json.dumps(summary, indent=2))
+        swept = None
+        if sweep:
+            modes = tuple(f"graphddp-compiled@{c}" for c in [*sweep, "auto"])
+            swept = run(dataclasses.replace(base, workload=workload, link=link, modes=modes, inner=args.sweep_inner, out=str(folder / "sweep")))
+            (folder / "sweep" / "results.json").write_text(json.dumps(swept, indent=2))
+        results.append(cell(workload, link, summary, swept))
+    (out / "matrix.json").write_text(json.dumps(results, indent=2))
+    text = report(results, command=" ".join(["python -m bench.matrix", *(argv if argv is not None else sys.argv[1:])]))
+    (out / "matrix.md").write_text(text)
+    print(text)
+    picture(results, out / "matrix.png")
+    return 0
+
+
+def cell(workload: str, link: str, summary: dict[str, Any], swept: dict[str, Any] | None) -> dict[str, Any]:
+    """One cell's figures: medians, ratios against the targets, prediction errors, the sweep."""
+    modes = summary["modes"]
+    median = {m: v["median_s"] for m, v in modes.items()}
+    ratios = dict(summary["ratios"])
+    limit = testbed_limit(summary)
+    if limit is not None and "graphddp-compiled" in median:
+        ratios["graphddp-compiled / limit"] = median["graphddp-compiled"] / limit
+    result: dict[str, Any] = {
+        "workload": workload, "link": link, "median_s": median, "limit_s": limit, "ratios": ratios,
+        "prediction_error": {m: v["prediction_error"] for m, v in modes.items() if "prediction_error" in v},
+        "met": {label: ratios[label] <= target for label, target in TARGETS.items() if label in ratios},
+    }  # fmt: skip
+    if swept is not None:
+        sweep = {m.split("@", 1)[1]: v["median_s"] for m, v in swept["modes"].items()}
+        fixed = {c: t for c, t in sweep.items() if c != "auto"}
+        best = min(fixed, key=fixed.__getitem__)
+        result["sweep"] = {
+            "median_s": sweep, "best_fixed": best, "auto_over_best": sweep["auto"] / fixed[best],
+            "prediction_error": {m.split("@", 1)[1]: v.get("prediction_error") for m, v in swept["modes"].items()},
+        }  # fmt: skip
+        result["met"]["auto within 3 % of the best fixed cap"] = sweep["auto"] <= AUTO_WITHIN * fixed[best]
+    return result
+
+
+def testbed_limit(summary: dict[str, Any]) -> float | None:
+    """``max(local + cpu_cost * bytes, comm)``: see the module docstring."""
+    modes, calibration = summary["modes"], summary.get("calibration")
+    if "local" not in modes or "comm" not in modes or not calibration:
+        return None
+    layout = summary["buckets"].get("graphddp-compiled") or []
+    sent = sum(b["sent"] for b in layout)
+    return max(modes["local"]["median_s"] + calibration["cpu_seconds_per_byte"] * sent, modes["comm"]["median_s"])
+
+
+def report(results: list[dict[str, Any]], command: str) -> str:
+    rows = []
+    for r in results:
+        m, ratios = r["median_s"], r["ratios"]
+        errors = r["prediction_error"]
+        worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
+        rows.append([
+            r["workload"], r["link"], _ms(m.get("graphddp-compiled")), _ms(m.get("torch-compiled")),
+            _ratio(ratios, "graphddp-compiled / torch-compiled"), _ms(m.get("graphddp-eager")), _ms(m.get("torch-eager")),
+            _ratio(ratios, "graphddp-eager / torch-eager"), _ms(r["limit_s"]), _ratio(ratios, "graphddp-compiled / limit"),
+            _ms(m.get("graphddp-compiled+step")),
+            f"{errors[worst] * 100:+.0f}% ({worst})" if worst else "-",
+            f"{r['sweep']['auto_over_best']:.3f} (best {r['sweep']['best_fixed']} MiB)" if "sweep" in r else "-",
+        ])  # fmt: skip
+    headers = [
+        "workload", "link", "gddp-compiled ms", "torch-compiled ms", "ratio (≤0.90)", "gddp-eager ms", "torch-eager ms",
+        "ratio (≤0.97)", "limit ms", "compiled / limit (≤1.10)", "compiled+step ms", "worst prediction error", "auto / best fixed (≤1.03)",
+    ]  # fmt: skip
+    lines = [f"Command: `{command}`", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
+    missed = [f"{r['workload']} {r['link']}: {label}" for r in results for label, ok in r["met"].items() if not ok]
+    lines.append("Targets missed: " + ("; ".join(missed) if missed else "none"))
+    errors = [abs(e) for r in results for e in r["prediction_error"].values()]
+    if errors:
+        within = sum(e <= 0.15 for e in errors)
+        lines.append(f"Predictions within 15 %: {within} of {len(errors)} (mode, cell) pairs")
+    return "\n".join(lines) + "\n"
+
+
+def picture(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.matrix: matplotlib is not installed; no picture")
+        return
+    labels = [f"{r['workload']}\n{r['link']}" for r in results]
+    series = list(TARGETS)
+    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 3, 4))
+    width = 0.8 / len(series)
+    for i, label in enumerate(series):
+        values = [r["ratios"].get(label, float("nan")) for r in results]
+        ax.bar([x + i * width for x in range(len(results))], values, width, label=f"{label} (target {TARGETS[label]:.2f})")
+    for i, label in enumerate(series):
+        ax.hlines(TARGETS[label], -0.4, len(results) - 0.4, colors=f"C{i}", linestyles="dotted", linewidth=1)
+    ax.set_xticks([x + width for x in range(len(results))], labels)
+    ax.set_ylabel("ratio of median iteration times")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("graphddp against PyTorch's DDP and the testbed's limit")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def _ratio(ratios: dict[str, float], label: str) -> str:
+    if label not in ratios:
+        return "-"
+    return f"{ratios[label]:.3f} {'✓' if ratios[label] <= TARGETS[label] else '✗'}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

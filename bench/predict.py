@@ -1,0 +1,135 @@
+"""Predict every mode's iteration with the step cost model (Note [Step cost model] in ``passes/cost.py``), from
+what the run measured apart from the mode itself: the link (α-β fit and CPU cost per byte, ``calibration``),
+compute alone (``local``'s forward, backward and optimizer), and where in backward each bucket is complete.
+
+Where buckets complete: a graphddp mode's own recorded iteration gives each bucket's launch as a fraction of
+its backward (eager: when its last gradient arrived; compiled: when the segment that completes it ended),
+scaled to ``local``'s backward. PyTorch's modes have no events of ours, so their buckets are laid out as
+PyTorch lays them out (reverse registration order rebuilt in ready order, a 1 MiB first bucket, then
+``bucket_cap_mb``, no ramps) over the parameters' ready fractions recorded in ``graphddp-eager``'s iteration.
+``naive`` all-reduces each gradient after backward; ``comm`` sends the buckets back to back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from graphddp.passes import (
+    BucketCaps,
+    LinkModel,
+    ParamSpec,
+    StepInputs,
+    plan_buckets,
+    predict_step,
+    step_inputs_from_completions,
+    step_inputs_from_ready_times,
+)
+
+from .modes import ModeName
+
+TORCH_FIRST_BUCKET_MB = 1.0
+"""PyTorch's DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+
+
+def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per mode: ``predicted_s`` (and ``exposed_s``, the communication the model says stays exposed)."""
+    calibration, modes = summary.get("calibration"), summary["modes"]
+    if not calibration or "local" not in modes:
+        return {}
+    world = summary["options"]["world_size"]
+    link = LinkModel(latency_s=calibration["latency_s"], seconds_per_byte=calibration["seconds_per_byte"])
+    cpu = calibration["cpu_seconds_per_byte"]
+    phases = modes["local"]["phases_s"]
+    forward, backward, optimizer = phases["forward"], phases["backward"], phases["optimizer"]
+    params = summary["params"]
+    ready = _ready_fractions(summary)
+    out = {}
+    for mode in modes:
+        name = ModeName.parse(mode)
+        inputs: StepInputs | None = None
+        if name.base == "naive":
+            sent = sum(link.allreduce_s(nbytes, world) for _, nbytes in params)
+            out[mode] = {"predicted_s": forward + backward + optimizer + sent, "exposed_s": sent}
+            continue
+        if name.base == "comm":
+            caps = _caps(summary["options"])
+            sent = sum(link.allreduce_s(b.nbytes, world) for b in plan_buckets(_specs(params)[::-1], caps=caps).buckets)
+            out[mode] = {"predicted_s": sent, "exposed_s": sent}
+            continue
+        if name.base.startswith("graphddp"):
+            inputs = _graphddp_inputs(summary, mode, backward, cpu)
+        elif name.base.startswith("torch") and ready:
+            cap = summary["options"]["bucket_cap_mb"]
+            caps = BucketCaps.from_mb(cap, TORCH_FIRST_BUCKET_MB, cap, ramps=False)
+            specs = sorted(_specs(params), key=lambda p: ready[p.name])
+            inputs = step_inputs_from_ready_times(
+                specs, [ready[p.name] * backward for p in specs], caps, backward_s=backward, cpu_seconds_per_byte=cpu
+            )
+        if inputs is None:
+            continue
+        if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
+            total = sum(inputs.bucket_bytes)
+            inputs = _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))
+        else:
+            inputs = _with(inputs, forward, optimizer, ())
+        p = predict_step(inputs, link, world)
+        out[mode] = {"predicted_s": p.step_s, "exposed_s": p.exposed_s}
+    return out
+
+
+def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: float) -> StepInputs | None:
+    """A graphddp mode's buckets, complete where its recorded iteration launched them (rank 0's)."""
+    timelines, layout = summary["timelines"].get(mode), summary["buckets"].get(mode)
+    if not timelines or not layout:
+        return None
+    at = _first_times(timelines[0])
+    start, end = at.get(("backward", None)), at.get(("finalize", None))
+    if start is None or end is None or end <= start:
+        return None
+    completions, running = [], 0.0
+    for k in range(len(layout)):
+        fraction = min(max((at.get(("launch", k), end) - start) / (end - start), 0.0), 1.0)
+        running = max(running, fraction * backward)
+        completions.append(running)
+    return step_inputs_from_completions(completions, [b["sent"] for b in layout], backward, cpu)
+
+
+def _ready_fractions(summary: dict[str, Any]) -> dict[str, float]:
+    """Each parameter's ready time as a fraction of backward, from graphddp-eager's recorded iteration."""
+    timelines = summary["timelines"].get("graphddp-eager")
+    if not timelines:
+        return {}
+    events = timelines[0]
+    at = _first_times(events)
+    start, end = at.get(("backward", None)), at.get(("finalize", None))
+    if start is None or end is None or end <= start:
+        return {}
+    ready = {}
+    for kind, _bucket, param, t in events:
+        if kind == "ready" and param and param not in ready:
+            ready[param] = min(max((t - start) / (end - start), 0.0), 1.0)
+    return {n: ready.get(n, 1.0) for n, _ in summary["params"]}
+
+
+def _first_times(events: list[list[Any]]) -> dict[tuple[str, int | None], float]:
+    at: dict[tuple[str, int | None], float] = {}
+    for kind, bucket, _param, t in events:
+        at.setdefault((kind, bucket), t / 1e3)
+    return at
+
+
+def _specs(params: list[list[Any]]) -> list[ParamSpec]:
+    return [ParamSpec(name, (nbytes // 4,), torch.float32, "cpu") for name, nbytes in params]
+
+
+def _caps(options: dict[str, Any]) -> BucketCaps:
+    return BucketCaps.from_mb(
+        options["bucket_cap_mb"], options["first_bucket_cap_mb"], options["last_bucket_cap_mb"], ramps=options["bucket_ramps"]
+    )
+
+
+def _with(inputs: StepInputs, forward: float, after: float, steps: tuple[float, ...]) -> StepInputs:
+    return dataclasses.replace(inputs, forward_s=forward, after_backward_s=after, step_per_bucket_s=steps)
+
