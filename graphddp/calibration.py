@@ -70,14 +70,21 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
     measurement broadcast so every rank estimates graphs alike (``graphddp.passes.graph_cost``). Collective."""
     group = group if group is not None else dist.group.WORLD
     device = device or torch.device("cpu")
+    here = measure_compute_rates(device)
+    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s], dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(agreed, group=group, group_src=0)
+    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]))
+
+
+def measure_compute_rates(device: torch.device | None = None) -> ComputeRates:
+    """This process's compute rates (no process group): a 1024³ matmul and an add of 4 Mi floats, best of 5."""
+    device = device or torch.device("cpu")
     a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
     x, y = torch.randn(1 << 22, device=device), torch.randn(1 << 22, device=device)
     matmul_s = _best_of(lambda: torch.mm(a, b), device)
     add_s = _best_of(lambda: torch.add(x, y), device)
-    agreed = torch.tensor([2 * 1024**3 / matmul_s, 3 * x.nbytes / add_s], dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.broadcast(agreed, group=group, group_src=0)
-    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]))
+    return ComputeRates(flops_per_s=2 * 1024**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s)
 
 
 def cpu_cost_of_communication(

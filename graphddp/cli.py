@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
+    inspect.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="also predict the step on this link, e.g. 2gbit or 10gbit:20us (Note [Step cost model]); compute is estimated from the graph at this machine's rates")
     inspect.add_argument("--format", choices=("table", "json"), default="table")
     inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")
     return parser
@@ -110,6 +111,7 @@ def _inspect(args: argparse.Namespace) -> int:
             batch=args.batch,
             size=args.size,
             dump=args.dump,
+            link=args.link,
         )
     except (InspectError, ValueError, TypeError) as e:
         if args.verbose:

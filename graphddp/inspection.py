@@ -11,16 +11,33 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 from typing import Any
 
 import torch
 from tabulate import tabulate
-from torch import nn
+from torch import fx, nn
 
+from .calibration import measure_compute_rates
 from .capture import capture_graphs, parameter_names
 from .dump import DebugDump, versions
 from .graph_pipeline import lower_graph, prepare_graph
-from .passes import BucketCaps, BucketPlan, GraphSplit, ParamSpec, compose_plans, embedding_tables, rows_apply
+from .passes import (
+    BucketCaps,
+    BucketPlan,
+    ComputeRates,
+    GraphSplit,
+    LinkModel,
+    ParamSpec,
+    Prediction,
+    compose_plans,
+    embedding_tables,
+    forward_seconds,
+    predict_step,
+    rows_apply,
+    segment_backward_seconds,
+    step_inputs_from_split,
+)
 from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .workloads import SIZES, WORKLOADS, build_workload
 
@@ -34,6 +51,27 @@ class GraphReport:
     name: str
     plan: BucketPlan
     split: GraphSplit
+    prediction: Prediction | None = None
+    """With ``--link``: the step cost model's timeline of this graph's forward, backward and all-reduces."""
+
+
+def parse_link(text: str) -> LinkModel:
+    """``RATE[:LATENCY]`` such as ``2gbit`` or ``10gbit:20us`` (default latency 50 us) as a link model."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit(?::(\d+(?:\.\d+)?)(us|ms))?", text.strip().lower())
+    if not m:
+        raise ValueError(f"--link must be RATE[:LATENCY] such as 2gbit or 10gbit:20us, got {text!r}")
+    rate = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    latency = 50e-6 if m.group(3) is None else float(m.group(3)) * (1e-6 if m.group(4) == "us" else 1e-3)
+    return LinkModel.of_rate(rate, latency_s=latency)
+
+
+def predict_graph(gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_size: int, rates: ComputeRates) -> Prediction:
+    """One graph's step on ``link``: compute estimated from the graph at this machine's rates (Note [Step cost
+    model]); the optimizer is not in it."""
+    node_seconds = forward_seconds(gm, rates)
+    backward = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
+    inputs = dataclasses.replace(step_inputs_from_split(split, backward), forward_s=sum(node_seconds.values()))
+    return predict_step(inputs, link, world_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +85,9 @@ class Inspection:
         return {
             "target": self.target,
             "fingerprint": self.plan.fingerprint,
-            "graphs": [plan_record(g.plan, g.split, graph=g.name, versions=versions()) for g in self.graphs],
+            "graphs": [
+                plan_record(g.plan, g.split, graph=g.name, versions=versions()) | _prediction_record(g.prediction) for g in self.graphs
+            ],
             "buckets": [{"index": b.index, "bytes": b.nbytes, "params": list(b.names)} for b in self.plan.buckets],
             "versions": versions(),
         }
@@ -60,6 +100,8 @@ class Inspection:
             parts.append("")
             parts.append(tabulate(segment_rows(g.split), headers=SEGMENT_HEADERS))
             parts.append("")
+            if g.prediction is not None:
+                parts += [_prediction_text(g.prediction), ""]
         parts.append(f"fingerprint {self.plan.fingerprint} ({len(self.plan.buckets)} buckets in all)")
         return "\n".join(parts)
 
@@ -76,6 +118,7 @@ def inspect_target(
     batch: int | None = None,
     size: str = "small",
     dump: str | None = None,
+    link: str | None = None,
 ) -> Inspection:
     caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb, ramps=bucket_ramps)
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -89,12 +132,17 @@ def inspect_target(
     writer = DebugDump(dump) if dump is not None else None
     # As graphddp.DDP decides for a CPU model under the default comm hook.
     row_sparse = rows_apply(enabled=sparse_embedding_grads, world_size=world_size, device="cpu", custom_comm_hook=False)
+    link_model = parse_link(link) if link is not None else None
+    rates = measure_compute_rates() if link_model is not None else None
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
         prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=caps, row_sparse=row_sparse)
         if prepared is None:
             continue
-        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split))
+        prediction = None
+        if link_model is not None and rates is not None:
+            prediction = predict_graph(captured.gm, prepared.split, link_model, world_size, rates)
+        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()
@@ -130,6 +178,23 @@ def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module
         raise InspectError(f"{target} must return (model, example_inputs), got {type(made).__name__}")
     model, inputs = made
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _prediction_text(p: Prediction) -> str:
+    rows = [[node, f"{start * 1e3:.1f}", f"{end * 1e3:.1f}"] for node, (start, end) in sorted(p.timeline.items(), key=lambda kv: kv[1])]
+    return "\n".join([
+        f"predicted step (forward, backward, all-reduces; no optimizer): {p.step_s * 1e3:.1f} ms, of which "
+        f"{p.exposed_s * 1e3:.1f} ms communication not hidden by backward (Note [Step cost model])",
+        "critical path (segments numbered in the order backward runs them): " + " -> ".join(p.critical_path),
+        tabulate(rows, headers=["predicted timeline", "start ms", "end ms"]),
+    ])  # fmt: skip
+
+
+def _prediction_record(p: Prediction | None) -> dict[str, Any]:
+    if p is None:
+        return {}
+    timeline = {node: [start, end] for node, (start, end) in p.timeline.items()}
+    return {"prediction": {"step_s": p.step_s, "exposed_s": p.exposed_s, "critical_path": list(p.critical_path), "timeline": timeline}}
 
 
 def _shorten(rows: list[list[Any]], width: int = 70) -> list[list[Any]]:

@@ -154,3 +154,25 @@ def test_a_bad_world_size_is_one_line_and_exit_2() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and result.stderr.strip() == "graphddp inspect: world size must be >= 1, got 0"
+
+
+def test_link_predicts_the_step_and_a_slower_link_exposes_more(capsys: pytest.CaptureFixture) -> None:
+    args = ("mlp", "--size", "small", "--bucket-cap-mb", "1", "--world-size", "2")
+    fast = inspect_json(capsys, *args, "--link", "100gbit")["graphs"][0]["prediction"]
+    slow = inspect_json(capsys, *args, "--link", "100mbit:1ms")["graphs"][0]["prediction"]
+    buckets = [k for k in slow["timeline"] if k.startswith("bucket")]
+    assert len(buckets) > 1 and slow["timeline"]["forward"][0] == 0.0
+    # ~4 MB over 100 Mbit/s is ~0.17 s of link time per rank pair: far more than this MLP's backward.
+    assert slow["step_s"] > fast["step_s"] + 0.1 and slow["exposed_s"] > 0.1 and fast["exposed_s"] < slow["exposed_s"]
+    assert slow["critical_path"][-2].startswith("bucket"), slow["critical_path"]  # the link binds at the end
+    assert main(["inspect", *args, "--link", "2gbit"]) == 0
+    assert "predicted step (forward, backward, all-reduces; no optimizer)" in capsys.readouterr().out
+
+
+def test_a_bad_link_is_one_line_and_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "graphddp.cli", "inspect", "mlp", "--size", "tiny", "--link", "fast"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == "graphddp inspect: --link must be RATE[:LATENCY] such as 2gbit or 10gbit:20us, got 'fast'"
