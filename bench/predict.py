@@ -35,48 +35,61 @@ TORCH_FIRST_BUCKET_MB = 1.0
 
 def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per mode: ``predicted_s`` (and ``exposed_s``, the communication the model says stays exposed)."""
-    calibration, modes = summary.get("calibration"), summary["modes"]
-    if not calibration or "local" not in modes:
+    link = link_of_run(summary)
+    if link is None or "local" not in summary["modes"]:
         return {}
     world = summary["options"]["world_size"]
-    link = LinkModel(latency_s=calibration["latency_s"], seconds_per_byte=calibration["seconds_per_byte"])
-    cpu = calibration["cpu_seconds_per_byte"]
-    phases = modes["local"]["phases_s"]
-    forward, backward, optimizer = phases["forward"], phases["backward"], phases["optimizer"]
-    params = summary["params"]
-    ready = _ready_fractions(summary)
+    forward, backward, optimizer = _compute_phases(summary)
     out = {}
-    for mode in modes:
-        name = ModeName.parse(mode)
-        inputs: StepInputs | None = None
-        if name.base == "naive":
-            sent = sum(link.allreduce_s(nbytes, world) for _, nbytes in params)
+    for mode in summary["modes"]:
+        base = ModeName.parse(mode).base
+        if base == "naive":
+            sent = sum(link.allreduce_s(nbytes, world) for _, nbytes in summary["params"])
             out[mode] = {"predicted_s": forward + backward + optimizer + sent, "exposed_s": sent}
-            continue
-        if name.base == "comm":
+        elif base == "comm":
             caps = _caps(summary["options"])
-            sent = sum(link.allreduce_s(b.nbytes, world) for b in plan_buckets(_specs(params)[::-1], caps=caps).buckets)
+            sent = sum(link.allreduce_s(b.nbytes, world) for b in plan_buckets(_specs(summary["params"])[::-1], caps=caps).buckets)
             out[mode] = {"predicted_s": sent, "exposed_s": sent}
-            continue
-        if name.base.startswith("graphddp"):
-            inputs = _graphddp_inputs(summary, mode, backward, cpu)
-        elif name.base.startswith("torch") and ready:
-            cap = summary["options"]["bucket_cap_mb"]
-            caps = BucketCaps.from_mb(cap, TORCH_FIRST_BUCKET_MB, cap, ramps=False)
-            specs = sorted(_specs(params), key=lambda p: ready[p.name])
-            inputs = step_inputs_from_ready_times(
-                specs, [ready[p.name] * backward for p in specs], caps, backward_s=backward, cpu_seconds_per_byte=cpu
-            )
-        if inputs is None:
-            continue
-        if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
-            total = sum(inputs.bucket_bytes)
-            inputs = _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))
-        else:
-            inputs = _with(inputs, forward, optimizer, ())
-        p = predict_step(inputs, link, world)
-        out[mode] = {"predicted_s": p.step_s, "exposed_s": p.exposed_s}
+        elif (inputs := mode_inputs(summary, mode)) is not None:
+            p = predict_step(inputs, link, world)
+            out[mode] = {"predicted_s": p.step_s, "exposed_s": p.exposed_s}
     return out
+
+
+def link_of_run(summary: dict[str, Any]) -> LinkModel | None:
+    calibration = summary.get("calibration")
+    if not calibration:
+        return None
+    return LinkModel(latency_s=calibration["latency_s"], seconds_per_byte=calibration["seconds_per_byte"])
+
+
+def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
+    """The step cost model's inputs for a DDP mode of this run (None where the run recorded too little)."""
+    name = ModeName.parse(mode)
+    forward, backward, optimizer = _compute_phases(summary)
+    cpu = summary["calibration"]["cpu_seconds_per_byte"]
+    inputs: StepInputs | None = None
+    if name.base.startswith("graphddp"):
+        inputs = _graphddp_inputs(summary, mode, backward, cpu)
+    elif name.base.startswith("torch") and (ready := _ready_fractions(summary)):
+        cap = summary["options"]["bucket_cap_mb"]
+        caps = BucketCaps.from_mb(cap, TORCH_FIRST_BUCKET_MB, cap, ramps=False)
+        specs = sorted(_specs(summary["params"]), key=lambda p: ready[p.name])
+        inputs = step_inputs_from_ready_times(
+            specs, [ready[p.name] * backward for p in specs], caps, backward_s=backward, cpu_seconds_per_byte=cpu
+        )
+    if inputs is None:
+        return None
+    if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
+        total = sum(inputs.bucket_bytes)
+        return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))
+    return _with(inputs, forward, optimizer, ())
+
+
+def _compute_phases(summary: dict[str, Any]) -> tuple[float, float, float]:
+    """``local``'s forward, backward and optimizer: compute with no communication at all."""
+    phases = summary["modes"]["local"]["phases_s"]
+    return phases["forward"], phases["backward"], phases["optimizer"]
 
 
 def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: float) -> StepInputs | None:

@@ -168,9 +168,10 @@ def calibrate(world: int) -> dict[str, float] | None:
 
 
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
-    """One more iteration of a graphddp mode with the Reducer's events recorded; None for other modes."""
+    """One more iteration with its events recorded: a graphddp mode's from its Reducer, any other mode's that
+    communicates from ``torch.profiler`` (``profiled_timeline``); None for ``local``."""
     if not isinstance(m.ddp, graphddp.DDP):
-        return None
+        return profiled_timeline(m) if m.name != "local" else None
     m.ddp.reducer.events = log = EventLog()
     batch = m.workload.make_batch(m.data)
     dist.barrier()
@@ -182,6 +183,35 @@ def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, 
     m.ddp.reducer.events = NullEvents()
     m.rows_touched = _rows_touched(batch)
     return [(e.kind, e.bucket, e.param, (e.t_ns - t0) / 1e6) for e in log.events]
+
+
+class ProfilerMarks:
+    """Phase marks as zero-length ``torch.profiler`` ranges, so they share the profiler's clock."""
+
+    recording = False
+
+    def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None:
+        with torch.profiler.record_function(f"bench:{kind}"):
+            pass
+
+
+def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]]:
+    """One iteration under ``torch.profiler``: the phase marks, and each all-reduce as gloo ran it (the
+    ``gloo:all_reduce`` range on gloo's thread, from start to end), numbered in start order as buckets."""
+    batch = m.workload.make_batch(m.data)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        m.step(batch, ProfilerMarks())
+        dist.barrier()
+    marks = [(e.name.removeprefix("bench:"), e.time_range.start) for e in prof.events() if e.name.startswith("bench:")]
+    collectives = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "gloo:all_reduce")
+    if not marks:
+        return []
+    t0 = min(t for _, t in marks)
+    events: list[tuple[str, int | None, str | None, float]] = [(kind, None, None, (t - t0) / 1e3) for kind, t in marks]
+    for k, (start, end) in enumerate(collectives):
+        events += [("launch", k, None, (start - t0) / 1e3), ("done", k, None, (end - t0) / 1e3)]
+    return sorted(events, key=lambda e: e[3])
 
 
 def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:

@@ -90,7 +90,7 @@ def measure_compute_rates(device: torch.device | None = None) -> ComputeRates:
 def cpu_cost_of_communication(
     group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.4, repeats: int = 3
 ) -> float:
-    """Seconds of compute each all-reduced byte costs a CPU rank (gloo's copies and reductions, the network
+    """Seconds of compute each byte a CPU rank sends costs it (gloo's copies and reductions, the network
     stack): a fixed matmul loop timed alone and while all-reduces run beside it. Rank 0's figure, broadcast.
     Collective; CPU groups only (on a GPU, communication does not take compute's processor)."""
     group = group if group is not None else dist.group.WORLD
@@ -120,7 +120,8 @@ def cpu_cost_of_communication(
         beside.append(compute())
         for w in works:
             w.wait()
-    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / sent], dtype=torch.float64)
+    on_wire = sent * 2 * (world - 1) / world  # what each rank sends in a ring all-reduce of `sent` bytes
+    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / on_wire], dtype=torch.float64)
     dist.broadcast(cost, group=group, group_src=0)
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
     return float(cost)

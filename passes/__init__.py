@@ -13,7 +13,7 @@ from .caps_choice import (
     step_inputs_from_ready_times,
     step_inputs_from_split,
 )
-from .cost import LinkModel, Prediction, StepInputs, allreduce_seconds, fit_link, predict_step
+from .cost import LinkModel, Prediction, StepInputs, allreduce_seconds, fit_link, predict_step, project_scaling
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
 from .plan import (
@@ -75,6 +75,7 @@ __all__ = [
     "plan_buckets",
     "plan_graph",
     "predict_step",
+    "project_scaling",
     "ready_groups",
     "row_sparse_params",
     "rows_apply",

@@ -16,8 +16,8 @@ measured all-reduce times by least squares over the ring's two terms.
 done (one link, buckets in index order); the step ends when the last segment and the last all-reduce are done,
 plus the time after backward (the optimizer; or, stepped per bucket, each bucket's step once backward's compute
 is over and its all-reduce done). On CPU hosts communication also costs CPU (gloo's reduction, the
-network stack): ``cpu_seconds_per_byte`` adds that much compute time to the segment that runs while a bucket is
-sent (the one after the segment that completed it). The longest path through the DAG is the predicted step time;
+network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
+byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). The longest path through the DAG is the predicted step time;
 the timeline gives each node's start and end.
 
 This module is pure: no ``torch.distributed``, no graphddp runtime module.
@@ -100,7 +100,8 @@ class StepInputs:
     after_backward_s: float = 0.0
     """Seconds after the last all-reduce (the optimizer step, zeroing gradients)."""
     cpu_seconds_per_byte: float = 0.0
-    """Compute time each communicated byte costs the rank (CPU hosts: gloo and the network stack share the CPU)."""
+    """Compute time each byte a rank sends costs it (CPU hosts: gloo and the network stack share the CPU); a ring
+    all-reduce of ``n`` bytes sends ``2 (w - 1) / w · n`` per rank."""
     step_per_bucket_s: tuple[float, ...] = ()
     """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
     on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""
@@ -133,9 +134,10 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     """The step's DAG (Note [Step cost model]) and its longest path."""
     graph = nx.DiGraph()
     segments = list(inputs.segment_backward_s)
+    on_wire = 2 * (world - 1) / world if world > 1 else 0.0  # bytes each rank sends per bucket byte
     for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k falls on the next segment
         if segment + 1 < len(segments):
-            segments[segment + 1] += inputs.cpu_seconds_per_byte * inputs.bucket_bytes[k]
+            segments[segment + 1] += inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
     durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
     chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]
     durations.update({f"segment {i}": s for i, s in enumerate(segments)})
@@ -168,3 +170,16 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     graph.add_edge("after", "end", seconds=durations["after"])
     path = tuple(n for n in nx.dag_longest_path(graph, weight="seconds") if n != "end")
     return Prediction(step, timeline, max(step - local, 0.0), path)
+
+
+def project_scaling(inputs: StepInputs, link: LinkModel, worlds: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """Weak scaling on paper: each rank keeps its batch, compute and buckets; per world size, the predicted step
+    and the scaling efficiency (the step alone, with nothing to communicate, over the step at that size).
+    Assumes a ring all-reduce per bucket, a link whose α and β per rank do not change with the number of ranks
+    (a non-blocking switch), the CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers)."""
+    alone = predict_step(inputs, link, 1).step_s
+    projected = {}
+    for world in worlds:
+        step = predict_step(inputs, link, world).step_s
+        projected[world] = (step, alone / step)
+    return projected

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from graphddp.passes import LinkModel, StepInputs, allreduce_seconds, fit_link, predict_step
+from graphddp.passes import LinkModel, StepInputs, allreduce_seconds, fit_link, predict_step, project_scaling
 
 
 def test_the_sympy_expression_is_the_ring_all_reduce_the_model_uses() -> None:
@@ -82,3 +82,14 @@ def test_optimizer_steps_per_bucket_hide_behind_the_all_reduces_still_in_flight(
     assert predict_step(stepped_after, LINK, world=2).step_s == pytest.approx(0.030 + 0.01)
     with pytest.raises(ValueError, match="one duration per bucket"):
         StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,), step_per_bucket_s=(0.1, 0.1))
+
+
+def test_scaling_on_paper_pays_the_ring_latency_per_rank_and_the_bandwidth_term_once() -> None:
+    # One 10 ms segment and one 1000-byte bucket after it: with 1 us of latency per message, 256 ranks pay
+    # 2 x 255 us of latency but barely more bandwidth than 2 ranks (2 (w - 1) / w < 2).
+    link = LinkModel(latency_s=1e-6, seconds_per_byte=1e-6)
+    inputs = StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1000,), completed_by=(0,))
+    projected = project_scaling(inputs, link, [2, 8, 256])
+    assert projected[2][0] == pytest.approx(0.01 + 2e-6 + 1e-3)
+    assert projected[256][0] == pytest.approx(0.01 + 510e-6 + 2 * 255 / 256 * 1e-3)
+    assert projected[2][1] == pytest.approx(0.01 / projected[2][0]) and projected[256][1] < projected[8][1] < projected[2][1]

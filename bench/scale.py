@@ -1,0 +1,87 @@
+"""``python -m bench.scale RESULTS.json ...``: the step cost model's projection of graphddp-compiled to 8, 64 and
+256 ranks (``graphddp.passes.project_scaling``), from benchmark runs of 2 ranks, as a table and a plot.
+
+Each run gives its workload's measured compute (``local``'s phases), where graphddp-compiled's buckets complete
+in backward (its recorded iteration) and the calibrated link. The projection keeps all of that per rank and
+lets only the ring all-reduce change with the number of ranks (Note [Step cost model]). It rests on: weak
+scaling (each rank keeps its batch), one ring all-reduce per bucket, a link whose per-rank latency and
+bandwidth do not change with the number of ranks (a non-blocking switch; no congestion, no hierarchy), the
+CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers, no skew).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from graphddp.passes import LinkModel, project_scaling
+from tabulate import tabulate
+
+from .predict import link_of_run, mode_inputs
+
+WORLDS = (2, 8, 64, 256)
+
+
+def project(summary: dict[str, Any], link: LinkModel | None = None) -> dict[int, tuple[float, float]] | None:
+    """graphddp-compiled's projected step and efficiency per world size (on ``link``, or the run's own)."""
+    inputs = mode_inputs(summary, "graphddp-compiled")
+    link = link or link_of_run(summary)
+    if inputs is None or link is None:
+        return None
+    return project_scaling(inputs, link, WORLDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+    parser.add_argument("results", nargs="+", help="results.json of benchmark runs (python -m bench or bench.matrix cells)")
+    parser.add_argument("--out", default="scale.png")
+    args = parser.parse_args(argv)
+    rows, curves = [], {}
+    for path in args.results:
+        summary = json.loads(Path(path).read_text())
+        projected = project(summary)
+        if projected is None:
+            print(f"bench.scale: {path} has no graphddp-compiled mode, local mode or calibration", file=sys.stderr)
+            return 2
+        label = f"{summary['options']['workload']}, {summary['link']}"
+        curves[label] = projected
+        rows.append([label, *(f"{step * 1e3:.0f} ms ({eff * 100:.0f}%)" for step, eff in projected.values())])
+    print(tabulate(rows, headers=["workload, link", *(f"{w} ranks" for w in WORLDS)], tablefmt="github"))
+    plot(curves, Path(args.out))
+    return 0
+
+
+def plot(curves: dict[str, dict[int, tuple[float, float]]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.scale: matplotlib is not installed; no plot")
+        return
+    fig, (steps, efficiency) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, projected in curves.items():
+        worlds = list(projected)
+        steps.plot(worlds, [projected[w][0] * 1e3 for w in worlds], marker="o", label=label)
+        efficiency.plot(worlds, [projected[w][1] * 100 for w in worlds], marker="o", label=label)
+    for ax in (steps, efficiency):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(WORLDS), [str(w) for w in WORLDS])
+        ax.set_xlabel("ranks (ring all-reduce, each rank keeps its batch)")
+    steps.set_ylabel("predicted step, ms")
+    efficiency.set_ylabel("scaling efficiency, % (compute alone / step)")
+    efficiency.set_ylim(0, 105)
+    steps.legend(fontsize=8)
+    fig.suptitle("graphddp-compiled on paper: the step cost model from 2-rank runs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
