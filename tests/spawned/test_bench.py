@@ -14,12 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_smoke_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "2", "--warmup", "0", "--inner", "aot_eager",
+         "--modes", "local,comm,naive,torch-eager,torch-compiled,graphddp-eager,graphddp-compiled,graphddp-eager@auto+step",
          "--out", str(tmp_path)],  # default caps: PyTorch's DDPOptimizer refuses a bucket cap below its 1 MiB first cap
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "results.json").read_text())
-    assert list(summary["modes"]) == ["local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled"]
+    assert list(summary["modes"]) == [
+        "local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled", "graphddp-eager@auto+step"
+    ]  # fmt: skip
     for name, mode in summary["modes"].items():
         assert mode["median_s"] > 0 and mode["min_s"] <= mode["median_s"] <= mode["max_s"]
         assert len(mode["round_medians_s"]) == 2  # --rounds 2 (the default)
@@ -27,6 +30,10 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
         expected = {"comm": {"allreduce"}, "naive": {"forward", "backward", "allreduce", "optimizer"}}
         assert phases == expected.get(name, {"forward", "backward", "optimizer"}), (name, phases)
         assert (mode["tail_s"] is not None) == name.startswith("graphddp"), name  # only a graphddp Reducer says
+        # The step cost model's prediction beside every mode but local (Note [Step cost model]).
+        assert (name == "local") == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
+    assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte"}
+    assert summary["modes"]["graphddp-eager@auto+step"]["phases_s"]["optimizer"] < summary["modes"]["graphddp-eager"]["phases_s"]["optimizer"]
     assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
         "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local, comm)"
     }
@@ -38,11 +45,16 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     assert out[-2].startswith("graphddp-compiled / max(local, comm):")  # the ratios come last, before the file list
     assert "round by round" in out[-2] and any(line.startswith("phase ms") for line in out)
     timeline = summary["timelines"]["graphddp-compiled"][0]
-    kinds = {kind for kind, _, _ in timeline}
+    kinds = {kind for kind, _, _, _ in timeline}
     # "done" comes from a future callback on gloo's thread: usually there, but not ordered with the rest.
     assert {"forward", "backward", "launch", "optimizer", "end"} <= kinds, kinds
+    assert {"launch", "done"} <= {kind for kind, *_ in summary["timelines"]["torch-eager"][0]}  # from torch.profiler
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {"forward", "backward", "optimizer"} <= {e["name"] for e in trace["traceEvents"]}
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert all(isinstance(e["pid"], int) and isinstance(e["tid"], int) for e in trace["traceEvents"])
+    for e in trace["traceEvents"]:
+        assert e["ph"] == "M" or (e["pid"], e["tid"]) in names, e  # every span on a named row
     assert (tmp_path / "modes.png").stat().st_size > 0 and (tmp_path / "timeline-graphddp-compiled.png").stat().st_size > 0
 
 

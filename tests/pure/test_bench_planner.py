@@ -1,0 +1,106 @@
+"""The benchmark's planner pieces without running anything: mode variants, predictions from a recorded run,
+the matrix's targets and the testbed limit, the scale projection, and the Chrome trace's rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import matrix
+from bench.modes import ModeConfig, ModeName
+from bench.pictures import _spans, chrome_trace
+from bench.predict import predict_modes
+from bench.scale import project
+
+
+def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
+    assert ModeName.parse("graphddp-compiled@16") == ModeName("graphddp-compiled", "16", False)
+    assert ModeName.parse("graphddp-eager@auto+step") == ModeName("graphddp-eager", "auto", True)
+    assert ModeName.parse("graphddp-eager@auto").config(ModeConfig()).last_bucket_cap_mb == "auto"
+    assert ModeName.parse("graphddp-eager@2.5").config(ModeConfig()).bucket_cap_mb == 2.5
+    with pytest.raises(ValueError, match="only graphddp modes take @CAP or \\+step"):
+        ModeName.parse("torch-eager@16")
+    with pytest.raises(ValueError, match="the cap after @ must be a number of MiB or auto"):
+        ModeName.parse("graphddp-compiled@big")
+    with pytest.raises(ValueError, match="unknown mode 'graphddp'"):
+        ModeName.parse("graphddp")
+
+
+def summary() -> dict:
+    """A 2-rank run as bench.run summarises it: 1 byte per microsecond, no latency, no CPU cost; local computes
+    100 ms forward, 200 ms backward, 50 ms optimizer; graphddp-eager launched its two 50 kB buckets halfway
+    through backward and at its end (ms since the recorded iteration began)."""
+    timeline = [
+        ["forward", None, None, 0.0], ["backward", None, None, 100.0], ["ready", 0, "b", 150.0], ["ready", 0, "a", 200.0],
+        ["launch", 0, None, 200.0], ["ready", 1, "c", 300.0], ["launch", 1, None, 300.0], ["finalize", None, None, 300.0],
+        ["done", 0, None, 250.0], ["done", 1, None, 350.0], ["optimizer", None, None, 360.0], ["end", None, None, 400.0],
+    ]  # fmt: skip
+    phases = {"forward": 0.1, "backward": 0.2, "optimizer": 0.05}
+    return {
+        "options": {"world_size": 2, "bucket_cap_mb": 25, "first_bucket_cap_mb": 1, "last_bucket_cap_mb": 1, "bucket_ramps": True, "workload": "mlp"},
+        "link": "1gbit",
+        "calibration": {"latency_s": 0.0, "seconds_per_byte": 1e-6, "cpu_seconds_per_byte": 0.0},
+        "params": [["a", 25_000], ["b", 25_000], ["c", 50_000]],
+        "modes": {
+            "local": {"median_s": 0.35, "phases_s": phases},
+            "comm": {"median_s": 0.1, "phases_s": {}},
+            "naive": {"median_s": 0.45, "phases_s": phases},
+            "torch-eager": {"median_s": 0.4, "phases_s": phases},
+            "graphddp-eager": {"median_s": 0.4, "phases_s": phases},
+        },
+        "timelines": {"graphddp-eager": [timeline, timeline]},
+        "buckets": {"graphddp-eager": [{"bytes": 50_000, "sent": 50_000, "row_sparse": False}] * 2},
+        "ratios": {"graphddp-eager / torch-eager": 1.0},
+    }
+
+
+def test_predictions_from_the_runs_own_measurements() -> None:
+    predicted = predict_modes(summary())
+    # graphddp-eager: bucket 0 complete at 100 ms of backward, 50 ms on the link; bucket 1 at 200 ms, 50 ms more.
+    assert predicted["graphddp-eager"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.05 + 0.05)
+    assert predicted["graphddp-eager"]["exposed_s"] == pytest.approx(0.05)
+    # naive: every gradient after backward, one after another: 100 kB at 1 byte/us.
+    assert predicted["naive"]["predicted_s"] == pytest.approx(0.35 + 0.1)
+    assert predicted["comm"]["predicted_s"] == pytest.approx(0.1)  # one 100 kB bucket at the default caps
+    # torch-eager: PyTorch's layout over graphddp-eager's ready times (b at 25 %, a at 50 %, c at 100 %): the
+    # 1 MiB first bucket holds everything, complete at the end of backward.
+    assert predicted["torch-eager"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.1 + 0.05)
+    assert "local" not in predicted
+    no_calibration = summary() | {"calibration": None}
+    assert predict_modes(no_calibration) == {}
+
+
+def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> None:
+    s = summary()
+    s["calibration"]["cpu_seconds_per_byte"] = 1e-6  # 100 kB sent costs 100 ms of compute
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"]}
+    assert matrix.testbed_limit(s) == pytest.approx(0.35 + 0.1)
+    result = matrix.cell("mlp", "1gbit", s, swept=None)
+    assert result["ratios"]["graphddp-compiled / limit"] == pytest.approx(0.5 / 0.45)
+    assert result["met"] == {"graphddp-eager / torch-eager": False, "graphddp-compiled / limit": False}
+    swept = {"modes": {"graphddp-compiled@4": {"median_s": 1.0}, "graphddp-compiled@25": {"median_s": 0.9}, "graphddp-compiled@auto": {"median_s": 0.92}}}
+    result = matrix.cell("mlp", "1gbit", s, swept=swept)
+    assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
+
+
+def test_scale_projection_slows_with_ranks() -> None:
+    projected = project(summary() | {"modes": {**summary()["modes"], "graphddp-compiled": summary()["modes"]["graphddp-eager"]}, "timelines": {"graphddp-compiled": summary()["timelines"]["graphddp-eager"]}, "buckets": {"graphddp-compiled": summary()["buckets"]["graphddp-eager"]}})
+    assert projected is not None and list(projected) == [2, 8, 64, 256]
+    assert projected[2][0] == pytest.approx(0.4) and projected[256][0] > projected[2][0]
+    assert 1 >= projected[2][1] > projected[256][1]
+
+
+def test_overlapping_collectives_get_rows_of_their_own_and_the_trace_is_chrome_format(tmp_path: Path) -> None:
+    timeline = [["launch", 0, None, 0.0], ["launch", 1, None, 1.0], ["done", 0, None, 5.0], ["done", 1, None, 3.0], ["launch", 2, None, 4.0], ["done", 2, None, 6.0]]
+    rows = {name: row for name, _, _, row in _spans(timeline)}
+    assert rows == {"bucket 0": "comm 0", "bucket 1": "comm 1", "bucket 2": "comm 1"}  # 2 starts after 1 ends
+    chrome_trace({"timelines": {"graphddp-eager": [timeline]}}, tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert threads == {1: "comm 0", 2: "comm 1"}
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == ["graphddp-eager rank 0"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {(e["name"], e["tid"], e["ts"], e["dur"]) for e in spans} == {("bucket 0", 1, 0.0, 5000.0), ("bucket 1", 2, 1000.0, 2000.0), ("bucket 2", 2, 4000.0, 2000.0)}
