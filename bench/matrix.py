@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
+from .__main__ import _exit_on_sigterm
 from .link import Link, LinkUnavailable
 from .modes import MODES
 from .run import BenchOptions, run
@@ -36,6 +38,7 @@ AUTO_WITHIN = 1.03
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a killed matrix removes its cell's namespaces too
     parser = argparse.ArgumentParser(prog="python -m bench.matrix", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="gpt,mlp,cnn")
     parser.add_argument("--links", default="1gbit,5gbit")
