@@ -25,6 +25,7 @@ from tabulate import tabulate
 from .__main__ import _exit_on_sigterm
 from .link import Link, LinkUnavailable
 from .modes import MODES
+from .pictures import chrome_trace, draw
 from .run import BenchOptions, run
 
 TARGETS = {
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.matrix: {workload}, link {link}, {args.world_size} ranks -> {folder}", flush=True)
         summary = run(dataclasses.replace(base, workload=workload, link=link, out=str(folder)))
         (folder / "results.json").write_text(json.dumps(summary, indent=2))
+        chrome_trace(summary, folder / "trace.json")
+        draw(summary, folder)
         swept = None
         if sweep:
             modes = tuple(f"graphddp-compiled@{c}" for c in [*sweep, "auto"])
