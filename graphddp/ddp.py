@@ -72,8 +72,8 @@ class BucketOptions:
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
         for field in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, field)
-            if isinstance(value, str) and value != AUTO:
-                raise ValueError(f"{field} must be a number of MiB or {AUTO!r}, got {value!r}")
+            if isinstance(value, str) and value != AUTO:  # a type mistake, as any other non-number
+                raise TypeError(f"{field} must be a number of MiB or {AUTO!r}, got str {value!r}")
         _ = self.caps  # raises on a bad cap
 
     @property

@@ -119,5 +119,5 @@ def test_auto_is_the_only_word_a_cap_accepts() -> None:
     assert options.caps == BucketCaps()  # the defaults plan until the choice
     assert options.caps_search == CapsSearch(bucket_mb=None, first_mb=1.0, last_mb=None)
     assert BucketOptions().caps_search is None
-    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'auto', got 'big'"):
+    with pytest.raises(TypeError, match="bucket_cap_mb must be a number of MiB or 'auto', got str 'big'"):
         BucketOptions(bucket_cap_mb="big")
