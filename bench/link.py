@@ -15,6 +15,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from graphddp.passes import rate_bits_per_second
+
 
 class LinkUnavailable(RuntimeError):
     """No root, or no ``ip``/``tc``: the emulated link cannot be built here."""
@@ -86,7 +88,7 @@ class Link:
     def _qdisc(self) -> list[str]:
         if self.spec.delay is not None:
             return ["root", "netem", "rate", self.spec.rate, "delay", self.spec.delay]
-        burst = max(64 * 1024, int(_bits_per_second(self.spec.rate) / 8 / 100))  # 10 ms of traffic
+        burst = max(64 * 1024, int(rate_bits_per_second(self.spec.rate) / 8 / 100))  # 10 ms of traffic
         return ["root", "tbf", "rate", self.spec.rate, "burst", str(burst), "latency", "50ms"]
 
     def __exit__(self, *exc: object) -> None:
@@ -103,11 +105,6 @@ class Link:
 
     def _ip(self, namespace: str, command: str) -> None:
         _run(["ip", "-n", namespace, *command.split()])
-
-
-def _bits_per_second(rate: str) -> float:
-    value, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate).groups()  # type: ignore[union-attr]
-    return float(value) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
 
 
 def _run(cmd: list[str]) -> None:

@@ -41,7 +41,7 @@ from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-_DEFAULT_MB = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "last_bucket_cap_mb": 1.0}
+_CAP_FIELDS = ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ class BucketOptions:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        for field in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
+        for field in _CAP_FIELDS:
             value = getattr(self, field)
             if isinstance(value, str) and value != AUTO:  # a type mistake, as any other non-number
                 raise TypeError(f"{field} must be a number of MiB or {AUTO!r}, got str {value!r}")
@@ -79,7 +79,8 @@ class BucketOptions:
     @property
     def caps(self) -> BucketCaps:
         """The caps to plan with until an automatic choice is made (the defaults stand in for ``"auto"``)."""
-        fixed = [_DEFAULT_MB[f] if v == AUTO else v for f, v in self._cap_fields().items()]
+        defaults = {f.name: f.default for f in dataclasses.fields(BucketOptions)}
+        fixed = [defaults[f] if v == AUTO else v for f, v in self._cap_fields().items()]
         return BucketCaps.from_mb(*fixed, ramps=self.bucket_ramps)
 
     @property
@@ -92,7 +93,7 @@ class BucketOptions:
         return CapsSearch(bucket_mb=bucket, first_mb=first, last_mb=last, ramps=self.bucket_ramps)
 
     def _cap_fields(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in _DEFAULT_MB}
+        return {f: getattr(self, f) for f in _CAP_FIELDS}
 
     def bucket_kwargs(self) -> dict[str, Any]:
         """These options as ``graphddp.DDP`` keyword arguments."""

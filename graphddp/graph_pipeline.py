@@ -69,9 +69,9 @@ def prepare_graph(
     if not params:
         return None
     earlier = plan_for(frozenset(p.spec.name for p in params))
-    if callable(caps) and earlier is None:  # a recompile is cut by its earlier plan: nothing to choose
-        caps = caps(gm, params)
-    split = plan_graph(gm, params, caps if isinstance(caps, BucketCaps) else earlier.caps, row_sparse=row_sparse, plan=earlier)
+    if callable(caps):  # a recompile is cut by its earlier plan: nothing to choose
+        caps = caps(gm, params) if earlier is None else earlier.caps
+    split = plan_graph(gm, params, caps, row_sparse=row_sparse, plan=earlier)
     split_gm = None
     if split.num_segments > 1:
         split_gm = split_at_buckets(gm, split)

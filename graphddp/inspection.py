@@ -32,11 +32,11 @@ from .passes import (
     Prediction,
     compose_plans,
     embedding_tables,
+    estimated_step_inputs,
     forward_seconds,
     predict_step,
+    rate_bits_per_second,
     rows_apply,
-    segment_backward_seconds,
-    step_inputs_from_split,
 )
 from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .workloads import SIZES, WORKLOADS, build_workload
@@ -60,7 +60,7 @@ def parse_link(text: str) -> LinkModel:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit(?::(\d+(?:\.\d+)?)(us|ms))?", text.strip().lower())
     if not m:
         raise ValueError(f"--link must be RATE[:LATENCY] such as 2gbit or 10gbit:20us, got {text!r}")
-    rate = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    rate = rate_bits_per_second(f"{m.group(1)}{m.group(2)}bit")
     latency = 50e-6 if m.group(3) is None else float(m.group(3)) * (1e-6 if m.group(4) == "us" else 1e-3)
     return LinkModel.of_rate(rate, latency_s=latency)
 
@@ -69,8 +69,7 @@ def predict_graph(gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_
     """One graph's step on ``link``: compute estimated from the graph at this machine's rates (Note [Step cost
     model]); the optimizer is not in it."""
     node_seconds = forward_seconds(gm, rates)
-    backward = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
-    inputs = dataclasses.replace(step_inputs_from_split(split, backward), forward_s=sum(node_seconds.values()))
+    inputs = dataclasses.replace(estimated_step_inputs(split, node_seconds), forward_s=sum(node_seconds.values()))
     return predict_step(inputs, link, world_size)
 
 

@@ -261,17 +261,17 @@ class PlanKeeper:
         learned = self.ready_order
         assert learned.learned is not None
         order = torch.tensor(learned.learned, dtype=torch.int64, device=self._device)
-        times = torch.tensor([*learned.learned_times, learned.backward_s], dtype=torch.float64, device=self._device)
         if self.world_size > 1:
             dist.broadcast(order, group=self._group, group_src=0)
-            if self._auto_caps is not None:
-                dist.broadcast(times, group=self._group, group_src=0)
-        self.ready_order.forget()
         specs = [self.specs[i] for i in order.tolist()]
         caps = self.current.caps
         if self._auto_caps is not None:
+            times = torch.tensor([*learned.learned_times, learned.backward_s], dtype=torch.float64, device=self._device)
+            if self.world_size > 1:
+                dist.broadcast(times, group=self._group, group_src=0)
             *ready_s, backward_s = times.tolist()
             caps = self._auto_caps.for_ready_times(specs, ready_s, backward_s)
+        self.ready_order.forget()
         plan = plan_buckets(specs, caps=caps, source="ready-order")
         if plan.fingerprint == self.current.fingerprint:
             return None

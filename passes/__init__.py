@@ -9,11 +9,21 @@ from .caps_choice import (
     CapsSearch,
     choose_caps,
     choose_graph_caps,
+    estimated_step_inputs,
     step_inputs_from_completions,
     step_inputs_from_ready_times,
     step_inputs_from_split,
 )
-from .cost import LinkModel, Prediction, StepInputs, allreduce_seconds, fit_link, predict_step, project_scaling
+from .cost import (
+    LinkModel,
+    Prediction,
+    StepInputs,
+    allreduce_seconds,
+    fit_link,
+    predict_step,
+    project_scaling,
+    rate_bits_per_second,
+)
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
 from .plan import (
@@ -65,6 +75,7 @@ __all__ = [
     "choose_graph_caps",
     "compose_plans",
     "embedding_tables",
+    "estimated_step_inputs",
     "find_graph_params",
     "fit_link",
     "forward_seconds",
@@ -76,6 +87,7 @@ __all__ = [
     "plan_graph",
     "predict_step",
     "project_scaling",
+    "rate_bits_per_second",
     "ready_groups",
     "row_sparse_params",
     "rows_apply",

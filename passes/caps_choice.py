@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import fx
 
@@ -145,10 +145,16 @@ def choose_graph_caps(
 
     def inputs_for(caps: BucketCaps) -> StepInputs:
         split = plan_graph(gm, params, caps, row_sparse=row_sparse)
-        seconds = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
-        return step_inputs_from_split(split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
+        return estimated_step_inputs(split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
 
     return choose_caps(search.candidates(), inputs_for, link, world)
+
+
+def estimated_step_inputs(split: GraphSplit, node_seconds: Mapping[str, float], *, cpu_seconds_per_byte: float = 0.0) -> StepInputs:
+    """The step's inputs for a graph cut into ``split``, each segment's backward estimated from its nodes'
+    forward seconds (``graphddp.passes.graph_cost``); forward and optimizer left out (the same for every cut)."""
+    seconds = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
+    return step_inputs_from_split(split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
 
 
 def step_inputs_from_completions(completions: Sequence[float], nbytes: Sequence[int], backward_s: float, cpu: float = 0.0) -> StepInputs:

@@ -26,6 +26,7 @@ This module is pure: no ``torch.distributed``, no graphddp runtime module.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import networkx as nx
@@ -65,6 +66,14 @@ class LinkModel:
         if world <= 1:
             return 0.0
         return 2 * (world - 1) * self.latency_s + 2 * (world - 1) / world * nbytes * self.seconds_per_byte
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """A rate as ``tc`` writes it (``2gbit``, ``500mbit``, ``100kbit``, ``9600bit``) in bits per second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"a rate must be a number with bit, kbit, mbit or gbit, such as 2gbit; got {rate!r}")
+    return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
 
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
