@@ -97,14 +97,12 @@ def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: f
     timelines, layout = summary["timelines"].get(mode), summary["buckets"].get(mode)
     if not timelines or not layout:
         return None
-    at = _first_times(timelines[0])
-    start, end = at.get(("backward", None)), at.get(("finalize", None))
-    if start is None or end is None or end <= start:
+    window = _BackwardWindow.of(timelines[0])
+    if window is None:
         return None
     completions, running = [], 0.0
     for k in range(len(layout)):
-        fraction = min(max((at.get(("launch", k), end) - start) / (end - start), 0.0), 1.0)
-        running = max(running, fraction * backward)
+        running = max(running, window.fraction(window.first.get(("launch", k), window.end_ms)) * backward)
         completions.append(running)
     return step_inputs_from_completions(completions, [b["sent"] for b in layout], backward, cpu)
 
@@ -112,25 +110,38 @@ def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: f
 def _ready_fractions(summary: dict[str, Any]) -> dict[str, float]:
     """Each parameter's ready time as a fraction of backward, from graphddp-eager's recorded iteration."""
     timelines = summary["timelines"].get("graphddp-eager")
-    if not timelines:
-        return {}
-    events = timelines[0]
-    at = _first_times(events)
-    start, end = at.get(("backward", None)), at.get(("finalize", None))
-    if start is None or end is None or end <= start:
+    window = _BackwardWindow.of(timelines[0]) if timelines else None
+    if window is None:
         return {}
     ready = {}
-    for kind, _bucket, param, t in events:
+    for kind, _bucket, param, t_ms in timelines[0]:
         if kind == "ready" and param and param not in ready:
-            ready[param] = min(max((t - start) / (end - start), 0.0), 1.0)
+            ready[param] = window.fraction(t_ms)
     return {n: ready.get(n, 1.0) for n, _ in summary["params"]}
 
 
-def _first_times(events: list[list[Any]]) -> dict[tuple[str, int | None], float]:
-    at: dict[tuple[str, int | None], float] = {}
-    for kind, bucket, _param, t in events:
-        at.setdefault((kind, bucket), t / 1e3)
-    return at
+@dataclasses.dataclass(frozen=True)
+class _BackwardWindow:
+    """One recorded iteration's backward, from its ``backward`` mark to the Reducer's ``finalize`` (ms)."""
+
+    first: dict[tuple[str, int | None], float]
+    """The first time (ms) of each (kind, bucket) event."""
+    start_ms: float
+    end_ms: float
+
+    @classmethod
+    def of(cls, events: list[list[Any]]) -> _BackwardWindow | None:
+        first: dict[tuple[str, int | None], float] = {}
+        for kind, bucket, _param, t_ms in events:
+            first.setdefault((kind, bucket), t_ms)
+        start, end = first.get(("backward", None)), first.get(("finalize", None))
+        if start is None or end is None or end <= start:
+            return None
+        return cls(first, start, end)
+
+    def fraction(self, t_ms: float) -> float:
+        """How far into backward ``t_ms`` is, clamped to [0, 1]."""
+        return min(max((t_ms - self.start_ms) / (self.end_ms - self.start_ms), 0.0), 1.0)
 
 
 def _specs(params: list[list[Any]]) -> list[ParamSpec]:

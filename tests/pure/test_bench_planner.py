@@ -11,7 +11,7 @@ import pytest
 from bench import matrix
 from bench.modes import ModeConfig, ModeName
 from bench.pictures import _spans, chrome_trace
-from bench.predict import predict_modes
+from bench.predict import _ready_fractions, predict_modes
 from bench.scale import project
 
 
@@ -68,6 +68,7 @@ def test_predictions_from_the_runs_own_measurements() -> None:
     # 1 MiB first bucket holds everything, complete at the end of backward.
     assert predicted["torch-eager"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.1 + 0.05)
     assert "local" not in predicted
+    assert _ready_fractions(summary()) == {"a": 0.5, "b": 0.25, "c": 1.0}  # ms since the iteration began, both sides
     no_calibration = summary() | {"calibration": None}
     assert predict_modes(no_calibration) == {}
 
