@@ -33,12 +33,14 @@ class RankTimeout(AssertionError):
     """Some ranks did not finish in time, which almost always means a collective that never matched."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores shared by up to 3 ranks: oversubscription only adds noise
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if torch.cuda.is_available():  # the GPU tests: rank r on GPU r (mod the count; gloo ranks may share one)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -52,9 +54,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 class RankPool:
-    """``world_size`` spawned processes sharing one gloo process group."""
+    """``world_size`` spawned processes sharing one process group (gloo, or NCCL for the GPU tests)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix="graphddp-ranks-")
@@ -62,7 +64,7 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -112,23 +114,27 @@ class RankPool:
         self._dir.cleanup()
 
 
-_pools: dict[int, RankPool] = {}
+_pools: dict[tuple[int, str], RankPool] = {}
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process group; return the
+    results in rank order.
 
     ``fn`` must be a module-level function (it is pickled to the ranks). Raises ``RankFailure`` with every
     failing rank's traceback, or ``RankTimeout`` when a rank does not answer within ``timeout`` seconds.
     """
-    pool = _pools.get(world_size)
+    key = (world_size, backend)
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[key] = RankPool(world_size, backend)
     try:
         return pool.run(fn, args, timeout)
     except BaseException:
         # A failed task may leave collectives half-issued: never reuse that process group.
-        _pools.pop(world_size).close(graceful=False)
+        _pools.pop(key).close(graceful=False)
         raise
 
 

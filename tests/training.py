@@ -84,6 +84,9 @@ class Case:
     """Each step also asks ``torch.autograd.grad`` for the loss's gradient of ``wte.weight`` before backward."""
     tolerance: tuple[tuple[str, float], ...] = ()
     """``assert_close`` tolerances where the defaults are too tight for the case (fp16 sums, Inductor, ...)."""
+    device: str = "cpu"
+    """Where the model and batches live: ``cuda`` puts them on this rank's current GPU (``device_ids`` given to
+    both DDPs), as the GPU tests (``tests/gpu``) train."""
 
     def eager(self) -> Case:
         return dataclasses.replace(self, compile=None, eager_steps=0)
@@ -105,7 +108,7 @@ class Run:
 def batch_for(case: Case, step: int, micro: int, rank: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank + 1)
     size = case.batch_sizes[rank][step] if case.batch_sizes else case.batch or default_batch(case.model)
-    batch = make_batch(case.model, g, size, vocab=case.vocab)
+    batch = tuple(t.to(case.device) for t in make_batch(case.model, g, size, vocab=case.vocab))
     if case.mark_dynamic:
         torch._dynamo.mark_dynamic(batch[0], 0)
     return batch
@@ -140,9 +143,17 @@ def make_hook(name: str) -> tuple[Any, Any]:
     raise ValueError(name)
 
 
+def ddp_kwargs(case: Case) -> dict[str, Any]:
+    """The keyword arguments both DDPs get: the case's own, and ``device_ids`` for a CUDA module."""
+    kwargs = dict(case.ddp)
+    if case.device.startswith("cuda"):
+        kwargs.setdefault("device_ids", [torch.cuda.current_device()])
+    return kwargs
+
+
 def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
     """``(ddp, the model to call)`` for ``impl`` (``graphddp`` or ``torch``)."""
-    module = build_model(case.model, vocab=case.vocab)
+    module = build_model(case.model, vocab=case.vocab).to(case.device)
     if case.ignore:
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(case.ignore))
         with torch.no_grad():
@@ -150,11 +161,11 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
                 if name in case.ignore:
                     p.add_(0.01 * rank)
     if impl == "torch":
-        ddp = nn.parallel.DistributedDataParallel(module, **dict(case.ddp))
+        ddp = nn.parallel.DistributedDataParallel(module, **ddp_kwargs(case))
         return ddp, ddp
     if impl != "graphddp":
         raise ValueError(impl)
-    ddp = copied(graphddp.DDP(module, **dict(case.ddp), **dict(case.graphddp)), case.copy)
+    ddp = copied(graphddp.DDP(module, **ddp_kwargs(case), **dict(case.graphddp)), case.copy)
     if case.compile is None:
         return ddp, ddp
     inner: Any = user_compiler if case.inner == "callable" else case.inner
@@ -238,7 +249,7 @@ def compiled_backward() -> Any:
 
 def train_single_process(case: Case, world: int) -> nn.Module:
     """The reference: one process, each step on the concatenation of every rank's batch."""
-    model = build_model(case.model, vocab=case.vocab)
+    model = build_model(case.model, vocab=case.vocab).to(case.device)
     opt = make_optimizer(model.parameters(), case)
     for step in range(case.steps):
         for micro in range(case.accumulate):
@@ -256,6 +267,6 @@ def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def assert_same_on_all_ranks(state: dict[str, torch.Tensor]) -> None:
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, state)
+    dist.all_gather_object(gathered, {k: v.cpu() for k, v in state.items()})
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
