@@ -1,10 +1,16 @@
 """How ``param.grad`` relates to its bucket slice: small policies, chosen per parameter when a plan is installed
-(``buckets.BucketSlots``): copied or a view for dense gradients, the tensor itself for sparse ones."""
+(``buckets.BucketSlots``): copied or a view for dense gradients, the tensor itself for sparse ones.
+
+The Reducer moves a bucket's gradients in one call when the bucket is complete (``to_bucket_many``) and back in one
+call per awaited bucket (``from_bucket_many``): on a GPU, one multi-tensor kernel and one Python call per bucket
+instead of one per parameter, which a backward that launches kernels faster than the GPU runs them cannot hide.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -12,7 +18,25 @@ if TYPE_CHECKING:
     from .buckets import SparseGradBucket
 
 
-@torch.no_grad()  # a gradient with a graph of its own (backward(create_graph=True)) is reduced as data, as in PyTorch
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def as_data(fn: F) -> F:
+    """Run ``fn`` with gradients disabled: a gradient with a graph of its own (``backward(create_graph=True)``) is
+    reduced as data, as in PyTorch. Backward usually runs with them disabled already; then this costs one check
+    instead of entering ``torch.no_grad()``, which matters in a hook that runs once per parameter per step."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+@as_data
 def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = None) -> None:
     """``view = grad * scale`` (zeros where there is no gradient); scaled while copying: one pass, not two."""
     if grad is None:
@@ -23,14 +47,55 @@ def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = No
         torch.mul(grad, scale, out=view)
 
 
-class CopiedGrads:
+class PerParameter:
+    """``to_bucket_many`` / ``from_bucket_many`` as one ``to_bucket`` / ``from_bucket`` per parameter."""
+
+    def to_bucket_many(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float | None = None) -> None:
+        for param, view in zip(params, views):
+            self.to_bucket(param, view, scale)  # type: ignore[attr-defined]
+
+    def from_bucket_many(
+        self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], parts: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        for param, view, its_parts in zip(params, views, parts):
+            self.from_bucket(param, view, its_parts)  # type: ignore[attr-defined]
+
+
+class CopiedGrads(PerParameter):
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
 
-    @torch.no_grad()
+    @as_data
+    def to_bucket_many(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float | None = None) -> None:
+        """One ``_foreach_copy_`` (and ``_foreach_mul_``) for the gradients of the bucket's dtype; a gradient of
+        another dtype (``mixed_precision``) is scaled before its cast, as ``fill`` does, so the result is the same."""
+        same, other = [], []
+        for param, view in zip(params, views):
+            grad = param.grad
+            (same if grad is not None and grad.dtype == view.dtype else other).append((param, view))
+        if same:
+            targets = [view for _, view in same]
+            torch._foreach_copy_(targets, [param.grad for param, _ in same])
+            if scale is not None:
+                torch._foreach_mul_(targets, scale)  # the same rounding as torch.mul(grad, scale, out=view)
+        for param, view in other:
+            fill(view, param.grad, scale)  # unused here: zeros
+
+    @as_data
+    def from_bucket_many(
+        self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], parts: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        plain = [(p, v) for p, v, its_parts in zip(params, views, parts) if not its_parts and p.grad is not None]
+        if plain:
+            torch._foreach_copy_([p.grad for p, _ in plain], [v for _, v in plain])
+        for param, view, its_parts in zip(params, views, parts):
+            if its_parts or param.grad is None:
+                self.from_bucket(param, view, its_parts)
+
+    @as_data
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         fill(view, param.grad, scale)  # unused here: zeros
 
-    @torch.no_grad()
+    @as_data
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         """``view``, plus the reduced ``parts`` of a tied weight's gradient, into ``param.grad``: one pass."""
         if param.grad is None:
@@ -42,17 +107,17 @@ class CopiedGrads:
         else:
             param.grad.copy_(view)
 
-    @torch.no_grad()
+    @as_data
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned; nothing points into the old buffers."""
 
 
-class BucketViewGrads:
+class BucketViewGrads(PerParameter):
     """``gradient_as_bucket_view=True``: ``param.grad`` *is* the bucket slice, so no gradient-sized copy lives
     next to the bucket. After ``zero_grad(set_to_none=True)`` autograd hands us a fresh tensor once; it is
     copied into the slice and ``param.grad`` re-pointed, and later accumulation happens in place."""
 
-    @torch.no_grad()
+    @as_data
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         grad = param.grad
         if grad is None:
@@ -63,14 +128,14 @@ class BucketViewGrads:
         elif scale is not None:
             view.mul_(scale)
 
-    @torch.no_grad()
+    @as_data
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         for part in parts:  # .grad is the view: the parts go into the bucket slice itself
             view.add_(part)
         if param.grad is None:  # unused on this rank, used on another: the average is its gradient
             param.grad = view
 
-    @torch.no_grad()
+    @as_data
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned: keep the gradient's value, now in its new slice."""
         if param.grad is not None:
@@ -78,7 +143,7 @@ class BucketViewGrads:
             param.grad = new_view
 
 
-class SparseGrads:
+class SparseGrads(PerParameter):
     """A ``torch.sparse`` gradient (``nn.Embedding(sparse=True)``): its bucket (``buckets.SparseGradBucket``)
     holds the gradient tensor itself, and the reduced tensor becomes ``param.grad``. Whatever
     ``gradient_as_bucket_view`` says: a sparse tensor is no slice of anything (PyTorch does the same)."""

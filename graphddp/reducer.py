@@ -345,9 +345,9 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _mark_ready(self, i: int) -> None:
+        """Parameter ``i``'s gradient is final; it is copied into the bucket with the bucket's others, once the
+        bucket is complete (``_slot_filled``)."""
         where = self._slots.slot[i]
-        assert self._iteration is not None
-        self._slots.layout[i].to_bucket(self._params[i], self._slots.view(where), self._iteration.prescale)
         self._events.record("ready", where[0], self._names[i])
         self._slot_filled(where)
 
@@ -358,12 +358,27 @@ class Reducer:
         self._slot_filled(where)
 
     def _slot_filled(self, where: tuple[int, int]) -> None:
-        if self.buckets[where[0]].mark_ready(where[1]) and self._launcher.launch_ready():
+        bucket = self.buckets[where[0]]
+        if not bucket.mark_ready(where[1]):
+            return
+        self._gather(bucket)
+        if self._launcher.launch_ready():
             if not self._policy.chains:  # else a hook's chained collectives may still come: count after the waits
                 self._reduce_usage()
             assert self._iteration is not None
             if self._iteration.finalize_at_last_launch:
                 self._finalize()
+
+    def _gather(self, bucket: FlatBucket) -> None:
+        """A complete bucket's gradients into its buffer, in one call (parts are in their slots already)."""
+        assert self._iteration is not None
+        slots = [slot for slot, spec in enumerate(bucket.spec.params) if not spec.part]
+        if slots:
+            params = [bucket.params[slot] for slot in slots]
+            # One layout per bucket: the dense one, or SparseGrads for a bucket of its own.
+            self._slots.layout[bucket.param_indices[slots[0]]].to_bucket_many(
+                params, [bucket.views[slot] for slot in slots], self._iteration.prescale
+            )
 
     def _reduce_usage(self) -> None:
         """After the buckets' collectives: count on how many ranks each parameter got a gradient
@@ -392,9 +407,7 @@ class Reducer:
                 bucket.take(reduced)
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
                 whole = [i for i, spec in zip(bucket.param_indices, bucket.spec.params) if not spec.part]
-                for i in whole:
-                    if used_here[i]:
-                        self._write_back(i)
+                self._write_back_many([i for i in whole if used_here[i]])
                 self._events.record("written", bucket.index)
                 if all(used_here[i] for i in whole):
                     self._bucket_final(bucket.index, whole)
@@ -458,6 +471,15 @@ class Reducer:
                     missing.append(bucket.param_indices[slot])
                     self._mark_ready(missing[-1])
         return missing
+
+    def _write_back_many(self, indices: list[int]) -> None:
+        """``_write_back`` for parameters of one bucket (one layout), in one call."""
+        if indices:
+            self._slots.layout[indices[0]].from_bucket_many(
+                [self._params[i] for i in indices],
+                [self._slots.view(self._slots.slot[i]) for i in indices],
+                [self._slots.parts(i) for i in indices],
+            )
 
     def _write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
