@@ -137,12 +137,16 @@ class AverageState:
 
 
 def average_allreduce_hook(state: AverageState, bucket: Any) -> torch.futures.Future:
-    """Sum the bucket over ranks and divide by ``state.divisor`` (the world size, or the non-joined ranks)."""
-    buffer = bucket.buffer()
+    """Sum the bucket over ranks and divide by ``state.divisor`` (the world size, or the non-joined ranks), as a
+    comm hook: a future of the averaged buffer."""
+    return average_all_reduce(state, bucket.buffer()).get_future().then(lambda fut: fut.value()[0])
+
+
+def average_all_reduce(state: AverageState, buffer: torch.Tensor) -> dist.Work:
+    """The averaging all-reduce of ``buffer``, in place; the collective's ``Work``."""
     if state.divisor != 1:
         buffer.div_(state.divisor)  # before the sum, as PyTorch does, so low precision sums do not overflow
-    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return dist.all_reduce(buffer, group=state.process_group, async_op=True)
 
 
 # -- where collectives run ----------------------------------------------------------------------------------
@@ -152,8 +156,9 @@ class HostComm:
     def launch(self, fn):
         return fn()
 
-    def wait(self, future: torch.futures.Future):
-        return future.wait()
+    def wait(self, pending: Any):
+        """Wait for a future or a collective's ``Work``."""
+        return pending.wait()
 
     def join_compute(self) -> None:
         pass
@@ -175,9 +180,10 @@ class CudaCommStream:
         with torch.cuda.stream(self.stream):
             return fn()
 
-    def wait(self, future: torch.futures.Future):
+    def wait(self, pending: Any):
+        """Wait for a future or a collective's ``Work``: the comm stream waits for its result."""
         with torch.cuda.stream(self.stream):
-            return future.wait()
+            return pending.wait()
 
     def join_compute(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -119,7 +119,7 @@ class Launcher:
         if self._open is None:
             return
         (index, in_flight), self._open = self._open, None
-        watched = in_flight.future is not None
+        watched = self.events.recording and in_flight.future is not None
         in_flight.commit()
         if in_flight.outcome is not None:
             self.events.record(in_flight.outcome[0], index, in_flight.outcome[1])

@@ -8,8 +8,10 @@ Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective 
 * ``done()`` says whether the result is there (``ChainedLaunch`` asks);
 * ``wait()`` returns the reduced bucket, checked: one tensor with the buffer's element count.
 
-``DenseReduction``: the bucket through the comm hook (graphddp's averaging all-reduce, or the user's hook), one
-step, nothing to commit.
+``DenseReduction``: the bucket through the user's comm hook, or graphddp's averaging all-reduce, one step, nothing
+to commit. The averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a
+GPU a Python future chain (``get_future().then(...)``, its ``value()``) costs ~0.4 ms of CPU per bucket, measured on
+an H100 (docs/gpu.md), which a backward that feeds the GPU from Python cannot hide.
 
 ``RowSparseReduction`` (Note [Row-sparse gradients] in ``passes/row_sparse.py``): an embedding table's gradient
 in two steps, both issued from the thread that runs backward:
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import FlatBucket, GradBucket
-from .comm import CudaCommStream, HostComm
+from .comm import CudaCommStream, HostComm, average_all_reduce
 from .passes import ROW_SPARSE_MAX_DENSITY
 
 DENSE_STREAK_LIMIT = 2
@@ -75,8 +77,17 @@ class DenseReduction:
 
     def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
         self.hook, self.comm, self.rank = hook, comm, rank
+        self.start = self._start_hook if hook.custom else self._start_averaging  # type: ignore[method-assign]
 
-    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> InFlight:
+        """Replaced per instance by ``_start_hook`` or ``_start_averaging``."""
+        raise NotImplementedError
+
+    def _start_averaging(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
+        work = self.comm.launch(lambda: average_all_reduce(self.hook.state, buffer))
+        return AveragedInFlight(work, buffer, self.comm)
+
+    def _start_hook(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
         grad_bucket = GradBucket(bucket.index, buffer, bucket.params, is_last)
         future = self.comm.launch(lambda: self.hook.fn(self.hook.state, grad_bucket))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
@@ -102,6 +113,33 @@ class DenseInFlight:
 
     def wait(self) -> torch.Tensor:
         return checked_result(self._comm.wait(self.future), self._bucket, self._buffer, self._rank)
+
+
+class AveragedInFlight:
+    """graphddp's averaging all-reduce of one bucket, in place in ``buffer``."""
+
+    outcome = None
+
+    def __init__(self, work: Any, buffer: torch.Tensor, comm: Any) -> None:
+        self._work, self._buffer, self._comm = work, buffer, comm
+        self._future: torch.futures.Future | None = None
+
+    @property
+    def future(self) -> torch.futures.Future:
+        """Made only when asked (the launcher asks while recording events, for completion times)."""
+        if self._future is None:
+            self._future = self._work.get_future()
+        return self._future
+
+    def commit(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        self._comm.wait(self._work)
+        return self._buffer
 
 
 def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:
