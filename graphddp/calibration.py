@@ -77,14 +77,18 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
     return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]))
 
 
-def measure_compute_rates(device: torch.device | None = None) -> ComputeRates:
-    """This process's compute rates (no process group): a 1024³ matmul and an add of 4 Mi floats, best of 5."""
+def measure_compute_rates(
+    device: torch.device | None = None, *, dtype: torch.dtype = torch.float32, matmul_size: int = 1024
+) -> ComputeRates:
+    """This process's compute rates (no process group): a ``matmul_size``³ matmul and an add of 4 Mi elements in
+    ``dtype``, best of 5 (a GPU under bf16 autocast: ``dtype=torch.bfloat16`` and a size its matmuls reach)."""
     device = device or torch.device("cpu")
-    a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
-    x, y = torch.randn(1 << 22, device=device), torch.randn(1 << 22, device=device)
+    n = matmul_size
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    x, y = torch.randn(1 << 22, device=device, dtype=dtype), torch.randn(1 << 22, device=device, dtype=dtype)
     matmul_s = _best_of(lambda: torch.mm(a, b), device)
     add_s = _best_of(lambda: torch.add(x, y), device)
-    return ComputeRates(flops_per_s=2 * 1024**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s)
+    return ComputeRates(flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s)
 
 
 def cpu_cost_of_communication(
