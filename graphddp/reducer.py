@@ -9,9 +9,10 @@ One iteration, on every rank:
 2. ``prepare_for_backward(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
    (``graphddp.iteration``), every bucket reset, the plan-agreement all-reduce started, and the parameters the
    usage policy (``graphddp.unused``) finds unused marked ready at once.
-3. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final. The gradient goes into
-   its bucket slice (``graphddp.grad_layout``); a tap hands over a *part* of a tied weight's gradient the same
-   way (``take_part``). When a bucket is complete, the launcher (``graphddp.launcher``) launches every bucket the
+3. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final and marks its slot
+   ready; a tap hands over a *part* of a tied weight's gradient, written into its slot at once (``take_part``).
+   When a bucket is complete, its gradients go into their slices in one call (``graphddp.grad_layout``: one
+   multi-tensor copy, not one per parameter: on a GPU the hook's Python is the backward's pace), and the launcher (``graphddp.launcher``) launches every bucket the
    index order allows, each through its reduction strategy (``graphddp.reductions``: dense through the comm
    hook, or an embedding table's rows). After the last bucket's collectives, the usage all-reduce (which
    parameters got a gradient, summed over ranks), on the DDP's own group like every collective of graphddp's:
