@@ -209,10 +209,11 @@ def train(impl: str, case: Case, rank: int, *, keep_states: bool = False) -> Run
 
 
 def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
-    if case.compile is not None:
+    if case.compile is not None and impl == "graphddp":
         # Rank processes are pooled across tests: without a fresh cache, a code object earlier tests compiled up
         # to Dynamo's recompile limit runs eagerly here, and nothing is captured (seen: a compiled case planned
-        # from ready order when it ran after test_parity and test_misuse).
+        # from ready order when it ran after test_parity and test_misuse). PyTorch's DDP, the reference, trains
+        # eagerly and keeps the cache as it is (torch.cond compiles even in eager mode).
         torch._dynamo.reset()
     ddp, model = wrap(impl, case, rank)
     run = Run(ddp)
