@@ -57,7 +57,7 @@ from .optimizer_overlap import NoStep, StepPerBucket
 from .passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .profiling import trace_artifact
-from .reductions import CommHook, DenseReduction, RowSparseReduction, SkippedReduction
+from .reductions import CommHook, RowSparseReduction, SkippedReduction, dense_reduction
 from .trace import NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
 
@@ -156,7 +156,7 @@ class Reducer:
             )
 
     def _make_launcher(self) -> Launcher:
-        dense = DenseReduction(self._hook, self._comm, self.rank)
+        dense = dense_reduction(self._hook, self._comm, self.rank)
         never_used = self._skip_basis = self.usage.never_used if self._skip_unused else frozenset()
         self._skipped = frozenset(
             b.index for b in self._slots.buckets if not any(p.part for p in b.spec.params) and never_used.issuperset(b.param_indices)

@@ -8,8 +8,8 @@ Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective 
 * ``done()`` says whether the result is there (``ChainedLaunch`` asks);
 * ``wait()`` returns the reduced bucket, checked: one tensor with the buffer's element count.
 
-``DenseReduction``: the bucket through the user's comm hook, or graphddp's averaging all-reduce, one step, nothing
-to commit. The averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a
+``dense_reduction``: the bucket through the user's comm hook (``HookReduction``), or graphddp's averaging
+all-reduce (``AveragingReduction``), one step, nothing to commit. The averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a
 GPU a Python future chain (``get_future().then(...)``, its ``value()``) costs ~0.4 ms of CPU per bucket, measured on
 an H100 (docs/gpu.md), which a backward that feeds the GPU from Python cannot hide.
 
@@ -69,25 +69,16 @@ class CommHook:
     custom: bool
 
 
-class DenseReduction:
-    """The whole bucket through the comm hook."""
+class HookReduction:
+    """The whole bucket through the user's comm hook, whose future resolves to the reduced bucket."""
 
     gave_up = False
     """Never tries rows (see ``RowSparseReduction.gave_up``)."""
 
     def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
         self.hook, self.comm, self.rank = hook, comm, rank
-        self.start = self._start_hook if hook.custom else self._start_averaging  # type: ignore[method-assign]
 
-    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> InFlight:
-        """Replaced per instance by ``_start_hook`` or ``_start_averaging``."""
-        raise NotImplementedError
-
-    def _start_averaging(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
-        work = self.comm.launch(lambda: average_all_reduce(self.hook.state, buffer))
-        return AveragedInFlight(work, buffer, self.comm)
-
-    def _start_hook(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
         grad_bucket = GradBucket(bucket.index, buffer, bucket.params, is_last)
         future = self.comm.launch(lambda: self.hook.fn(self.hook.state, grad_bucket))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
@@ -97,6 +88,28 @@ class DenseReduction:
                 "dist.all_reduce(..., async_op=True).get_future())."
             )
         return DenseInFlight(future, bucket, buffer, self.comm, self.rank)
+
+
+class AveragingReduction:
+    """The whole bucket through graphddp's averaging all-reduce, waited on through the collective's ``Work``."""
+
+    gave_up = False
+    """Never tries rows (see ``RowSparseReduction.gave_up``)."""
+
+    def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
+        self.hook, self.comm, self.rank = hook, comm, rank
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
+        work = self.comm.launch(lambda: average_all_reduce(self.hook.state, buffer))
+        return AveragedInFlight(work, buffer, self.comm)
+
+
+DenseReduction = HookReduction | AveragingReduction
+
+
+def dense_reduction(hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> DenseReduction:
+    """The whole bucket through ``hook``: the user's (a future), or graphddp's averaging (its ``Work``)."""
+    return (HookReduction if hook.custom else AveragingReduction)(hook, comm, rank)
 
 
 class DenseInFlight:

@@ -10,7 +10,7 @@ from torch import nn
 
 from graphddp.buckets import FlatBucket
 from graphddp.comm import HostComm
-from graphddp.reductions import CommHook, DenseReduction, RowSparseInFlight, RowSparseReduction
+from graphddp.reductions import CommHook, RowSparseInFlight, RowSparseReduction, dense_reduction
 
 
 def reduce_rows(table: torch.Tensor) -> tuple[torch.Tensor, RowSparseInFlight]:
@@ -18,7 +18,7 @@ def reduce_rows(table: torch.Tensor) -> tuple[torch.Tensor, RowSparseInFlight]:
     spec = plan_buckets([ParamSpec.of("t", table, row_sparse=True)], caps=BucketCaps(bucket=2048, first=1024, last=512)).buckets[0]
     bucket = FlatBucket(spec, [nn.Parameter(table.clone())], [0])
     summed = CommHook(None, lambda state, b: dist.all_reduce(b.buffer(), async_op=True).get_future(), custom=True)
-    dense = DenseReduction(summed, HostComm(), dist.get_rank())
+    dense = dense_reduction(summed, HostComm(), dist.get_rank())
     reduction = RowSparseReduction(dense, group=dist.group.WORLD)
     in_flight = reduction.start(bucket, table.view(-1), is_last=True)
     in_flight.commit()
