@@ -42,8 +42,6 @@ MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
 EDGE_MB = (4.0, 1.0, 0.25)
 """Candidates for the first and last buckets' caps, besides the middle cap itself (no ramp at that end)."""
 
-AUTO = "auto"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CapsSearch:
