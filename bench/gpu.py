@@ -56,11 +56,12 @@ def gpt2_small() -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False))
 
 
-def wrapped(mode: str, model: torch.nn.Module) -> torch.nn.Module:
+def wrapped(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(the DDP module, or the model for local; what a step calls)``."""
     import graphddp
 
     if mode == "local":
-        return model
+        return model, model
     if mode.startswith("torch"):
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     else:
@@ -68,8 +69,8 @@ def wrapped(mode: str, model: torch.nn.Module) -> torch.nn.Module:
     if mode.endswith("compiled"):
         # PyTorch's DDP under torch.compile: Dynamo's DDPOptimizer splits at its buckets; graphddp's DDP: the
         # graphddp backend around Inductor.
-        return torch.compile(ddp) if mode.startswith("torch") else torch.compile(ddp, backend=graphddp.backend("inductor"))
-    return ddp
+        return ddp, torch.compile(ddp) if mode.startswith("torch") else torch.compile(ddp, backend=graphddp.backend("inductor"))
+    return ddp, ddp
 
 
 def run_mode(mode: str, options: GpuRun, init_file: str, out: str, results: Any) -> None:
@@ -78,7 +79,7 @@ def run_mode(mode: str, options: GpuRun, init_file: str, out: str, results: Any)
     torch.backends.cuda.matmul.allow_tf32 = True
     model = gpt2_small().cuda()
     params = sum(p.numel() for p in model.parameters())
-    step_model = wrapped(mode, model)
+    ddp, step_model = wrapped(mode, model)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(0, 50304, (options.batch, options.seq + 1), device="cuda", generator=g)
@@ -126,9 +127,9 @@ def run_mode(mode: str, options: GpuRun, init_file: str, out: str, results: Any)
     if mode.startswith("graphddp") and options.profile_steps:
         record["python"] = guarded(python_profile, step, options.profile_steps, os.path.join(out, f"python-{mode}.txt"))
     if mode == "graphddp-compiled":
-        record["prediction"] = guarded(predict, model, x, y, step_model)
+        record["prediction"] = guarded(predict, model, x, y, ddp.reducer.caps)
     if mode.startswith("graphddp"):
-        record["buckets"] = len(step_model_ddp(step_model).bucket_plan.buckets)
+        record["buckets"] = len(ddp.bucket_plan.buckets)
     results.put(record)
     dist.destroy_process_group()
 
@@ -138,10 +139,6 @@ def guarded(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except Exception as e:  # reported in the record, beside the figures that did come out
         return {"error": f"{type(e).__name__}: {e}"}
-
-
-def step_model_ddp(step_model: torch.nn.Module) -> Any:
-    return getattr(step_model, "_orig_mod", step_model)
 
 
 def profile(step: Any, steps: int, path: str) -> dict[str, float]:
@@ -184,7 +181,7 @@ def python_profile(step: Any, steps: int, path: str) -> dict[str, float]:
     return dict(sorted(ours.items(), key=lambda kv: -kv[1])[:15])
 
 
-def predict(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step_model: torch.nn.Module) -> dict[str, Any]:
+def predict(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, caps: Any) -> dict[str, Any]:
     """The cost model's forward+backward of the captured graph at this GPU's bf16 rates (Note [Step cost model]).
     At world size 1 a ring all-reduce sends nothing (2 (w - 1) / w = 0), so the link does not enter and none is
     fitted (``link_of`` needs two ranks); the optimizer is measured, not predicted."""
@@ -195,7 +192,6 @@ def predict(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step_model
     from graphddp.graph_pipeline import prepare_graph
     from graphddp.inspection import predict_graph
 
-    ddp = step_model_ddp(step_model)
     rates = measure_compute_rates(torch.device("cuda"), dtype=torch.bfloat16, matmul_size=4096)
     link = LinkModel.of_rate(400e9)  # any link: at world size 1 nothing crosses it
     names = parameter_names(model)
@@ -204,7 +200,7 @@ def predict(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step_model
     with torch.autocast("cuda", dtype=torch.bfloat16):
         captured = capture_graphs(model, x, y)
     for c in captured:
-        prepared = prepare_graph(c.gm, c.example_inputs, names, caps=ddp.reducer.caps, row_sparse=False)
+        prepared = prepare_graph(c.gm, c.example_inputs, names, caps=caps, row_sparse=False)
         if prepared is None:
             continue
         p = predict_graph(c.gm, prepared.split, link, 1, rates)
