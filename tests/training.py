@@ -24,6 +24,12 @@ from graphddp.trace import EventLog
 
 IMPLS = ("graphddp", "torch")
 
+TINY_CAPS = (("bucket_cap_mb", 0.002),)
+"""``Case.ddp``: ~2 KiB buckets, so even the small test models get several."""
+RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
+"""``Case.graphddp``: a 1 KiB first bucket and a 0.5 KiB last one, so with ``TINY_CAPS`` both of graphddp's ramps
+(Note [Bucket ramps]) are cut."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:

@@ -23,20 +23,29 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
-from training import Case, assert_same_on_all_ranks, batch_for, loss_for, make_optimizer, state_of, train, wrap
+from training import (
+    RAMPED,
+    TINY_CAPS,
+    Case,
+    assert_same_on_all_ranks,
+    batch_for,
+    loss_for,
+    make_optimizer,
+    state_of,
+    train,
+    wrap,
+)
 
 import graphddp.comm
 from graphddp.trace import EventLog
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (docs/gpu.md)")
 
-TINY = (("bucket_cap_mb", 0.002),)  # several buckets even for the test models
-RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
 LOW_PRECISION = (("rtol", 1e-2), ("atol", 1e-3))  # fp16/bf16 sums and casts: rounding, 6 steps
 
 
 def tiny(**fields: Any) -> Case:
-    return Case(ddp=TINY + fields.pop("ddp", ()), graphddp=fields.pop("graphddp", RAMPED), device="cuda", **fields)
+    return Case(ddp=TINY_CAPS + fields.pop("ddp", ()), graphddp=fields.pop("graphddp", RAMPED), device="cuda", **fields)
 
 
 def mixed(**dtypes: torch.dtype) -> tuple[tuple[str, Any], ...]:

@@ -16,19 +16,16 @@ import pytest
 import torch
 from models import build_model
 from ranks import run_on_ranks
-from training import Case, batch_for, train
+from training import RAMPED, TINY_CAPS, Case, batch_for, train
 
 import graphddp
 
-TINY = (("bucket_cap_mb", 0.002),)
-# With the TINY caps, both of graphddp's ramps (Note [Bucket ramps]) are cut.
-RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
 INDUCTOR_TOLERANCE = (("rtol", 1e-3), ("atol", 1e-4))
 
 
 def compiled(**fields: Any) -> Case:
     """A compiled case with tiny buckets (5 steps, aot_eager), ramps cut unless ``graphddp`` says otherwise."""
-    return Case(**{"steps": 5, "compile": "torch.compile", "ddp": TINY, "graphddp": RAMPED, **fields})
+    return Case(**{"steps": 5, "compile": "torch.compile", "ddp": TINY_CAPS, "graphddp": RAMPED, **fields})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +52,16 @@ CASES: dict[str, tuple[Case, Expect]] = {
     "graph_breaks_and_a_graph_without_parameters": (compiled(model="graph_breaks"), Expect(graphs=2)),
     # Ranks captured different graphs (the branch is a Python bool): the shared eager plan stays.
     "find_unused_rank_dependent_branch": (
-        compiled(model="branchy", ddp=TINY + (("find_unused_parameters", True),)),
+        compiled(model="branchy", ddp=TINY_CAPS + (("find_unused_parameters", True),)),
         Expect(graph_plan=False),
     ),
-    "static_graph": (compiled(ddp=TINY + (("static_graph", True),)), Expect()),
+    "static_graph": (compiled(ddp=TINY_CAPS + (("static_graph", True),)), Expect()),
     # The graph is compiled after iteration 0, when static_graph has stopped searching for unused parameters:
     # its plan is still agreed on and adopted (Note [Plan agreement]).
-    "static_graph_after_an_eager_step": (compiled(ddp=TINY + (("static_graph", True),), eager_steps=1), Expect()),
+    "static_graph_after_an_eager_step": (compiled(ddp=TINY_CAPS + (("static_graph", True),), eager_steps=1), Expect()),
     "no_sync": (compiled(accumulate=3), Expect()),
     "fp16_comm_hook": (compiled(hook="fp16", tolerance=(("rtol", 1e-3), ("atol", 1e-4))), Expect()),
-    "gradient_as_bucket_view": (compiled(ddp=TINY + (("gradient_as_bucket_view", True),)), Expect()),
+    "gradient_as_bucket_view": (compiled(ddp=TINY_CAPS + (("gradient_as_bucket_view", True),)), Expect()),
     "no_grad_forward": (compiled(no_grad_forward=True), Expect()),
     # A different batch size every step, marked dynamic: no recompile.
     "mark_dynamic_batch": (compiled(batch_sizes=((3, 4, 5, 6, 7),) * 2, mark_dynamic=True), Expect()),

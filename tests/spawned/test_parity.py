@@ -9,11 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ranks import run_on_ranks
-from training import Case, assert_same_on_all_ranks, state_of, train, train_single_process
-
-TINY_CAPS = (("bucket_cap_mb", 0.002),)  # ~2 KiB: several buckets even for these small models
-# graphddp's own caps: a 1 KiB first bucket and a 0.5 KiB last one, so both ramps (Note [Bucket ramps]) are cut.
-RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
+from training import RAMPED, TINY_CAPS, Case, assert_same_on_all_ranks, state_of, train, train_single_process
 
 
 def tiny(**fields) -> Case:

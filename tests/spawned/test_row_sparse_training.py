@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
 from reduce_rows import reduce_rows
-from training import Case, train
+from training import RAMPED, TINY_CAPS, Case, train
 
 from graphddp.reductions import DENSE_STREAK_LIMIT
 
@@ -43,8 +43,6 @@ def test_row_sparse_launch_on_two_ranks_equals_the_dense_all_reduce() -> None:
 
 
 # -- training -------------------------------------------------------------------------------------------------
-CAPS = (("bucket_cap_mb", 0.002),)
-RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
 
 
 def rows_case(**fields: Any) -> Case:
@@ -52,7 +50,7 @@ def rows_case(**fields: Any) -> Case:
     fields = {"model": "gpt", "steps": 4, "compile": "torch.compile", **fields}
     if fields.get("optim", "sgd") == "sgd":
         fields.setdefault("lr", 0.1)
-    return Case(ddp=CAPS + fields.pop("ddp", ()), graphddp=RAMPED, **fields)
+    return Case(ddp=TINY_CAPS + fields.pop("ddp", ()), graphddp=RAMPED, **fields)
 
 
 class Warnings(logging.Handler):
