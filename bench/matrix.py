@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, LinkUnavailable) as e:
         print(f"bench.matrix: {e}", file=sys.stderr)
         return 2
-    results = []
+    results: list[dict[str, Any]] = []
+    text = ""
     for workload, link in cells:
         folder = out / f"{workload}-{link}"
         print(f"bench.matrix: {workload}, link {link}, {args.world_size} ranks -> {folder}", flush=True)
@@ -80,12 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             swept = run(dataclasses.replace(base, workload=workload, link=link, modes=modes, inner=args.sweep_inner, out=str(folder / "sweep")))
             (folder / "sweep" / "results.json").write_text(json.dumps(swept, indent=2))
         results.append(cell(workload, link, summary, swept))
-    (out / "matrix.json").write_text(json.dumps(results, indent=2))
-    text = report(results, command=" ".join(["python -m bench.matrix", *(argv if argv is not None else sys.argv[1:])]))
-    (out / "matrix.md").write_text(text)
+        # After every cell, so a matrix stopped part-way (hours on a small machine) keeps the cells it finished.
+        text = write_summary(results, out, command=" ".join(["python -m bench.matrix", *(argv if argv is not None else sys.argv[1:])]))
     print(text)
     picture(results, out / "matrix.png")
     return 0
+
+
+def write_summary(results: list[dict[str, Any]], out: Path, command: str) -> str:
+    """``matrix.json`` and ``matrix.md`` for the cells finished so far; returns the table's text."""
+    (out / "matrix.json").write_text(json.dumps(results, indent=2))
+    text = report(results, command=command)
+    (out / "matrix.md").write_text(text)
+    return text
 
 
 def cell(workload: str, link: str, summary: dict[str, Any], swept: dict[str, Any] | None) -> dict[str, Any]:
