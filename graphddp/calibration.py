@@ -21,8 +21,14 @@ from .passes import ComputeRates, LinkModel, fit_link
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SIZES = tuple(1 << k for k in range(12, 23, 2))
-"""4 KiB to 4 MiB: latency-bound to bandwidth-bound on the links the benchmark emulates."""
+SERIES_START_BYTES = 1 << 12
+"""The calibration's first all-reduce: 4 KiB, latency-bound on any link."""
+SERIES_MAX_BYTES = 1 << 26
+"""The largest all-reduce it sends: 64 MiB, past the default 25 MiB bucket cap."""
+BANDWIDTH_BOUND_S = 0.1
+"""The series grows (×4) until one all-reduce takes this long. A link's queue lets a burst through at the wire's
+speed (the benchmark's token bucket holds 10 ms of traffic, a switch's buffers do the same): a series that stops at
+a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/cost.py``)."""
 
 _fitted: weakref.WeakKeyDictionary[dist.ProcessGroup, LinkModel] = weakref.WeakKeyDictionary()
 
@@ -30,11 +36,14 @@ _fitted: weakref.WeakKeyDictionary[dist.ProcessGroup, LinkModel] = weakref.WeakK
 def link_of(
     group: dist.ProcessGroup | None = None,
     *,
-    sizes: Sequence[int] = DEFAULT_SIZES,
+    sizes: Sequence[int] | None = None,
     repeats: int = 3,
     device: torch.device | None = None,
 ) -> LinkModel:
-    """The link model of ``group`` (collective: every rank of it calls this), measured once and cached."""
+    """The link model of ``group`` (collective: every rank of it calls this), measured once and cached.
+
+    ``sizes``: the all-reduce sizes (bytes) to time; by default a series from 4 KiB that grows until one
+    all-reduce is bandwidth-bound (``grow_series``)."""
     group = group if group is not None else dist.group.WORLD
     if group in _fitted:
         return _fitted[group]
@@ -42,27 +51,60 @@ def link_of(
     if world < 2:
         raise ValueError("calibrating a link needs a process group of at least 2 ranks")
     device = device or torch.device("cpu")
-    samples = []
-    for nbytes in sizes:
+    samples: list[tuple[int, float]] = []
+
+    def measure(nbytes: int) -> float:
+        """Times ``repeats`` all-reduces of ``nbytes``; returns the slowest rank's best (the same on every rank,
+        so every rank grows the series alike)."""
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
+        times = []
         for _ in range(repeats):
             dist.barrier(group=group)
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            samples.append((buffer.numel() * 4, time.perf_counter() - started))
+            times.append(time.perf_counter() - started)
+        samples.extend((buffer.numel() * 4, t) for t in times)
+        slowest = torch.tensor([min(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        return float(slowest)
+
+    if sizes is None:
+        grow_series(measure)
+    else:
+        for nbytes in sizes:
+            measure(nbytes)
     local = fit_link(samples, world)
     agreed = torch.tensor([local.latency_s, local.seconds_per_byte], dtype=torch.float64, device=device)
     dist.broadcast(agreed, group=group, group_src=0)
     link = LinkModel(latency_s=float(agreed[0]), seconds_per_byte=float(agreed[1]))
     logger.info(
-        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d all-reduces)",
+        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d all-reduces, up to %d bytes)",
         world, link.latency_s * 1e6, 8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"), len(samples),
-    )
+        max(n for n, _ in samples),
+    )  # fmt: skip
     _fitted[group] = link
     return link
+
+
+def grow_series(
+    measure: Callable[[int], float],
+    *,
+    start: int = SERIES_START_BYTES,
+    max_bytes: int = SERIES_MAX_BYTES,
+    bound_s: float = BANDWIDTH_BOUND_S,
+) -> list[int]:
+    """Calls ``measure(nbytes)`` (seconds of one all-reduce) from ``start`` bytes, ×4 each time, until one takes
+    ``bound_s`` or ``max_bytes`` is reached; returns the sizes measured. ``measure`` must return the same figure
+    on every rank (the series is part of a collective)."""
+    sizes, nbytes = [], start
+    while True:
+        sizes.append(nbytes)
+        if measure(nbytes) >= bound_s or nbytes >= max_bytes:
+            return sizes
+        nbytes = min(4 * nbytes, max_bytes)
 
 
 def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> ComputeRates:

@@ -33,6 +33,40 @@ def test_fitting_recovers_latency_and_bandwidth() -> None:
         fit_link([(1024, 0.001), (2048, 0.002)], world=1)
 
 
+def token_bucket_link(bits_per_second: float, *, latency_s: float = 50e-6):
+    """All-reduce seconds of ``n`` bytes over 2 ranks on a link shaped like the benchmark's (bench/link.py): a
+    token bucket holding 10 ms of traffic lets the first bytes through at the wire's speed (taken as free here)."""
+    per_byte, burst = 8 / bits_per_second, max(64 * 1024, bits_per_second / 8 / 100)
+    return lambda nbytes: 2 * latency_s + max(0.0, nbytes - burst) * per_byte
+
+
+@pytest.mark.parametrize("rate", [1e9, 5e9])
+def test_the_calibration_series_grows_past_the_links_burst(rate: float) -> None:
+    from graphddp.calibration import grow_series
+
+    seconds = token_bucket_link(rate)
+    sizes = grow_series(seconds)
+    fitted = fit_link([(n, seconds(n)) for n in sizes], world=2)
+    assert fitted.seconds_per_byte == pytest.approx(8 / rate, rel=0.15), sizes
+    # What the calibration measured before (4 KiB to 4 MiB) fits in 5 Gbit/s's burst and sees no rate at all.
+    fixed = fit_link([(n, seconds(n)) for n in (1 << k for k in range(12, 23, 2))], world=2)
+    if rate == 5e9:
+        assert fixed.seconds_per_byte < 0.5 * 8 / rate
+
+
+def test_the_calibration_series_stops_at_the_bound_or_the_largest_size() -> None:
+    from graphddp.calibration import grow_series
+
+    measured: list[int] = []
+
+    def slow(nbytes: int) -> float:
+        measured.append(nbytes)
+        return nbytes * 1e-6  # 0.1 s at 100 kB
+
+    assert grow_series(slow, start=1000, max_bytes=10**9, bound_s=0.1) == [1000, 4000, 16000, 64000, 256000] == measured
+    assert grow_series(lambda n: 0.0, start=1 << 12, max_bytes=1 << 17) == [1 << 12, 1 << 14, 1 << 16, 1 << 17]
+
+
 # A link of 1 byte per microsecond, no latency, and 2 ranks: an all-reduce of n bytes takes n microseconds.
 LINK = LinkModel(latency_s=0.0, seconds_per_byte=1e-6)
 
