@@ -82,6 +82,11 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     result = matrix.cell("mlp", "1gbit", s, swept=None)
     assert result["ratios"]["graphddp-compiled / limit"] == pytest.approx(0.5 / 0.45)
     assert result["met"] == {"graphddp-eager / torch-eager": False, "graphddp-compiled / limit": False}
+    # 0.97 × torch-eager's 0.40 s is under the 0.45 s limit: no schedule meets that target in this cell.
+    assert result["below_limit"] == ["graphddp-eager / torch-eager"]
+    assert "graphddp-eager / torch-eager (below the testbed's limit)" in matrix.report([result], command="c")
+    s["modes"]["torch-eager"]["median_s"] = 0.5
+    assert matrix.cell("mlp", "1gbit", s, swept=None)["below_limit"] == []
     swept = {"modes": {"graphddp-compiled@4": {"median_s": 1.0}, "graphddp-compiled@25": {"median_s": 0.9}, "graphddp-compiled@auto": {"median_s": 0.92}}}
     result = matrix.cell("mlp", "1gbit", s, swept=swept)
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
