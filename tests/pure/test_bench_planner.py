@@ -87,6 +87,8 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     assert "graphddp-eager / torch-eager (below the testbed's limit)" in matrix.report([result], command="c")
     s["modes"]["torch-eager"]["median_s"] = 0.5
     assert matrix.cell("mlp", "1gbit", s, swept=None)["below_limit"] == []
+    s["modes"]["comm"]["median_s"] = 0.5  # the link binds: it can only start once the 100 ms forward is over
+    assert matrix.testbed_limit(s) == pytest.approx(0.1 + 0.5)
     swept = {"modes": {"graphddp-compiled@4": {"median_s": 1.0}, "graphddp-compiled@25": {"median_s": 0.9}, "graphddp-compiled@auto": {"median_s": 0.92}}}
     result = matrix.cell("mlp", "1gbit", s, swept=swept)
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
