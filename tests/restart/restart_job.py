@@ -164,6 +164,10 @@ def main() -> None:
         }
         torch.save(out, args.out)
     log("done")
+    # Both ranks leave together: a rank destroying its group while the other still saves or reads can hang in
+    # gloo's teardown (pytorch/pytorch#75097; seen once here in CI with PyTorch's DDP: rank 1 of the restarted
+    # attempt stuck in destroy_process_group after "done").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -47,11 +47,32 @@ def torchrun(workdir: Path, name: str, *args: str, env: dict[str, str] | None = 
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        stop_job(proc, ckpt)
+        stdout, stderr = proc.communicate(timeout=60)
         pytest.fail(f"{name}: torchrun still running after {RUN_TIMEOUT_S} s:\n{stderr[-6000:]}")
     assert proc.returncode == 0, f"{name}: torchrun failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-8000:]}"
     return torch.load(out, weights_only=False), stderr
+
+
+def stop_job(proc: subprocess.Popen, ckpt: Path) -> None:
+    """Stops a torchrun that ran past its time, and its workers.
+
+    torchrun starts every worker in a session of its own, so killing the agent's group leaves them running; a
+    worker left over holds the pipes ``communicate`` reads, and the test would wait on them for ever (it did,
+    in a CI run where a restarted attempt hung). SIGTERM first lets torchrun stop its workers; whatever still
+    runs is found by the checkpoint folder on its command line, unique to this run."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    marker = str(ckpt).encode()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):  # gone meanwhile
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +123,22 @@ def test_pytorch_ddp_job_recovers_bitwise_with_the_same_recipe(
     run, stderr = torchrun(tmp_path, "killed", "--impl", "torch", "--kill-at", str(KILL_AT), "--init", "recipe")
     assert "graphddp" not in run["impl"]
     check_recovered(run, stderr, reference["torch"], shared_store=True)
+
+
+def test_a_job_past_its_time_is_stopped_with_the_workers_in_their_own_sessions(tmp_path: Path) -> None:
+    """What torchrun leaves when its agent is killed: a worker in a session of its own, holding the agent's pipes."""
+    ckpt = tmp_path / "killed"
+    worker = f"import time; time.sleep(600)  # --ckpt {ckpt}"
+    agent = (
+        "import subprocess, sys, time;"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True);"
+        "time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", agent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=2)
+    stop_job(proc, ckpt)
+    proc.communicate(timeout=30)  # every holder of the pipes is gone: returns at once
+    assert proc.returncode is not None
