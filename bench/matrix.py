@@ -27,7 +27,7 @@ from .__main__ import _exit_on_sigterm
 from .link import Link, LinkUnavailable
 from .modes import MODES
 from .pictures import chrome_trace, draw
-from .run import BenchOptions, run
+from .run import AGAINST_TORCH, BenchOptions, run
 
 TARGETS = {
     "graphddp-compiled / torch-compiled": 0.90,
@@ -140,8 +140,8 @@ def below_limit(median: dict[str, float], limit: float | None) -> list[str]:
     if limit is None:
         return []
     return [
-        label for label, target in TARGETS.items()
-        if (against := label.split(" / ")[1]) in median and label.split(" / ")[0] in median and target * median[against] < limit
+        label for label, ours, torch_mode in AGAINST_TORCH
+        if ours in median and torch_mode in median and TARGETS[label] * median[torch_mode] < limit
     ]  # fmt: skip
 
 

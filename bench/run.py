@@ -64,6 +64,13 @@ class BenchOptions(BucketOptions):
             LinkSpec.parse(self.link)
 
 
+AGAINST_TORCH = (
+    ("graphddp-compiled / torch-compiled", "graphddp-compiled", "torch-compiled"),
+    ("graphddp-eager / torch-eager", "graphddp-eager", "torch-eager"),
+)
+"""The ratios of graphddp's modes to PyTorch's: ``(label, graphddp's mode, PyTorch's mode)``."""
+
+
 def run(options: BenchOptions) -> dict[str, Any]:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,10 +176,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             if comm:
                 m["overlap"] = min(1.0, max(0.0, (local + comm - m["median_s"]) / comm))
     ratios, ratio_rounds = {}, {}
-    for label, a, b in [
-        ("graphddp-compiled / torch-compiled", "graphddp-compiled", "torch-compiled"),
-        ("graphddp-eager / torch-eager", "graphddp-eager", "torch-eager"),
-    ]:
+    for label, a, b in AGAINST_TORCH:
         if a in modes and b in modes:
             ratios[label] = modes[a]["median_s"] / modes[b]["median_s"]
             ratio_rounds[label] = [x / y for x, y in zip(per_round[a], per_round[b])]
