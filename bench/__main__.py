@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from graphddp.cli import inner_backend
+from graphddp.tools.cli import inner_backend
 
 from .link import Link, LinkUnavailable
 from .modes import MODES

@@ -50,7 +50,7 @@ class GpuRun:
 
 
 def gpt2_small() -> torch.nn.Module:
-    from graphddp.workloads import GPT, GPTConfig
+    from graphddp.tools.workloads import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False))
@@ -185,12 +185,11 @@ def predict(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, caps: Any)
     """The cost model's forward+backward of the captured graph at this GPU's bf16 rates (Note [Step cost model]).
     At world size 1 a ring all-reduce sends nothing (2 (w - 1) / w = 0), so the link does not enter and none is
     fitted (``link_of`` needs two ranks); the optimizer is measured, not predicted."""
+    from graphddp.compiler.capture import capture_graphs, parameter_names
+    from graphddp.compiler.graph_pipeline import prepare_graph
     from graphddp.passes import LinkModel
-
-    from graphddp.calibration import measure_compute_rates
-    from graphddp.capture import capture_graphs, parameter_names
-    from graphddp.graph_pipeline import prepare_graph
-    from graphddp.inspection import predict_graph
+    from graphddp.runtime.calibration import measure_compute_rates
+    from graphddp.tools.inspection import predict_graph
 
     rates = measure_compute_rates(torch.device("cuda"), dtype=torch.bfloat16, matmul_size=4096)
     link = LinkModel.of_rate(400e9)  # any link: at world size 1 nothing crosses it

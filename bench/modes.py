@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from graphddp.passes import ParamSpec, plan_buckets
 from torch import nn
 
 import graphddp
 from graphddp.ddp import BucketOptions
+from graphddp.passes import ParamSpec, plan_buckets
 
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 """The default modes. A graphddp mode also takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``),

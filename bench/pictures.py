@@ -1,6 +1,6 @@
 """Pictures of a run: a bar chart of the modes, a timeline of one iteration per rank, a Chrome trace.
 
-Timelines come from graphddp's recorded events (``graphddp.trace``): forward, backward, each compiled segment's
+Timelines come from graphddp's recorded events (``graphddp.runtime.trace``): forward, backward, each compiled segment's
 backward start, and each bucket's all-reduce from launch to completion.
 """
 

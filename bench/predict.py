@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 import torch
+
 from graphddp.passes import (
     BucketCaps,
     LinkModel,

@@ -30,7 +30,7 @@ class BenchOptions(BucketOptions):
     """One benchmark run (bucket caps: see ``bench.modes.ModeConfig``)."""
 
     workload: str = "gpt"
-    """gpt, mlp or cnn (``graphddp.workloads``)."""
+    """gpt, mlp or cnn (``graphddp.tools.workloads``)."""
     size: str = "bench"
     """tiny, small or bench."""
     batch_size: int | None = None

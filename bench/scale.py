@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from graphddp.passes import LinkModel, project_scaling
 from tabulate import tabulate
+
+from graphddp.passes import LinkModel, project_scaling
 
 from .predict import link_of_run, mode_inputs
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 import graphddp
-from graphddp.calibration import cpu_cost_of_communication, link_of
-from graphddp.launch import init_process_group
-from graphddp.trace import EventLog, NullEvents
-from graphddp.workloads import Workload, build_workload
+from graphddp.runtime.calibration import cpu_cost_of_communication, link_of
+from graphddp.runtime.trace import EventLog, NullEvents
+from graphddp.tools.launch import init_process_group
+from graphddp.tools.workloads import Workload, build_workload
 
 from .modes import ModeConfig, Step, build
 
@@ -53,7 +53,7 @@ class PreparedMode:
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     pinned = config.get("pin", False) and _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    init_process_group("gloo")  # torchrun-restart safe (Note [Restarts] in graphddp/launch.py)
+    init_process_group("gloo")  # torchrun-restart safe (Note [Restarts] in graphddp/tools/launch.py)
     rank, world = dist.get_rank(), dist.get_world_size()
     # Pinned, the CPUs this rank may use are its own; unpinned, the ranks share them.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if pinned else world)))
@@ -156,7 +156,7 @@ class PhaseMarks:
 
 def calibrate(world: int) -> dict[str, float] | None:
     """What the step cost model needs of the link (rank 0's figures, on every rank): α, β and the compute each
-    communicated byte costs (graphddp.calibration)."""
+    communicated byte costs (graphddp.runtime.calibration)."""
     if world < 2:
         return None
     link = link_of()

@@ -5,11 +5,11 @@
 eager path and the compile backend share (see ``graphddp.passes.plan`` and ``docs/``).
 """
 
-from .backend import backend, compile
-from .ddp import DDP, DDPOptions, DistributedDataParallel
-from .frameworks import install, installed, uninstall
-
-__version__ = "0.1.0"
+from ._version import __version__
+from .compiler.backend import backend
+from .ddp import DDP, DDPOptions, DistributedDataParallel, compile
+from .integrations import checkpoint as _checkpoint  # noqa: F401 (takes part in every DDP construction)
+from .integrations.frameworks import install, installed, uninstall
 
 __all__ = [
     "DDP",

@@ -1,7 +1,7 @@
 """``graphddp.DistributedDataParallel``: the module users wrap, with PyTorch's DDP API on graphddp's Reducer.
 
 The wrapper owns what happens around the user's forward (buffer broadcast, join bookkeeping, arming the
-Reducer); the Reducer (``graphddp.reducer``) owns everything that happens during backward.
+Reducer); the Reducer (``graphddp.runtime.reducer``) owns everything that happens during backward.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import checkpoint, compile_target, dynamo_hook
-from .auto_caps import AutoCaps
-from .comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
-from .iteration import ActiveRanks
-from .optimizer_overlap import StepPerBucket
+from .compiler import compile_target, dynamo_hook
+from .compiler.backend import GraphDDPBackend, inner_compiler
 from .passes import (
     BucketCaps,
     BucketPlan,
@@ -34,13 +31,26 @@ from .passes import (
     rows_apply,
     sparse_gradient_params,
 )
-from .precision import MixedPrecision
-from .reducer import Reducer
-from .unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
+from .runtime.auto_caps import AutoCaps
+from .runtime.comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
+from .runtime.join import ActiveRanks
+from .runtime.optimizer_overlap import StepPerBucket
+from .runtime.precision import MixedPrecision
+from .runtime.reducer import Reducer
+from .runtime.unused import ExpectAllUsed, SearchEveryIteration, StaticGraph
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+_construction_hooks: list[Callable[[], object]] = []
+
+
+def on_construction(hook: Callable[[], object]) -> None:
+    """Run ``hook()`` whenever a graphddp DDP is built: how an integration (``graphddp.integrations``) takes
+    part without the DDP importing it (imports point down only: docs/architecture.md)."""
+    if hook not in _construction_hooks:
+        _construction_hooks.append(hook)
+
 _CAP_FIELDS = ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb")
 
 
@@ -132,7 +142,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training with bucketed, overlapped gradient all-reduce; a drop-in for PyTorch's DDP.
 
     Construction is collective: every rank checks that all ranks hold the same parameters and buffers, then rank
-    0's values are broadcast. See ``docs/`` and Note [Reducer] in ``graphddp.reducer`` for how backward works.
+    0's values are broadcast. See ``docs/`` and Note [Reducer] in ``graphddp.runtime.reducer`` for how backward works.
     """
 
     def __init__(
@@ -193,7 +203,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy  # a copy-speed knob of PyTorch's C++ Reducer: nothing to batch
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
         self.mixed_precision = mixed_precision  # as given (PyTorch's attribute); the policy is self._precision
-        self._precision = MixedPrecision.of(mixed_precision)  # Note [Mixed precision] in graphddp.precision
+        self._precision = MixedPrecision.of(mixed_precision)  # Note [Mixed precision] in graphddp.runtime.precision
         self.options = DDPOptions(
             bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -263,7 +273,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync_buffers_next_forward = True
         self._logged_error: str | None = None  # the last usage error, for _get_ddp_logging_data as PyTorch keeps it
         dynamo_hook.install()  # torch.compile with any backend splits at our buckets (Note [Split without asking])
-        checkpoint.install()  # get_model_state_dict names parameters without "module." (Note [Checkpoints])
+        for hook in _construction_hooks:  # e.g. checkpoints (Note [Checkpoints] in graphddp.integrations.checkpoint)
+            hook()
         logger.info(
             "[rank %d] graphddp.DDP: %d trainable parameters in %d buckets (bytes %s), world size %d",
             self.rank,
@@ -338,7 +349,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._pre_forward()
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
-        compile_target.enter(self.reducer)  # graphs Dynamo captures now are planned for this Reducer
+        compile_target.enter(self.reducer.compile_target)  # graphs Dynamo captures now are planned for this Reducer
         previous = dynamo_hook.activate(self)  # and split at its buckets whatever the backend (Note [Split without asking])
         try:
             output = self._precision.run(self.module, inputs, kwargs, self.parameters_to_ignore)
@@ -435,10 +446,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def step_in_backward(self, optimizer: torch.optim.Optimizer) -> None:
         """Let graphddp call ``optimizer.step()`` during backward, bucket by bucket, as soon as each bucket's
         averaged gradients are final, hidden behind the all-reduces still in flight (Note [Optimizer overlap] in
-        ``graphddp/optimizer_overlap.py``). The training loop then drops its ``optimizer.step()`` and keeps
+        ``graphddp/runtime/optimizer_overlap.py``). The training loop then drops its ``optimizer.step()`` and keeps
         ``zero_grad()``. Only optimizers that update each parameter from its own gradient and state (SGD, Adam,
         AdamW, ...): ``TypeError`` otherwise."""
-        self.reducer.after_bucket = StepPerBucket(optimizer, self.reducer.params())
+        self.reducer.set_after_bucket(StepPerBucket(optimizer, self.reducer.params()))
 
     def _set_static_graph(self) -> None:
         """PyTorch's way (used by Lightning strategies) to turn on ``static_graph`` after construction; only
@@ -454,7 +465,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
             raise RuntimeError(self._logged_error)
         self.options = dataclasses.replace(self.options, static_graph=True)
-        self.reducer.usage.policy = self.options.usage_policy()
+        self.reducer.set_usage_policy(self.options.usage_policy())
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """The subset of PyTorch's DDP logging data that frameworks read (Lightning's teardown, for one)."""
@@ -600,6 +611,35 @@ DistributedDataParallel._register_builtin_comm_hook = DistributedDataParallel.re
 DDP = DistributedDataParallel
 
 
+def compile(
+    model: nn.Module,
+    backend: str | Callable[..., Any] | GraphDDPBackend = "inductor",
+    *,
+    debug_dir: str | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    **kwargs: Any,
+) -> nn.Module:
+    """``torch.compile`` for a ``graphddp.DDP`` module: the wrapper stays eager, the inner module is compiled.
+
+    ``backend`` is the inner backend (as for ``graphddp.backend``) or a ``graphddp.backend(...)`` object.
+    ``mode`` and ``options`` configure the inner compiler as ``torch.compile`` would (Inductor's modes and config);
+    ``dynamic``, ``fullgraph`` and any other keyword go to ``torch.compile``.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"graphddp.compile expects a graphddp.DDP module, got {type(model).__name__}; wrap the model first: "
+            "graphddp.compile(graphddp.DDP(model))"
+        )
+    if isinstance(backend, GraphDDPBackend):
+        backend = backend.configured(mode=mode, options=options, dynamic=dynamic)
+    else:
+        backend = GraphDDPBackend(inner_compiler(backend, mode=mode, options=options, dynamic=dynamic), debug_dir=debug_dir)
+    return torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **kwargs)
+
+
 _UNSUPPORTED = {
     "delay_all_reduce_named_params": "delaying some parameters' all-reduce to the end of backward",
     "param_to_hook_all_reduce": "delaying some parameters' all-reduce to the end of backward",
@@ -675,7 +715,7 @@ class _DDPJoinHook(JoinHook):
 
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
-        ddp._active_ranks.divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._active_ranks.divide_by_initial_world_size(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
         self.ddp._shadow_iteration()

@@ -11,7 +11,7 @@ with ``α`` the per-message latency and ``β`` the seconds per byte (1 / bandwid
 expression in sympy, symbolic in bytes, world size, latency and bandwidth; ``fit_link`` fits ``α`` and ``β`` to
 measured all-reduce times by least squares over the ring's two terms. The measured sizes must reach past the
 link's burst: a queue (a token bucket, a switch's buffer) passes its first megabytes at the wire's speed, and a fit
-of sizes that all fit in it sees the burst, not the rate (``graphddp.calibration.grow_series`` grows the series
+of sizes that all fit in it sees the burst, not the rate (``graphddp.runtime.calibration.grow_series`` grows the series
 until one all-reduce takes 0.1 s).
 
 **The step** is a DAG (networkx): the backward segments run one after the other on the compute side; bucket

@@ -1,6 +1,6 @@
 """Plan one captured graph: its buckets, where to cut it, where to tap tied tables' parts.
 
-The one function the compile backend and ``graphddp inspect`` both run (through ``graphddp.graph_pipeline``), so
+The one function the compile backend and ``graphddp inspect`` both run (through ``graphddp.compiler.graph_pipeline``), so
 what inspect shows is what a real run adopts.
 """
 
@@ -34,7 +34,7 @@ def plan_graph(
     same code plan alike.
 
     ``plan``: cut by this plan instead of making one (a recompile of a graph whose plan the ranks already share:
-    Note [Plan agreement] in ``graphddp/plans.py``). It must cover the graph's parameters; taps go only where its
+    Note [Plan agreement] in ``graphddp/runtime/plans.py``). It must cover the graph's parameters; taps go only where its
     parts can still be placed.
     """
     if plan is not None:

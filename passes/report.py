@@ -1,6 +1,6 @@
 """What a plan and a split look like to a person or a program: table rows and a JSON-ready record.
 
-Pure data in, pure data out; the runtime (``graphddp.dump``, ``graphddp inspect``) renders the rows with
+Pure data in, pure data out; the runtime (``graphddp.compiler.dump``, ``graphddp inspect``) renders the rows with
 tabulate and writes the record as ``plan.json``.
 """
 

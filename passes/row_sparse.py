@@ -7,7 +7,7 @@ thousands. Reduced as a dense bucket, the whole table travels; and since the tab
 forward, its gradient is complete only at the very end of backward, with no backward left to hide its
 all-reduce behind (the bench GPT's 16.8 MB table: 70 ms at 2 Gbit/s, all of it exposed).
 
-The Reducer reduces such a gradient as rows (``RowSparseReduction`` in ``graphddp.reductions``):
+The Reducer reduces such a gradient as rows (``RowSparseReduction`` in ``graphddp.runtime.reductions``):
 
 1. each rank finds the rows its gradient touches (a scan of the bucket), and the ranks take the union of those
    sets with a small all-reduce of one byte per row;
@@ -35,7 +35,7 @@ every iteration. Three rules, each one function:
 A **tied** table (the GPT's ``wte``, also the output layer's weight) receives, at the *start* of backward, a
 dense contribution from the output layer, which makes the sum dense. Compiled, graphddp splits it off: the
 contribution of each other use is a *part* (``ParamSpec.part``), a slot of its own in the bucket of the segment
-that computes it. A tap in the stitched graph (``passes/taps.py``, ``graphddp.gradient_tap``) feeds the
+that computes it. A tap in the stitched graph (``passes/taps.py``, ``graphddp.compiler.gradient_tap``) feeds the
 parameter to that segment; the tap's backward hands the segment's contribution to the Reducer and passes nothing
 on to ``.grad``. The part is all-reduced early, hidden behind the rest of backward; the lookups' rows go last,
 and they are few. Once both are reduced, the Reducer adds the part into the parameter's gradient: all-reduce is
@@ -46,7 +46,7 @@ A use that sends no gradient back (a ``.detach()``, anything under ``no_grad``) 
 is cut, each part must sit in a segment of its own, apart from the lookups' segments (a tap feeds one segment's
 input, so two uses in one segment cannot be told apart); ``plan_graph`` re-plans without the parameters for
 which the cut fails that (``misplaced_parts``). A graph cut by a plan made earlier (a recompile, Note [Plan
-agreement] in ``graphddp/plans.py``) gets taps only where that plan's parts can still be placed.
+agreement] in ``graphddp/runtime/plans.py``) gets taps only where that plan's parts can still be placed.
 
 A tap passes its gradient on to ``.grad`` unchanged when its slot is not in the Reducer's plan, is already
 filled, or the backward is not synchronised (``no_sync``): autograd then accumulates it with the parameter's

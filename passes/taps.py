@@ -1,7 +1,7 @@
 """Where the parts of tied tables' gradients are taken off a split graph, and the FX edit that puts taps there
 (Note [Row-sparse gradients] in ``passes/row_sparse.py``).
 
-Pure: the tap module itself is the runtime's (``graphddp.gradient_tap``), handed in by a factory.
+Pure: the tap module itself is the runtime's (``graphddp.compiler.gradient_tap``), handed in by a factory.
 """
 
 from __future__ import annotations

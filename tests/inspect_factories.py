@@ -42,7 +42,7 @@ def tied_across_break():
 
 def wide_tied_gpt():
     """A tied GPT whose table has 512 rows and 64 lookups per batch: row-sparse for up to 4 ranks."""
-    from graphddp.workloads import GPT, GPTConfig
+    from graphddp.tools.workloads import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32))

@@ -8,7 +8,7 @@ Three families, told apart by name:
 * models reading data-dependent values (``scalars_*``, ...): ``x [B, IN]`` and integer codes ``[B]``, the
   mean square of the output as the loss;
 * ``hf:gpt2``, ``hf:bert``: Hugging Face models built from tiny configs (``transformers``, the test extra);
-* ``w:<workload>[:<size>]``: a graphddp workload (``graphddp.workloads``; size ``tiny`` unless given).
+* ``w:<workload>[:<size>]``: a graphddp workload (``graphddp.tools.workloads``; size ``tiny`` unless given).
 
 Batches come from seeded generators, so any rank can rebuild any other rank's batch without communication.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphddp.workloads import GPT, GPTConfig, build_workload
+from graphddp.tools.workloads import GPT, GPTConfig, build_workload
 
 IN, OUT = 12, 6
 VOCAB = 512  # 4 x 16 tokens per rank: at most 192 of 512 rows on 3 ranks, so the table is row-sparse

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
 from torch import nn
 
-from graphddp.buckets import FlatBucket
-from graphddp.comm import HostComm
-from graphddp.reductions import CommHook, RowSparseInFlight, RowSparseReduction, dense_reduction
+from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
+from graphddp.runtime.buckets import FlatBucket
+from graphddp.runtime.comm import HostComm
+from graphddp.runtime.reductions import CommHook, RowSparseInFlight, RowSparseReduction, dense_reduction
 
 
 def reduce_rows(table: torch.Tensor) -> tuple[torch.Tensor, RowSparseInFlight]:

@@ -20,7 +20,7 @@ from models import VOCAB, build_model, compute_loss, default_batch, make_batch
 from torch import nn
 
 import graphddp
-from graphddp.trace import EventLog
+from graphddp.runtime.trace import EventLog
 
 IMPLS = ("graphddp", "torch")
 

@@ -6,7 +6,7 @@ The tests are imported from the torch wheel, never copied. This module is PyTorc
 * ``TestTorchDDPControl``: exactly PyTorch's setup, PyTorch's DDP (the control);
 * ``TestGraphDDPInstalled``: the same, with ``graphddp.install()`` called in each spawned rank before the process
   group and the test body, so every ``torch.nn.parallel.DistributedDataParallel(...)`` the test builds is graphddp's
-  (``graphddp.frameworks.InstalledDDP``, Note [Frameworks]).
+  (``graphddp.integrations.frameworks.InstalledDDP``, Note [Frameworks]).
 
 The file name does not match ``test_*.py``, so the default pytest run does not collect it; the slow entry
 ``test_torch_ddp_suite.py`` runs a chosen list of tests from it, one subprocess per test and class, e.g.::

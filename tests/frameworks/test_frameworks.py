@@ -26,9 +26,9 @@ def torchrun(script: str, out: Path, *args: str) -> dict:
     ("script", "extra", "wrapper"),
     [
         ("plain_script.py", (), "graphddp.ddp"),
-        ("hf_trainer_run.py", (), "graphddp.frameworks.InstalledDDP"),
-        ("hf_trainer_run.py", ("--compile",), "graphddp.frameworks.InstalledDDP"),
-        ("lightning_run.py", (), "graphddp.frameworks.InstalledDDP"),
+        ("hf_trainer_run.py", (), "graphddp.integrations.frameworks.InstalledDDP"),
+        ("hf_trainer_run.py", ("--compile",), "graphddp.integrations.frameworks.InstalledDDP"),
+        ("lightning_run.py", (), "graphddp.integrations.frameworks.InstalledDDP"),
     ],
 )
 def test_graphddp_trains_like_pytorchs_ddp_under_a_real_launcher_or_framework(script: str, extra: tuple[str, ...], wrapper: str, tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ from training import (
     wrap,
 )
 
-import graphddp.comm
-from graphddp.trace import EventLog
+import graphddp.runtime.comm
+from graphddp.runtime.trace import EventLog
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (docs/gpu.md)")
 
@@ -164,7 +164,7 @@ def ordering_violations(marks: CudaMarks, comm_stream: torch.cuda.Stream) -> lis
 def ordering_on_gpu(rank: int, world: int, broken: str | None) -> list[str]:
     """Train two steps recording CUDA marks; return the ordering violations of the second (``broken``: the comm
     stream's launch wait or final join removed, to show the check fails then)."""
-    comm_class = graphddp.comm.CudaCommStream
+    comm_class = graphddp.runtime.comm.CudaCommStream
     original = {"launch": comm_class.launch, "wait": comm_class.wait, "join_compute": comm_class.join_compute}
     marks = CudaMarks()
     comm_streams: set[torch.cuda.Stream] = set()

@@ -96,7 +96,7 @@ def test_a_no_grad_region_is_never_cut_so_every_gradient_survives_compilation() 
     assert torch.is_grad_enabled()
 
 
-# -- the split without asking for it (Note [Split without asking] in graphddp/dynamo_hook.py) ----------------------
+# -- the split without asking for it (Note [Split without asking] in graphddp/compiler/dynamo_hook.py) ----------------------
 def counting_compiler(seen: list[int]):
     def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         seen.append(len(example_inputs))

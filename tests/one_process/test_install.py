@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel.distributed import DistributedDataParallel as BoundAtImport  # as Lightning imports it
 
 import graphddp
-from graphddp.frameworks import InstalledDDP
+from graphddp.integrations.frameworks import InstalledDDP
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 

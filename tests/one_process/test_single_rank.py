@@ -13,7 +13,7 @@ from torch import nn
 from training import Case, batch_for, loss_for
 
 import graphddp
-from graphddp.trace import EventLog
+from graphddp.runtime.trace import EventLog
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from graphddp.ddp import BucketOptions
 from graphddp.passes import (
     BucketCaps,
     CapsSearch,
@@ -19,11 +24,6 @@ from graphddp.passes import (
     step_inputs_from_ready_times,
 )
 from graphddp.passes.graph_cost import flops, moved_bytes
-from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-from graphddp.ddp import BucketOptions
 
 
 class ConvThenLinear(nn.Module):

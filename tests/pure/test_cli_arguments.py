@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphddp.cli import main
+from graphddp.tools.cli import main
 
 
 @pytest.mark.parametrize(

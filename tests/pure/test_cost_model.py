@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from graphddp.passes import LinkModel, StepInputs, allreduce_seconds, fit_link, predict_step, project_scaling
 
 
@@ -42,7 +43,7 @@ def token_bucket_link(bits_per_second: float, *, latency_s: float = 50e-6):
 
 @pytest.mark.parametrize("rate", [1e9, 5e9])
 def test_the_calibration_series_grows_past_the_links_burst(rate: float) -> None:
-    from graphddp.calibration import grow_series
+    from graphddp.runtime.calibration import grow_series
 
     seconds = token_bucket_link(rate)
     sizes = grow_series(seconds)
@@ -55,7 +56,7 @@ def test_the_calibration_series_grows_past_the_links_burst(rate: float) -> None:
 
 
 def test_the_calibration_series_stops_at_the_bound_or_the_largest_size() -> None:
-    from graphddp.calibration import grow_series
+    from graphddp.runtime.calibration import grow_series
 
     measured: list[int] = []
 

@@ -6,6 +6,11 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphddp.compiler.capture import capture_graphs, parameter_names
+from graphddp.compiler.graph_pipeline import prepare_graph
 from graphddp.passes import (
     BucketCaps,
     BucketPlan,
@@ -16,13 +21,8 @@ from graphddp.passes import (
     ready_groups,
     split_at_buckets,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from graphddp.capture import capture_graphs, parameter_names
-from graphddp.graph_pipeline import prepare_graph
-from graphddp.plans import GraphPlans, agreed, agreement_entries
-from graphddp.workloads import build_workload
+from graphddp.runtime.plans import GraphPlans, agreed, agreement_entries
+from graphddp.tools.workloads import build_workload
 
 
 def plan_and_split(model: nn.Module, inputs: tuple, bucket_cap: int, first_cap: int, **capture_kwargs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from graphddp.passes import BucketCaps, MiB, ParamSpec, plan_bucket_groups, plan_buckets
 
 

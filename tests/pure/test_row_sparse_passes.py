@@ -9,6 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from models import VOCAB, Bag, tied_gpt
+from models import tokens as draw_tokens
+from torch import nn
+
+from graphddp.compiler.capture import capture_graphs, parameter_names
+from graphddp.compiler.gradient_tap import GradientTap
 from graphddp.passes import (
     Bucket,
     BucketCaps,
@@ -25,12 +31,6 @@ from graphddp.passes import (
     split_at_buckets,
     tap_parts,
 )
-from models import VOCAB, Bag, tied_gpt
-from models import tokens as draw_tokens
-from torch import nn
-
-from graphddp.capture import capture_graphs, parameter_names
-from graphddp.gradient_tap import GradientTap
 
 TINY = BucketCaps(bucket=2048, first=1024, last=512)
 

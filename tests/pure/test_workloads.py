@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from graphddp.workloads import (
+from graphddp.tools.workloads import (
     CNN,
     GPT,
     MLP,

@@ -46,7 +46,7 @@ def init_distributed(backend: str = "gloo", timeout: datetime.timedelta = TIMEOU
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts a fresh store on a fresh port each attempt), plain
     env:// is already safe, and no prefix is added.
     """
-    from graphddp.launch import init_process_group
+    from graphddp.tools.launch import init_process_group
 
     init_process_group(backend, timeout=timeout)
 

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from graphddp.passes import ComputeRates, LinkModel
 from ranks import run_on_ranks
 from training import Case, state_of, train
 
-import graphddp.auto_caps
+import graphddp.runtime.auto_caps
+from graphddp.passes import ComputeRates, LinkModel
 
 AUTO = (("bucket_cap_mb", "auto"), ("first_bucket_cap_mb", "auto"), ("last_bucket_cap_mb", "auto"))
 MODEL = "w:mlp:small"  # ~4 MB of gradients: enough for the candidates (0.25 MiB and up) to differ
@@ -25,14 +25,14 @@ def measured_as(link: LinkModel | None) -> Iterator[None]:
     if link is None:
         yield
         return
-    saved = graphddp.auto_caps.link_of, graphddp.auto_caps.compute_rates, graphddp.auto_caps.cpu_cost_of_communication
-    graphddp.auto_caps.link_of = lambda group, device=None: link
-    graphddp.auto_caps.compute_rates = lambda group, device=None: ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)
-    graphddp.auto_caps.cpu_cost_of_communication = lambda group, link=None: 0.0
+    saved = graphddp.runtime.auto_caps.link_of, graphddp.runtime.auto_caps.compute_rates, graphddp.runtime.auto_caps.cpu_cost_of_communication
+    graphddp.runtime.auto_caps.link_of = lambda group, device=None: link
+    graphddp.runtime.auto_caps.compute_rates = lambda group, device=None: ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)
+    graphddp.runtime.auto_caps.cpu_cost_of_communication = lambda group, link=None: 0.0
     try:
         yield
     finally:
-        graphddp.auto_caps.link_of, graphddp.auto_caps.compute_rates, graphddp.auto_caps.cpu_cost_of_communication = saved
+        graphddp.runtime.auto_caps.link_of, graphddp.runtime.auto_caps.compute_rates, graphddp.runtime.auto_caps.cpu_cost_of_communication = saved
 
 
 def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "graphddp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "graphddp", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
 
 

@@ -10,7 +10,7 @@ import torch
 from ranks import run_on_ranks
 
 import graphddp
-from graphddp.workloads import build_workload
+from graphddp.tools.workloads import build_workload
 
 CAPS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
 

@@ -16,7 +16,7 @@ from torch import nn
 from training import Case, batch_for, loss_for, make_hook, state_of, train
 
 import graphddp
-from graphddp.trace import EventLog
+from graphddp.runtime.trace import EventLog
 
 CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
 
@@ -274,7 +274,7 @@ def test_sparse_gradient_used_on_one_rank_only(world: int) -> None:
     run_on_ranks(sparse_table_used_on_rank0_only, world)
 
 
-# -- mixed_precision (Note [Mixed precision] in graphddp/precision.py) ----------------------------------------------
+# -- mixed_precision (Note [Mixed precision] in graphddp/runtime/precision.py) ----------------------------------------------
 # PyTorch's DDP mixed precision needs an accelerator's streams and events ("cpu backend doesn't support events"), so
 # the reference is the definition: each rank's forward and backward on a param_dtype copy of the model and inputs,
 # gradients summed in reduce_dtype, averaged, and applied in full precision.
@@ -450,7 +450,7 @@ def refuse_lbfgs(rank: int, world: int) -> None:
 
 # -- the link's calibration (Note [Step cost model]) ----------------------------------------------------------------
 def calibrate(rank: int, world: int) -> tuple[float, float, bool]:
-    from graphddp.calibration import link_of
+    from graphddp.runtime.calibration import link_of
 
     link = link_of(sizes=(1 << 12, 1 << 18, 1 << 22), repeats=2)
     again = link_of()  # cached: no collective, the same object

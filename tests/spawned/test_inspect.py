@@ -12,8 +12,8 @@ import torch
 from ranks import run_on_ranks
 
 import graphddp
-from graphddp.cli import main
-from graphddp.workloads import build_workload
+from graphddp.tools.cli import main
+from graphddp.tools.workloads import build_workload
 
 TESTS = os.path.dirname(os.path.dirname(__file__))  # inspect_factories.py
 
@@ -79,7 +79,7 @@ def test_json_matches_the_plan_a_real_two_rank_run_adopts(capsys: pytest.Capture
 def test_bad_targets_are_one_line_and_exit_2(target: str, message: str) -> None:
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(
-        [sys.executable, "-m", "graphddp.cli", "inspect", target], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "graphddp", "inspect", target], capture_output=True, text=True, env=env, timeout=120
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [message]
@@ -88,7 +88,7 @@ def test_bad_targets_are_one_line_and_exit_2(target: str, message: str) -> None:
 def test_verbose_shows_the_traceback() -> None:
     env = {**os.environ, "PYTHONPATH": TESTS}
     result = subprocess.run(
-        [sys.executable, "-m", "graphddp.cli", "inspect", "inspect_factories:raising", "--verbose"],
+        [sys.executable, "-m", "graphddp", "inspect", "inspect_factories:raising", "--verbose"],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert result.returncode != 0 and "Traceback" in result.stderr and "the factory is broken" in result.stderr
@@ -150,7 +150,7 @@ def test_row_sparse_table_and_its_part_match_a_real_run_and_show_in_the_dump(
 
 def test_a_bad_world_size_is_one_line_and_exit_2() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "graphddp.cli", "inspect", "gpt", "--size", "tiny", "--world-size", "0"],
+        [sys.executable, "-m", "graphddp", "inspect", "gpt", "--size", "tiny", "--world-size", "0"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and result.stderr.strip() == "graphddp inspect: world size must be >= 1, got 0"
@@ -171,7 +171,7 @@ def test_link_predicts_the_step_and_a_slower_link_exposes_more(capsys: pytest.Ca
 
 def test_a_bad_link_is_one_line_and_exit_2() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "graphddp.cli", "inspect", "mlp", "--size", "tiny", "--link", "fast"],
+        [sys.executable, "-m", "graphddp", "inspect", "mlp", "--size", "tiny", "--link", "fast"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2

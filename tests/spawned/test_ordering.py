@@ -17,7 +17,7 @@ from torch import nn
 from training import Case, batch_for
 
 import graphddp
-from graphddp.trace import EventLog
+from graphddp.runtime.trace import EventLog
 
 CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
 

@@ -15,7 +15,7 @@ from ranks import run_on_ranks
 from reduce_rows import reduce_rows
 from training import RAMPED, TINY_CAPS, Case, train
 
-from graphddp.reductions import DENSE_STREAK_LIMIT
+from graphddp.runtime.reductions import DENSE_STREAK_LIMIT
 
 
 # -- the two-step reduction ---------------------------------------------------------------------------------------

@@ -13,11 +13,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .capture import as_fake
-from .compile_target import PartSink
-from .dump import DebugDump
-from .gradient_tap import GradientTap
-from .passes import (
+from ..passes import (
     BucketCaps,
     BucketPlan,
     GraphParam,
@@ -27,6 +23,10 @@ from .passes import (
     split_at_buckets,
     tap_parts,
 )
+from .capture import as_fake
+from .compile_target import PartSink
+from .dump import DebugDump
+from .gradient_tap import GradientTap
 
 SegmentHook = Callable[[str, fx.GraphModule, list[Any]], "nn.Module | None"]
 """Called with each segment's name, module and fake inputs; may return a module to run in its place."""
@@ -63,7 +63,7 @@ def prepare_graph(
 
     ``caps``: the caps, or a function choosing them for this graph (``bucket_cap_mb="auto"``).
     ``plan_for(params)`` returns a plan already made for a graph with exactly these parameters, to cut by instead
-    of planning afresh (Note [Plan agreement] in ``graphddp/plans.py``). Taps hand parts to ``sink``.
+    of planning afresh (Note [Plan agreement] in ``graphddp/runtime/plans.py``). Taps hand parts to ``sink``.
     """
     params = find_graph_params(gm, example_inputs, names, bucket_dtypes)
     if not params:

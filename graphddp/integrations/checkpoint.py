@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import logging
 
+from ..ddp import DistributedDataParallel, on_construction
+
 logger = logging.getLogger(__name__)
 
 _installed: bool | None = None
 
 
 def install() -> bool:
-    """Make ``torch.distributed.checkpoint.state_dict`` treat graphddp.DDP as a DDP (once per process)."""
+    """Make ``torch.distributed.checkpoint.state_dict`` treat graphddp.DDP as a DDP (once per process; run at the
+    first construction of a graphddp DDP, through ``graphddp.ddp.on_construction``)."""
     global _installed
     if _installed is not None:
         return _installed
-    from .ddp import DistributedDataParallel
-
     try:
         from torch.distributed.checkpoint import state_dict
     except ImportError:  # a torch without distributed checkpointing: nothing to take part in
@@ -41,6 +42,9 @@ def install() -> bool:
         return False
     classes = known if isinstance(known, tuple) else (known,)
     if DistributedDataParallel not in classes:
-        state_dict.DDP = (*classes, DistributedDataParallel)
+        state_dict.DDP = (*classes, DistributedDataParallel)  # subclasses (InstalledDDP) match through it
     _installed = True
     return True
+
+
+on_construction(install)

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from .ddp import DistributedDataParallel
+from ..ddp import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
 

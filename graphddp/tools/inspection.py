@@ -2,7 +2,7 @@
 
 TARGET is a built-in workload (``gpt``, ``mlp``, ``cnn``) or ``package.module:factory``, a function returning
 ``(model, example_inputs)``. The model is captured with Dynamo once, and the same pipeline the backend runs
-(``graphddp.graph_pipeline``) produces the plan: the result equals what ``graphddp.backend`` adopts in a real run
+(``graphddp.compiler.graph_pipeline``) produces the plan: the result equals what ``graphddp.backend`` adopts in a real run
 with the same caps. Nothing is compiled; ``--dump`` traces the AOT graphs of each segment.
 """
 
@@ -18,11 +18,10 @@ import torch
 from tabulate import tabulate
 from torch import fx, nn
 
-from .calibration import measure_compute_rates
-from .capture import capture_graphs, parameter_names
-from .dump import DebugDump, versions
-from .graph_pipeline import lower_graph, prepare_graph
-from .passes import (
+from ..compiler.capture import capture_graphs, parameter_names
+from ..compiler.dump import DebugDump, versions
+from ..compiler.graph_pipeline import lower_graph, prepare_graph
+from ..passes import (
     BucketCaps,
     BucketPlan,
     ComputeRates,
@@ -38,7 +37,8 @@ from .passes import (
     rate_bits_per_second,
     rows_apply,
 )
-from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
+from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
+from ..runtime.calibration import measure_compute_rates
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
@@ -78,7 +78,7 @@ class Inspection:
     target: str
     graphs: list[GraphReport]
     plan: BucketPlan
-    """The plan the Reducer would run: the graphs' plans composed (see ``graphddp.plans``)."""
+    """The plan the Reducer would run: the graphs' plans composed (see ``graphddp.runtime.plans``)."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -146,7 +146,7 @@ def inspect_target(
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()
     specs = [ParamSpec.of(n, p, row_sparse=n in tables) for n, p in model.named_parameters() if p.requires_grad]
-    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.plans).
+    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
     return Inspection(target, graphs, plan)
 

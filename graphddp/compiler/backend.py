@@ -5,7 +5,7 @@ Note [graphddp backend]
 ``torch.compile(ddp, backend=graphddp.backend("inductor"))``: the DDP wrapper's forward is hidden from Dynamo
 (``torch.compiler.disable(recursive=False)``), so buffer broadcast and Reducer bookkeeping run eagerly, add no
 graph break, and only the user's module is captured. For every graph Dynamo captures under a graphddp.DDP
-forward (it asks ``graphddp.compile_target.running()``), the backend
+forward (it asks ``graphddp.compiler.compile_target.running()``), the backend
 
 1. finds the trainable parameters among the graph's inputs and the earliest node using each
    (``graphddp.passes.find_graph_params``, Note [Earliest use]);
@@ -15,9 +15,9 @@ forward (it asks ``graphddp.compile_target.running()``), the backend
    recompile of a graph is cut by the plan made for it before instead (Note [Plan agreement]);
 3. proposes a new graph's plan to the Reducer, which adopts it once all ranks agree (Note [Plan agreement]);
 4. cuts the graph so each bucket completes at a segment boundary (``split_at_buckets``), feeds tied tables to
-   the segments of their parts through taps (``tap_parts``, ``graphddp.gradient_tap``), and compiles each
+   the segments of their parts through taps (``tap_parts``, ``graphddp.compiler.gradient_tap``), and compiles each
    segment with the inner backend (AOTAutograd for ``"aot_eager"``/``"inductor"``), propagating fake tensors
-   from one segment to the next (``graphddp.graph_pipeline``, which ``graphddp inspect`` runs too);
+   from one segment to the next (``graphddp.compiler.graph_pipeline``, which ``graphddp inspect`` runs too);
 5. returns the stitched module: during backward each segment is its own autograd node, so bucket k's
    all-reduce starts before the segment in front of it runs its backward.
 
@@ -39,11 +39,12 @@ import torch
 from tabulate import tabulate
 from torch import fx, nn
 
-from .compile_target import CompileTarget, Events, running
+from ..passes import BucketCaps, GraphSplit
+from ..runtime.profiling import label_backward, labelled, profiling, trace_artifact
+from ..runtime.trace import Events
+from .compile_target import CompileTarget, running
 from .dump import DebugDump
 from .graph_pipeline import lower_graph, prepare_graph
-from .passes import BucketCaps, GraphSplit
-from .profiling import label_backward, labelled, profiling, trace_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -60,37 +61,6 @@ def backend(inner: str | CompilerFn = "inductor", *, debug_dir: str | None = Non
     return GraphDDPBackend(inner, debug_dir=debug_dir)
 
 
-def compile(
-    model: nn.Module,
-    backend: str | CompilerFn | GraphDDPBackend = "inductor",
-    *,
-    debug_dir: str | None = None,
-    mode: str | None = None,
-    options: dict[str, Any] | None = None,
-    dynamic: bool | None = None,
-    fullgraph: bool = False,
-    **kwargs: Any,
-) -> nn.Module:
-    """``torch.compile`` for a ``graphddp.DDP`` module: the wrapper stays eager, the inner module is compiled.
-
-    ``backend`` is the inner backend (as for ``graphddp.backend``) or a ``graphddp.backend(...)`` object.
-    ``mode`` and ``options`` configure the inner compiler as ``torch.compile`` would (Inductor's modes and config);
-    ``dynamic``, ``fullgraph`` and any other keyword go to ``torch.compile``.
-    """
-    from .ddp import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            f"graphddp.compile expects a graphddp.DDP module, got {type(model).__name__}; wrap the model first: "
-            "graphddp.compile(graphddp.DDP(model))"
-        )
-    if isinstance(backend, GraphDDPBackend):
-        backend = backend.configured(mode=mode, options=options, dynamic=dynamic)
-    else:
-        backend = GraphDDPBackend(inner_compiler(backend, mode=mode, options=options, dynamic=dynamic), debug_dir=debug_dir)
-    return torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **kwargs)
-
-
 def inner_compiler(
     inner: str | CompilerFn, *, mode: str | None = None, options: dict[str, Any] | None = None, dynamic: bool | None = None
 ) -> CompilerFn:
@@ -101,7 +71,7 @@ def inner_compiler(
     if isinstance(inner, str):
         inner = torch._dynamo.lookup_backend(inner)
     elif not callable(inner):
-        raise TypeError(f"graphddp.backend: inner must be a backend name or a compiler function, got {inner!r}")
+        raise TypeError(f"graphddp.compiler.backend: inner must be a backend name or a compiler function, got {inner!r}")
     extra = {**({"mode": mode} if mode not in (None, "default") else {}), **({"options": options} if options else {})}
     return functools.partial(inner, **extra) if extra else inner
 
@@ -143,7 +113,7 @@ class GraphDDPBackend:
         if target is None:
             _refuse_pytorch_ddp()
             warnings.warn(
-                "graphddp.backend: this graph does not run under a graphddp.DDP forward; it is split and compiled, "
+                "graphddp.compiler.backend: this graph does not run under a graphddp.DDP forward; it is split and compiled, "
                 "but no Reducer is attached, so nothing is all-reduced. Wrap the model: graphddp.DDP(model).",
                 stacklevel=2,
             )
@@ -160,7 +130,7 @@ class GraphDDPBackend:
             bucket_dtypes=target.bucket_dtypes() if target is not None else None,
         )
         if prepared is None:
-            logger.debug("graphddp.backend: graph without trainable parameters, compiled whole")
+            logger.debug("graphddp.compiler.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
         if target is not None:
@@ -172,7 +142,7 @@ class GraphDDPBackend:
         trace_artifact(f"graphddp_split_{graph_key}", lambda: _describe_split(prepared))
         extended = [s.index for s in split.segments if s.extended]
         logger.info(
-            "[rank %s] graphddp.backend: %s: %d parameters, %d buckets, %d segments%s%s",
+            "[rank %s] graphddp.compiler.backend: %s: %d parameters, %d buckets, %d segments%s%s",
             getattr(target, "rank", "-"),
             graph_key,
             len(prepared.params),

@@ -1,7 +1,7 @@
 """The one place buckets are launched: in index order, when ready, for backward and for join's shadow alike.
 
 A bucket that is ready early waits for its predecessors, so every rank issues collectives in the same order.
-Each bucket is launched through its reduction strategy (``graphddp.reductions``); a strategy may leave a second
+Each bucket is launched through its reduction strategy (``graphddp.runtime.reductions``); a strategy may leave a second
 collective to ``commit``, which the launcher issues before the next bucket's launch or before awaiting the
 bucket, whichever comes first: again the same point on every rank.
 

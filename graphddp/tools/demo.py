@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from .backend import GraphDDPBackend, compile
-from .ddp import BucketOptions, DistributedDataParallel
+from ..compiler.backend import GraphDDPBackend
+from ..ddp import BucketOptions, DistributedDataParallel, compile
 from .launch import run_ranks
 from .workloads import SIZES, WORKLOADS, build_workload
 
@@ -31,9 +31,9 @@ class DemoOptions(BucketOptions):
     """What ``graphddp demo`` runs (its bucket caps are smaller than DDP's defaults)."""
 
     workload: str = "gpt"
-    """One of ``graphddp.workloads.WORKLOADS``."""
+    """One of ``graphddp.tools.workloads.WORKLOADS``."""
     size: str = "small"
-    """One of ``graphddp.workloads.SIZES``."""
+    """One of ``graphddp.tools.workloads.SIZES``."""
     steps: int = 20
     """Optimizer steps to train and print."""
     world_size: int = 2

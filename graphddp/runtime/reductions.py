@@ -2,7 +2,7 @@
 
 Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective and returns an ``InFlight``:
 
-* ``commit()`` issues whatever collectives are left. The launcher (``graphddp.launcher``) calls it before it
+* ``commit()`` issues whatever collectives are left. The launcher (``graphddp.runtime.launcher``) calls it before it
   launches the next bucket, or before it awaits this one, so the main group sees one order of collectives on
   every rank;
 * ``done()`` says whether the result is there (``ChainedLaunch`` asks);
@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .comm import CudaCommStream, HostComm, average_all_reduce
-from .passes import ROW_SPARSE_MAX_DENSITY
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""

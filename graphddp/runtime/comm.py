@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .passes import MiB, ParamSpec, first_difference_across
+from ..passes import MiB, ParamSpec, first_difference_across
 
 BROADCAST_CAP_BYTES = 250 * MiB
 """Tensors are broadcast in flat chunks of at most this size (PyTorch's DDP uses the same figure)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .passes import ComputeRates, LinkModel, fit_link
+from ..passes import ComputeRates, LinkModel, fit_link
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
+from .._version import __version__
+from ..passes import BucketPlan, GraphSplit
+from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .capture import as_fake
-from .passes import BucketPlan, GraphSplit
-from .passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 
 ENV_VAR = "GRAPHDDP_DEBUG_DIR"
 
@@ -155,8 +156,6 @@ def aot_graphs(module: fx.GraphModule, fake_args: list[Any]) -> dict[str, str]:
 
 
 def versions() -> dict[str, str]:
-    from . import __version__
-
     return {"graphddp": __version__, "torch": torch.__version__}
 
 

@@ -6,7 +6,7 @@ Lifecycle of one bucket in one iteration (Note [Bucket lifecycle]):
       ▲                                                                                       │
       └──────────────────────────────────────── next iteration ◄─────────────────────────────┘
 
-``mark_ready`` returns True when the last slot arrives; the launcher (``graphddp.launcher``) then *starts* the
+``mark_ready`` returns True when the last slot arrives; the launcher (``graphddp.runtime.launcher``) then *starts* the
 bucket, but only when all buckets with a smaller index have started, so every rank launches collectives in the
 same order. ``BucketSlots`` says where each parameter's gradient (and each part of one) lives in a plan's
 buckets.
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .passes import Bucket, BucketPlan
+from ..passes import Bucket, BucketPlan
+from .grad_layout import SparseGrads
 
 
 class FlatBucket:
@@ -34,7 +35,7 @@ class FlatBucket:
         self._ready = [False] * len(params)
         self._pending = len(params)
         self.in_flight: Any = None
-        """This iteration's reduction (``graphddp.reductions.InFlight``), once started."""
+        """This iteration's reduction (``graphddp.runtime.reductions.InFlight``), once started."""
 
     @staticmethod
     def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -128,11 +129,9 @@ class BucketSlots:
     def __init__(
         self, plan: BucketPlan, params: list[torch.nn.Parameter], index_of_name: dict[str, int], dense_layout: Any
     ) -> None:
-        from .grad_layout import SparseGrads
-
         self.buckets: list[FlatBucket] = []
         self.layout: list[Any] = [dense_layout] * len(params)
-        """Parameter ``i``'s ``graphddp.grad_layout`` policy: ``dense_layout``, or ``SparseGrads`` for its bucket."""
+        """Parameter ``i``'s ``graphddp.runtime.grad_layout`` policy: ``dense_layout``, or ``SparseGrads`` for its bucket."""
         self.slot: list[tuple[int, int]] = [(-1, -1)] * len(params)
         self.part_slot: dict[tuple[str, str], tuple[int, int]] = {}
         self.parts_of: dict[int, list[tuple[int, int]]] = {}

@@ -13,17 +13,12 @@ from typing import Protocol
 import torch
 from torch import fx
 
-from .passes import BucketCaps, BucketPlan, GraphParam, GraphSplit
-
-
-class Events(Protocol):
-    recording: bool
-
-    def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None: ...
+from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit
+from ..runtime.trace import Events
 
 
 class PartSink(Protocol):
-    """Where a tap's backward hands a part of a tied weight's gradient (``graphddp.gradient_tap``)."""
+    """Where a tap's backward hands a part of a tied weight's gradient (``graphddp.compiler.gradient_tap``)."""
 
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
         """True: the part is in its bucket slot. False: the tap must pass it on to ``.grad``."""
@@ -61,7 +56,7 @@ class CompileTarget(PartSink, Protocol):
         ...
 
     def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
-        """A new graph's plan, adopted once every rank agrees (Note [Plan agreement] in ``graphddp.plans``)."""
+        """A new graph's plan, adopted once every rank agrees (Note [Plan agreement] in ``graphddp.runtime.plans``)."""
         ...
 
     def record_split(self, split: GraphSplit) -> None:

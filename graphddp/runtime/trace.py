@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Protocol
+
+
+class Events(Protocol):
+    """Where the Reducer and the backend record events: ``EventLog``, ``NullEvents``, or a test's own."""
+
+    recording: bool
+
+    def record(self, kind: str, bucket: int | None = None, param: str | None = None) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ measured once when the DDP is built, and the two choices made from them.
 
 Built collectively at construction (every rank measures the link and compute rates the same way, rank 0's
 figures are broadcast), so both choices are functions of agreed data: the eager one of the ready times of the
-first backward (rank 0's, broadcast with the ready order, ``graphddp.plans``), the compiled one of the captured
+first backward (rank 0's, broadcast with the ready order, ``graphddp.runtime.plans``), the compiled one of the captured
 graph. Until a choice is made, the caps the user did not leave to ``"auto"`` and the defaults for the others
 plan the buckets.
 """
@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from .calibration import compute_rates, cpu_cost_of_communication, link_of
-from .passes import (
+from ..passes import (
     BucketCaps,
     CapsSearch,
     ComputeRates,
@@ -30,6 +29,7 @@ from .passes import (
     choose_graph_caps,
     step_inputs_from_ready_times,
 )
+from .calibration import compute_rates, cpu_cost_of_communication, link_of
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ backward in flight:
   Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
   plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
   graph's split;
-* **tables gone dense**: a row-sparse table with parts that gave up rows (``graphddp.reductions``) is re-planned
+* **tables gone dense**: a row-sparse table with parts that gave up rows (``graphddp.runtime.reductions``) is re-planned
   without its parts; every rank saw the same all-reduced outcomes, so every rank does it at the same forward.
 
 A plan is a function of data every rank agrees on: the graph's structure and the caps (``plan_graph``), never one
@@ -48,9 +48,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 from .auto_caps import AutoCaps
 from .comm import all_gather_bytes
-from .passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class PlanKeeper:
                 f"(after its training forward #{agreement.step}) was matched with another rank's at a different "
                 "forward. A rank skipped a backward, ran one under no_sync() alone, or ran out of data without "
                 "ddp.join(); every rank must run the same sequence of training forwards and backwards "
-                "(Note [Plan agreement] in graphddp/plans.py)."
+                "(Note [Plan agreement] in graphddp/runtime/plans.py)."
             )
         return verdict
 
@@ -297,7 +297,7 @@ class PlanKeeper:
             f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
             f"{index}: rank 0 has [{entries[0][1]}]; "
             + "; ".join(f"rank {r} has [{entries[r][1]}]" for r in differing)
-            + ". The previous plan stays in use (Note [Plan agreement] in graphddp/plans.py)."
+            + ". The previous plan stays in use (Note [Plan agreement] in graphddp/runtime/plans.py)."
         )
         if not allows_unused:
             raise RuntimeError(

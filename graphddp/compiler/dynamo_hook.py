@@ -10,7 +10,7 @@ backend>).compile_fn`` instead of the user's backend.
 
 graphddp takes part in the same protocol:
 
-1. ``graphddp.DDP.forward`` makes itself the active DDP module while the wrapped module runs (``active``);
+1. ``graphddp.DDP.forward`` makes itself the active DDP module while the wrapped module runs (``activate``);
 2. ``install`` puts a subclass of DDPOptimizer in its place, which, when the active module is a graphddp.DDP,
    hands Dynamo graphddp's backend (Note [graphddp backend]) with the user's backend as the inner compiler of
    every segment, and otherwise builds PyTorch's DDPOptimizer exactly as before (so torch's DDP is unaffected).
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 _installed: bool | None = None
 _split_backends: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_graphddp_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Every module ``activate`` made the active DDP: graphddp's DDPs (this layer never imports the DDP class)."""
 
 
 def user_backend(compile_fn: Any) -> Any:
@@ -96,9 +98,8 @@ def _dispatching_optimizer(original: type) -> type:
         _graphddp_dispatch = True
 
         def __new__(cls, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None) -> Any:
-            from .ddp import DistributedDataParallel
-
-            if isinstance(nn.parallel.DistributedDataParallel._get_active_ddp_module(), DistributedDataParallel):
+            active = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+            if active is not None and active in _graphddp_modules:
                 return _GraphDDPSplit(split_backend_for(backend_compile_fn))
             return original(
                 bucket_bytes_cap=bucket_bytes_cap, backend_compile_fn=backend_compile_fn, first_bucket_cap=first_bucket_cap
@@ -120,6 +121,7 @@ class _GraphDDPSplit:
 def activate(ddp: nn.Module) -> Any:
     """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]); returns the one
     before it, for ``deactivate`` (nested DDPs: the innermost is active)."""
+    _graphddp_modules.add(ddp)
     previous = nn.parallel.DistributedDataParallel._active_ddp_module
     nn.parallel.DistributedDataParallel._active_ddp_module = ddp  # type: ignore[assignment]
     return previous

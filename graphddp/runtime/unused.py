@@ -146,6 +146,7 @@ class GradientUsage:
         self, names: list[str], policy: UsagePolicy, *, group: Any, device: torch.device, rank: int, world_size: int
     ) -> None:
         self.policy = policy
+        """How unused parameters are found (replaced only through ``set_policy``)."""
         self._names = names
         self._group, self._device = group, device
         self._rank = rank
@@ -159,6 +160,10 @@ class GradientUsage:
         self.never_used: frozenset[int] = frozenset()
         """Parameters that got no gradient on any rank in any synchronised backward so far (none before the first
         ends): from all-reduced counts, so the same on every rank (``skip_all_reduce_unused_params``)."""
+
+    def set_policy(self, policy: UsagePolicy) -> None:
+        """Find unused parameters by ``policy`` from now on (``static_graph`` turned on before the first iteration)."""
+        self.policy = policy
 
     def start_count(self) -> UsageCount | None:
         """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""

@@ -5,15 +5,15 @@ Note [Reducer]
 One iteration, on every rank:
 
 1. ``begin_forward`` (start of a DDP forward): raise what the previous backward left (a missing gradient), and
-   switch plans if the ranks agreed on a new one (``graphddp.plans``, Note [Plan agreement]).
+   switch plans if the ranks agreed on a new one (``graphddp.runtime.plans``, Note [Plan agreement]).
 2. ``prepare_for_backward(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
-   (``graphddp.iteration``), every bucket reset, the plan-agreement all-reduce started, and the parameters the
-   usage policy (``graphddp.unused``) finds unused marked ready at once.
+   (``graphddp.runtime.iteration``), every bucket reset, the plan-agreement all-reduce started, and the parameters the
+   usage policy (``graphddp.runtime.unused``) finds unused marked ready at once.
 3. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final and marks its slot
    ready; a tap hands over a *part* of a tied weight's gradient, written into its slot at once (``take_part``).
-   When a bucket is complete, its gradients go into their slices in one call (``graphddp.grad_layout``: one
-   multi-tensor copy, not one per parameter: on a GPU the hook's Python is the backward's pace), and the launcher (``graphddp.launcher``) launches every bucket the
-   index order allows, each through its reduction strategy (``graphddp.reductions``: dense through the comm
+   When a bucket is complete, its gradients go into their slices in one call (``graphddp.runtime.grad_layout``: one
+   multi-tensor copy, not one per parameter: on a GPU the hook's Python is the backward's pace), and the launcher (``graphddp.runtime.launcher``) launches every bucket the
+   index order allows, each through its reduction strategy (``graphddp.runtime.reductions``: dense through the comm
    hook, or an embedding table's rows). After the last bucket's collectives, the usage all-reduce (which
    parameters got a gradient, summed over ranks), on the DDP's own group like every collective of graphddp's:
    after the last launch, or, with a hook that may chain collectives (``ChainedLaunch``), after the last wait.
@@ -46,19 +46,19 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
+from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ParamSpec, rows_apply
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket
 from .comm import AverageState, CudaCommStream, HostComm, average_allreduce_hook
-from .compile_target import Events
 from .grad_layout import BucketViewGrads, CopiedGrads, fill
-from .iteration import ActiveRanks, Iteration
+from .iteration import Iteration
+from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
-from .passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ParamSpec, rows_apply
 from .plans import PlanKeeper
 from .profiling import trace_artifact
 from .reductions import CommHook, RowSparseReduction, SkippedReduction, dense_reduction
-from .trace import NullEvents
+from .trace import Events, NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 class Reducer:
     """Bucketed, overlapped gradient averaging for a list of parameters (see Note [Reducer]). Also the compile
-    backend's ``CompileTarget`` (``graphddp.compile_target``)."""
+    backend's ``CompileTarget`` (``graphddp.compiler.compile_target``)."""
 
     def __init__(
         self,
@@ -107,9 +107,7 @@ class Reducer:
         state.divisor = 1  # the Reducer scales while copying into the bucket: the default hook only sums
         self._hook = CommHook(state, average_allreduce_hook, custom=False)
         self._policy: EagerLaunch | ChainedLaunch = EagerLaunch()
-        self.after_bucket: NoStep | StepPerBucket = NoStep()
-        """What happens once a bucket's averages are in ``.grad``: nothing, or its optimizer step (Note
-        [Optimizer overlap] in ``graphddp.optimizer_overlap``)."""
+        self._after_bucket: NoStep | StepPerBucket = NoStep()
 
         # As planned: marks (row-sparse, sparse) and bucket dtype (mixed_precision) carry over to every re-plan.
         planned = {s.name: s for b in plan.buckets for s in b.params if not s.part}
@@ -192,11 +190,25 @@ class Reducer:
                 self.rank, ", ".join(sorted(parts)),
             )
 
+    def set_after_bucket(self, after: NoStep | StepPerBucket) -> None:
+        """What happens once a bucket's averages are in ``.grad``: nothing, or its optimizer step (Note
+        [Optimizer overlap] in ``graphddp.runtime.optimizer_overlap``)."""
+        self._after_bucket = after
+
+    def set_usage_policy(self, policy: UsagePolicy) -> None:
+        """How unused parameters are found from now on (``_set_static_graph`` before the first iteration)."""
+        self.usage.set_policy(policy)
+
+    @property
+    def compile_target(self) -> Any:
+        """What the compile backend plans for while this Reducer's module runs (``graphddp.compiler.compile_target``)."""
+        return self
+
     @property
     def has_custom_comm_hook(self) -> bool:
         return self._hook.custom
 
-    # -- the compile backend's interface (graphddp.compile_target.CompileTarget) -------------------------------
+    # -- the compile backend's interface (graphddp.compiler.compile_target.CompileTarget) -------------------------------
     @property
     def caps(self) -> BucketCaps:
         return self.plan.caps
@@ -318,7 +330,7 @@ class Reducer:
         self._mark_ready(i)
 
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
-        """A tap's backward offers one part of a tied weight's gradient (``graphddp.gradient_tap``). True: it is in
+        """A tap's backward offers one part of a tied weight's gradient (``graphddp.compiler.gradient_tap``). True: it is in
         its slot; False: the tap must pass it on to ``.grad`` (not synchronising, no such slot, or filled)."""
         iteration = self._iteration
         where = self._slots.part_slot.get(key) if iteration is not None else None
@@ -383,7 +395,7 @@ class Reducer:
 
     def _reduce_usage(self) -> None:
         """After the buckets' collectives: count on how many ranks each parameter got a gradient
-        (``graphddp.unused``), on the DDP's own group, at the same point of the collective sequence as a joined
+        (``graphddp.runtime.unused``), on the DDP's own group, at the same point of the collective sequence as a joined
         rank's ``shadow_backward``: after the last bucket's every collective."""
         iteration = self._iteration
         assert iteration is not None
@@ -439,7 +451,7 @@ class Reducer:
         """Bucket ``k``'s parameters have their final ``.grad``: the optimizer may step them (Note [Optimizer
         overlap])."""
         if whole:
-            self.after_bucket.bucket_final([self._params[i] for i in whole])
+            self._after_bucket.bucket_final([self._params[i] for i in whole])
             self._events.record("stepped", k)
 
     def _reduce_late(self, counts: list[int], *, joined: bool = False) -> None:
