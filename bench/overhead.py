@@ -1,0 +1,298 @@
+"""What each DDP adds to a launch-bound step: ``python -m bench.overhead`` (CPU by default, CUDA when present).
+
+A step is *launch-bound* when its time goes to starting work rather than to the work itself: many small tensors,
+small matmuls. Then a DDP's own Python (hooks per gradient, copies, checks, per-bucket bookkeeping) shows in the
+step time, as it does on a GPU, where the CPU that launches kernels is the backward's pace. This benchmark builds
+such a step anywhere: GPT-2-small's parameter structure (12 blocks, 148 parameter tensors, tied head) at a small
+width, and times, interleaved round by round in the same processes,
+
+- ``local`` and ``local-compiled``: no DDP (the baselines each DDP is measured against);
+- ``torch-eager`` / ``graphddp-eager``: PyTorch's DDP (C++ Reducer) and graphddp's;
+- ``torch-compiled`` / ``graphddp-compiled``: the same under ``torch.compile`` with the inner compiler(s) given
+  (``inductor``, ``aot_eager``): PyTorch's through DDPOptimizer, graphddp's through its own backend.
+
+Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
+ramps off. One mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's caches warm), warms
+it up and times ``--steps`` steps, so slow drifts of the machine hit every mode alike.
+
+Besides time, it *counts* (never times) the Python function calls one backward makes, per mode, with
+``sys.setprofile`` in every thread that runs it: what a DDP adds over its baseline is the per-gradient and
+per-bucket Python the issue of a lean path is about — O(parameters) or O(buckets).
+
+Prints a table and writes ``DIR/overhead.json``. ``bench.gpu`` is the GPU-sized sibling (GPT-2-small at full width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
+
+EAGER_MODES = ("local", "torch-eager", "graphddp-eager")
+COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled")
+BASELINE = {"torch-eager": "local", "graphddp-eager": "local", "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled"}
+"""Which mode without DDP each DDP mode's added time and calls are measured against."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OverheadOptions:
+    """One ``bench.overhead`` run."""
+
+    world_sizes: tuple[int, ...] = (1, 2)
+    """Ranks per run (gloo over loopback on the CPU, NCCL on CUDA); one run per entry."""
+    width: int = 128
+    """The model's width (``n_embd``): small, so that launching work costs more than doing it."""
+    layers: int = 12
+    """Transformer blocks: 12 gives GPT-2-small's 148 parameter tensors."""
+    vocab: int = 4096
+    seq: int = 64
+    batch: int = 4
+    """Sequences per rank per step."""
+    steps: int = 20
+    """Timed steps per mode per round."""
+    rounds: int = 3
+    warmup: int = 3
+    """Steps after the first (which compiles) before timing, every round."""
+    inners: tuple[str, ...] = ("inductor", "aot_eager")
+    """Inner compilers of the compiled modes (each a set of three modes); empty: eager modes only."""
+    cap_mb: float = 1.0
+    """Every bucket cap of both DDPs, in MiB."""
+    threads: int = 1
+    """Intra-op threads per rank."""
+    device: str = "cpu"
+    out: str = "bench-overhead"
+
+    def __post_init__(self) -> None:
+        for name in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError(f"--world-sizes must be positive, got {self.world_sizes}")
+        if self.cap_mb < 1:
+            raise ValueError(f"--cap-mb must be >= 1 (PyTorch's DDPOptimizer asserts a first bucket of 1 MiB at least), got {self.cap_mb}")
+        if self.width % 32:
+            raise ValueError(f"--width must be a multiple of 32 (heads of 32), got {self.width}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def modes(self) -> list[str]:
+        return list(EAGER_MODES) + [f"{m}:{inner}" for inner in self.inners for m in COMPILED_MODES]
+
+
+def build_model(o: OverheadOptions) -> torch.nn.Module:
+    from graphddp.tools.workloads import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=o.vocab, block_size=o.seq, n_layer=o.layers, n_head=o.width // 32, n_embd=o.width))
+
+
+def build_mode(mode: str, o: OverheadOptions) -> tuple[torch.nn.Module, Any]:
+    """``(what a step calls, the DDP module or None)`` for ``mode`` (``name`` or ``name:inner``)."""
+    import graphddp
+
+    name, _, inner = mode.partition(":")
+    model = build_model(o).to(o.device)
+    device_ids = [torch.cuda.current_device()] if o.device == "cuda" else None
+    ddp: Any = None
+    if name.startswith("torch"):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=o.cap_mb)
+    elif name.startswith("graphddp"):
+        cap = o.cap_mb
+        ddp = graphddp.DDP(
+            model, device_ids=device_ids, bucket_cap_mb=cap, first_bucket_cap_mb=cap, last_bucket_cap_mb=cap, bucket_ramps=False
+        )
+    wrapped = ddp if ddp is not None else model
+    if not name.endswith("compiled"):
+        return wrapped, ddp
+    backend = graphddp.backend(inner) if name.startswith("graphddp") else inner
+    return torch.compile(wrapped, backend=backend), ddp
+
+
+class CallCounter:
+    """Counts Python function calls in every thread a backward runs on (autograd's device threads included)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self.calls += 1  # the GIL serialises the increments; threads add up
+
+    def count_backward(self, loss: torch.Tensor) -> int:
+        """``loss.backward()``, profiled; returns the calls it made (the counter's own are not counted)."""
+        self.calls = 0
+        main = threading.get_ident()
+
+        def start_here(*_: Any) -> None:  # runs on the thread that runs the graph's first node
+            if threading.get_ident() != main:
+                sys.setprofile(self)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: sys.setprofile(None))
+
+        handle = loss.grad_fn.register_prehook(start_here) if loss.grad_fn is not None else None
+        sys.setprofile(self)
+        try:
+            loss.backward()
+        finally:
+            sys.setprofile(None)
+            if handle is not None:
+                handle.remove()
+        return self.calls
+
+
+def run_rank(rank: int, world_size: int, port: int, o: OverheadOptions, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(o.threads)
+    if o.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if o.device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, measure(o, rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
+    """Every mode, round by round: step times (this rank), and the calls of one backward (last round)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    record: dict[str, Any] = {m: {"times_s": []} for m in o.modes}
+    sync: Callable[[], None] = torch.cuda.synchronize if o.device == "cuda" else (lambda: None)
+    for r in range(o.rounds):
+        for mode in o.modes:
+            torch._dynamo.reset()
+            step_model, ddp = build_mode(mode, o)
+            opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
+            step = functools.partial(one_step, step_model, opt, x, y)
+            for _ in range(1 + o.warmup):
+                step()
+            sync()
+            dist.barrier()
+            for _ in range(o.steps):
+                start = time.perf_counter()
+                step()
+                sync()
+                record[mode]["times_s"].append(time.perf_counter() - start)
+            if r == o.rounds - 1:
+                record[mode]["backward_calls"] = step(CallCounter())
+                if ddp is not None and hasattr(ddp, "bucket_plan"):
+                    record[mode]["buckets"] = len(ddp.bucket_plan.buckets)
+            record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
+            del step, step_model, ddp, opt
+    return record
+
+
+def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             count: CallCounter | None = None) -> int | None:
+    """Forward, backward (its Python calls counted when ``count`` is given), optimizer step."""
+    loss = model(x, y)
+    calls = count.count_backward(loss) if count is not None else loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return calls
+
+
+def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per mode: the median step over ranks' step times (each step: the slowest rank), what it adds over
+    its baseline, and the backward's Python calls (rank 0) and what they add."""
+    rows = []
+    for mode in o.modes:
+        times = [max(per_rank[r][mode]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][mode]["times_s"]))]
+        rows.append({"mode": mode, "step_s": statistics.median(times), "backward_calls": per_rank[0][mode].get("backward_calls"),
+                     "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"]})  # fmt: skip
+    by_mode = {row["mode"]: row for row in rows}
+    for row in rows:
+        name, _, inner = row["mode"].partition(":")
+        if name in BASELINE:
+            base = by_mode[BASELINE[name] + (f":{inner}" if inner else "")]
+            row["added_s"] = row["step_s"] - base["step_s"]
+            row["added_calls"] = row["backward_calls"] - base["backward_calls"]
+    for row in rows:
+        name, _, inner = row["mode"].partition(":")
+        if name.startswith("graphddp"):
+            torch_row = by_mode[name.replace("graphddp", "torch") + (f":{inner}" if inner else "")]
+            row["step_vs_torch"] = row["step_s"] / torch_row["step_s"]
+            row["added_vs_torch"] = row["added_s"] / torch_row["added_s"] if torch_row["added_s"] > 0 else None
+    return [dict(row, world_size=world_size) for row in rows]
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    def ms(v: float | None) -> str:
+        return "" if v is None else f"{v * 1e3:.2f}"
+
+    def ratio(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
+    table = [
+        [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
+         ratio(r.get("added_vs_torch")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or ""]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "py calls (bwd)", "added calls", "buckets"]
+    return tabulate(table, headers=headers, disable_numparse=True)
+
+
+def run(o: OverheadOptions) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    Path(o.out).mkdir(parents=True, exist_ok=True)
+    for world_size in o.world_sizes:
+        print(f"bench.overhead: {world_size} rank(s), {len(o.modes)} modes x {o.rounds} rounds x {o.steps} steps", flush=True)
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(run_rank, args=(world_size, _free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
+        per_rank = dict(queue.get() for _ in range(world_size))
+        rows += summarise(o, world_size, per_rank)
+        Path(o.out, "overhead.json").write_text(json.dumps({"options": dataclasses.asdict(o), "rows": rows}, indent=1))
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = OverheadOptions()
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", default=",".join(map(str, d.world_sizes)), help="comma-separated, e.g. 1,2")
+    p.add_argument("--inners", default=",".join(d.inners), help="inner compilers of the compiled modes, comma-separated ('' for eager only)")
+    for name in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads"):
+        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    p.add_argument("--cap-mb", type=float, default=d.cap_mb, help="every bucket cap of both DDPs, in MiB (>= 1)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--out", default=d.out)
+    args = p.parse_args(argv)
+    try:
+        o = OverheadOptions(
+            world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
+            inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "device", "out")},
+        )  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
+    rows = run(o)
+    print(render(rows))
+    print(f"bench.overhead: wrote {Path(o.out, 'overhead.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

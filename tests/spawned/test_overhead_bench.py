@@ -1,0 +1,57 @@
+"""``python -m bench.overhead``: the launch-bound benchmark runs, and its counts and ratios mean what they say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.overhead import CallCounter, OverheadOptions, main, summarise
+
+
+def test_bad_options_are_refused_with_the_flag() -> None:
+    with pytest.raises(ValueError, match="--cap-mb must be >= 1"):
+        OverheadOptions(cap_mb=0.5)
+    with pytest.raises(ValueError, match="--width must be a multiple of 32"):
+        OverheadOptions(width=100)
+    with pytest.raises(SystemExit):
+        main(["--world-sizes", "0"])
+
+
+def test_the_counter_sees_calls_a_backward_hook_makes() -> None:
+    x = torch.ones(3, requires_grad=True)
+    seen = []
+
+    def helper() -> None:
+        seen.append(1)
+
+    x.register_hook(lambda g: [helper() for _ in range(5)] and g)
+    calls = CallCounter().count_backward((x * 2).sum())
+    plain = CallCounter().count_backward((torch.ones(3, requires_grad=True) * 2).sum())
+    assert len(seen) == 5 and calls >= plain + 6  # the hook's lambda and five helper calls
+
+
+def test_summary_measures_each_ddp_against_its_baseline() -> None:
+    o = OverheadOptions(inners=("aot_eager",))
+    times = {"local": 10, "torch-eager": 12, "graphddp-eager": 11, "local-compiled:aot_eager": 8,
+             "torch-compiled:aot_eager": 12, "graphddp-compiled:aot_eager": 9}  # fmt: skip
+    per_rank = {0: {m: {"times_s": [t / 1e3] * 3, "backward_calls": t * 10, "params": 5} for m, t in times.items()}}
+    rows = {r["mode"]: r for r in summarise(o, 1, per_rank)}
+    assert rows["graphddp-eager"]["added_s"] == pytest.approx(1e-3)
+    assert rows["graphddp-eager"]["added_vs_torch"] == pytest.approx(0.5)
+    assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
+    assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
+    assert main(["--world-sizes", "1", "--inners", "", "--layers", "1", "--steps", "1", "--rounds", "1",
+                 "--warmup", "0", "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["local", "torch-eager", "graphddp-eager"]
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["graphddp-eager"]["params"] == 16  # one block: 12 tensors, wte, wpe, ln_f's two
+    assert by_mode["graphddp-eager"]["buckets"] >= 1
+    assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
+    assert "graphddp-eager" in capsys.readouterr().out
