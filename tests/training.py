@@ -29,6 +29,9 @@ TINY_CAPS = (("bucket_cap_mb", 0.002),)
 RAMPED = (("first_bucket_cap_mb", 0.001), ("last_bucket_cap_mb", 0.0005))
 """``Case.graphddp``: a 1 KiB first bucket and a 0.5 KiB last one, so with ``TINY_CAPS`` both of graphddp's ramps
 (Note [Bucket ramps]) are cut."""
+CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
+"""``graphddp.DDP`` keyword arguments: ~2 KiB buckets after a 1 KiB first one, so the small test models get several
+(the spawned feature tests that build a DDP themselves: bucket views, rebuild, static graph, join, no_sync)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ CASES = {
     "pytorch_layout": tiny(graphddp=(("first_bucket_cap_mb", 0.001), ("bucket_ramps", False))),
     # Hooks (bf16_compress_hook refuses to run without NCCL, so it is checked on CUDA: tests/cuda_check.py).
     # PowerSGD compresses per bucket, so both implementations must cut the same buckets. PyTorch's DDP hangs
-    # with PowerSGD and several buckets on gloo (tests/spawned/test_features.py shows graphddp does not), so: one bucket.
+    # with PowerSGD and several buckets on gloo (tests/spawned/test_comm_hooks.py shows graphddp does not), so: one bucket.
     "hook_allreduce": tiny(hook="allreduce"),
     # On 3 ranks, fp16 sums of the same values in a different association (PyTorch cuts its buckets
     # differently, so gloo's ring visits them in another order) differ by fp16 rounding.

@@ -1,0 +1,78 @@
+"""Parameters that get no gradient, on spawned gloo ranks: ``static_graph`` searches for them once,
+``skip_all_reduce_unused_params`` skips the buckets no rank used and reduces late what one rank did."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import build_model
+from ranks import run_on_ranks
+from torch import nn
+from training import CAPS, Case, batch_for, loss_for, state_of
+
+import graphddp
+from graphddp.runtime.trace import EventLog
+
+
+# -- static_graph --------------------------------------------------------------------------------------------------
+def count_traversals(rank: int, world: int, static: bool) -> tuple[int, int]:
+    ddp = graphddp.DDP(build_model("branchy"), static_graph=static, find_unused_parameters=not static, **CAPS)
+    case = Case(model="branchy")
+    for step in range(4):
+        x, y = batch_for(case, step, 0, rank)
+        loss_for(ddp, case, (x, y), rank).backward()
+    return ddp.reducer.usage.policy.traversals, int(ddp.module.dead.weight.grad is None)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_static_graph_searches_for_unused_parameters_once(world: int) -> None:
+    for traversals, dead_untouched in run_on_ranks(count_traversals, world, True):
+        assert traversals == 1 and dead_untouched
+    for traversals, dead_untouched in run_on_ranks(count_traversals, world, False):
+        assert traversals == 4 and dead_untouched
+
+
+# -- skip_all_reduce_unused_params ---------------------------------------------------------------------------------
+class RarelyUsed(nn.Module):
+    """``extra`` is used only where the caller says: no rank uses it in the first steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.extra = nn.Linear(12, 32), nn.Linear(32, 6), nn.Linear(12, 6)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.fc2(torch.relu(self.fc1(x)))  # [B, 12] -> [B, 6]
+        return y + self.extra(x) if use_extra else y
+
+
+def train_rarely_used(rank: int, world: int, impl: str) -> tuple[dict[str, torch.Tensor], list[tuple[str, int | None]]]:
+    kwargs: dict[str, Any] = {"find_unused_parameters": True, "bucket_cap_mb": 0.0005}
+    if impl == "graphddp":
+        ddp: nn.Module = graphddp.DDP(RarelyUsed(), skip_all_reduce_unused_params=True, first_bucket_cap_mb=0.0005, **kwargs)
+        ddp.reducer.events = log = EventLog()
+    else:  # the reference: PyTorch's DDP without the skip (with it, step 3 would desynchronise the ranks)
+        ddp, log = nn.parallel.DistributedDataParallel(RarelyUsed(), **kwargs), EventLog()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(5):
+        x, y = batch_for(Case(), step, 0, rank)
+        F.mse_loss(ddp(x, use_extra=step == 3 and rank == 0), y).backward()  # step 3: rank 0 uses it after all
+        opt.step()
+        opt.zero_grad()
+    return state_of(ddp.module), [(e.kind, e.bucket) for e in log.events if e.kind in ("skipped", "late")]
+
+
+def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_what_one_did() -> None:
+    ours = run_on_ranks(train_rarely_used, 2, "graphddp")
+    theirs = run_on_ranks(train_rarely_used, 2, "torch")
+    for (state, events), (reference, _) in zip(ours, theirs):
+        torch.testing.assert_close(state, reference)
+        skipped = [b for kind, b in events if kind == "skipped"]
+        late = [b for kind, b in events if kind == "late"]
+        # Iteration 0 reduces everything; then extra's buckets skip their collectives, step 3 reduces them late,
+        # and from then on they are reduced as usual (rank 0 used them).
+        assert skipped and late and set(late) == set(skipped), events
+        assert len(skipped) == 3 * len(set(skipped)), events  # steps 1, 2 and 3
