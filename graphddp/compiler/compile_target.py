@@ -1,8 +1,9 @@
 """What the compile backend and a graphddp.DDP say to each other: a small typed interface, and which DDP is running.
 
-``graphddp.DDP.forward`` runs its module between ``enter(reducer)`` and ``leave()``; the backend, called by Dynamo while it
-captures that module, asks ``running()`` whom it plans for. It sees only this ``CompileTarget`` (implemented by
-the Reducer), never the DDP module or the Reducer's attributes.
+``graphddp.DDP.forward`` runs its module between ``enter(reducer.compile_target)`` and ``leave()``; the backend,
+called by Dynamo while it captures that module, asks ``running()`` whom it plans for. It sees only this
+``CompileTarget`` (implemented by ``graphddp.runtime.target.ReducerTarget``, the Reducer's ``compile_target``), never
+the DDP module or the Reducer.
 """
 
 from __future__ import annotations

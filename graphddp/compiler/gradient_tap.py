@@ -23,7 +23,8 @@ from .compile_target import PartSink
 
 
 class GradientTap(nn.Module):
-    """Identity forward; backward hands the gradient to ``sink.take_part(key, grad)`` (the Reducer)."""
+    """Identity forward; backward hands the gradient to ``sink.take_part(key, grad)`` (the Reducer's compile
+    target, ``graphddp.runtime.target.ReducerTarget``)."""
 
     def __init__(self, sink: PartSink | None, param: str, part: str) -> None:
         super().__init__()

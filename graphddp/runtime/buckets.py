@@ -1,6 +1,6 @@
 """A bucket's flat gradient buffer, its lifecycle, and the view of it that comm hooks get.
 
-Lifecycle of one bucket in one iteration (Note [Bucket lifecycle]):
+Lifecycle of one bucket in one iteration:
 
     reset() ──► mark_ready(slot) × len(params) ──► start(in_flight) ──► in_flight.wait() -> reduced buffer
       ▲                                                                                       │
@@ -9,17 +9,18 @@ Lifecycle of one bucket in one iteration (Note [Bucket lifecycle]):
 ``mark_ready`` returns True when the last slot arrives; the launcher (``graphddp.runtime.launcher``) then *starts* the
 bucket, but only when all buckets with a smaller index have started, so every rank launches collectives in the
 same order. ``BucketSlots`` says where each parameter's gradient (and each part of one) lives in a plan's
-buckets.
+buckets, and moves gradients between ``.grad`` and those slots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..passes import Bucket, BucketPlan
-from .grad_layout import SparseGrads
+from .grad_layout import SparseGrads, fill
 
 
 class FlatBucket:
@@ -119,16 +120,21 @@ def _no_rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.T
     )
 
 
+Where = tuple[int, int]
+"""A slot: ``(bucket index, position in the bucket)``."""
+
+
 class BucketSlots:
-    """A plan's flat buckets for the Reducer's parameters, where each gradient lives in them, and how it gets there.
+    """A plan's flat buckets for the Reducer's parameters, where each gradient lives in them, and how it gets there
+    and back (step 3 and 4 of Note [Reducer] in ``graphddp.runtime.reducer``).
 
     ``slot[i]`` is parameter ``i``'s ``(bucket, slot)``; ``parts_of[i]`` the slots of its parts (a tied weight's
     contributions reduced on their own, Note [Row-sparse gradients]); ``part_slot[(name, node)]`` the same by key.
     """
 
-    def __init__(
-        self, plan: BucketPlan, params: list[torch.nn.Parameter], index_of_name: dict[str, int], dense_layout: Any
-    ) -> None:
+    def __init__(self, plan: BucketPlan, names: list[str], params: list[torch.nn.Parameter], dense_layout: Any) -> None:
+        index_of_name = {n: i for i, n in enumerate(names)}
+        self._params = params
         self.buckets: list[FlatBucket] = []
         self.layout: list[Any] = [dense_layout] * len(params)
         """Parameter ``i``'s ``graphddp.runtime.grad_layout`` policy: ``dense_layout``, or ``SparseGrads`` for its bucket."""
@@ -148,6 +154,16 @@ class BucketSlots:
                 else:
                     self.slot[i] = (bucket.index, slot)
 
+    def move_grads(self) -> None:
+        """Each parameter's gradient into its slice of these buckets (a new plan: bucket views follow)."""
+        for i, param in enumerate(self._params):
+            self.layout[i].move(param, self.view(self.slot[i]))
+
+    def reset(self) -> None:
+        """A new synchronised backward: every slot empty, nothing launched."""
+        for bucket in self.buckets:
+            bucket.reset()
+
     def view(self, where: tuple[int, int]) -> torch.Tensor:
         bucket, slot = where
         return self.buckets[bucket].views[slot]
@@ -155,6 +171,75 @@ class BucketSlots:
     def parts(self, i: int) -> list[torch.Tensor]:
         """The bucket views of parameter ``i``'s parts (reduced before its own bucket, so added at write-back)."""
         return [self.view(where) for where in self.parts_of.get(i, ())]
+
+    # -- into the buckets ------------------------------------------------------------------------------------
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        """A complete bucket's gradients into its buffer, in one call (parts are in their slots already)."""
+        slots = [slot for slot, spec in enumerate(bucket.spec.params) if not spec.part]
+        if slots:
+            params = [bucket.params[slot] for slot in slots]
+            # One layout per bucket: the dense one, or SparseGrads for a bucket of its own.
+            self.layout[bucket.param_indices[slots[0]]].to_bucket_many(
+                params, [bucket.views[slot] for slot in slots], scale
+            )
+
+    def open_part(self, key: tuple[str, str]) -> Where | None:
+        """The slot of part ``key`` of a tied weight's gradient, if this plan has one and it is not filled yet."""
+        where = self.part_slot.get(key)
+        return where if where is not None and not self.buckets[where[0]].is_ready(where[1]) else None
+
+    def fill_part(self, where: Where, grad: torch.Tensor | None, scale: float | None) -> str:
+        """Part slot ``where`` becomes ``grad * scale`` (zeros for None: no contribution this iteration); returns
+        the part's label."""
+        fill(self.view(where), grad, scale)
+        return self.buckets[where[0]].spec.params[where[1]].label
+
+    def owner(self, where: Where) -> int:
+        """The parameter whose gradient (or part of one) slot ``where`` holds."""
+        return self.buckets[where[0]].param_indices[where[1]]
+
+    def fill_missing(self, mark: Callable[[int], None], mark_part: Callable[[Where], None]) -> list[int]:
+        """End of backward: mark every slot no gradient reached, in bucket order (``mark(i)`` for parameter ``i``,
+        ``mark_part(where)`` for a part: no contribution from that use here); returns those parameters."""
+        missing = []
+        for bucket in self.buckets:
+            for slot in bucket.missing_slots():
+                if bucket.spec.params[slot].part:
+                    mark_part((bucket.index, slot))
+                else:
+                    missing.append(bucket.param_indices[slot])
+                    mark(missing[-1])
+        return missing
+
+    # -- back into .grad -------------------------------------------------------------------------------------
+    def take_reduced(self, bucket: FlatBucket, reduced: torch.Tensor, write: Sequence[bool]) -> list[int]:
+        """Bucket ``bucket``'s reduced result in, and the averages of its parameters that ``write`` selects into
+        their ``.grad`` in one call; returns its parameters (not its parts: those are added to their weight's)."""
+        bucket.take(reduced)
+        whole = [i for i, spec in zip(bucket.param_indices, bucket.spec.params) if not spec.part]
+        self.write_back_many([i for i in whole if write[i]])
+        return whole
+
+    def write_back_many(self, indices: list[int]) -> None:
+        """``write_back`` for parameters of one bucket (one layout), in one call."""
+        if indices:
+            self.layout[indices[0]].from_bucket_many(
+                [self._params[i] for i in indices],
+                [self.view(self.slot[i]) for i in indices],
+                [self.parts(i) for i in indices],
+            )
+
+    def write_back_used_elsewhere(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
+        """The averages of the parameters this rank did not use and some rank did, one by one (used nowhere:
+        ``.grad`` stays as it was)."""
+        for i, used in enumerate(used_here):
+            if not used and counts[i] > 0:
+                self.write_back(i)
+
+    def write_back(self, i: int) -> None:
+        """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
+        their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
+        self.layout[i].from_bucket(self._params[i], self.view(self.slot[i]), self.parts(i))
 
 
 class GradBucket:

@@ -1,10 +1,115 @@
-"""What one synchronised backward carries, in one record made at its start and dropped at its end."""
+"""What one synchronised backward carries, in one record made at its start and dropped at its end: its phase, and
+how the backward ends.
+
+The Reducer's end of backward (``_finalize``, step 4 of Note [Reducer]) must run once autograd has produced every
+gradient. The backward's first hook chooses how (``backward_ending``):
+
+* ``EngineCallbackEnding``: ``_finalize`` is queued as an autograd engine callback, which runs once the backward
+  is done (a backward that raises drops it; its iteration stays until the next ``prepare_for_backward``);
+* ``AtLastLaunchEnding``: under compiled autograd, whose engine runs no queued callback, the hook that launches
+  the last bucket runs ``_finalize``. So every parameter must get a gradient or be found unused: a backward that
+  ends with a bucket incomplete leaves its iteration behind, and the next forward drops it and says so.
+
+Until the first hook, an iteration's ending is ``NOT_BEGUN``; the next forward drops such an iteration (its forward
+had no backward: nothing is in flight).
+
+How the backward ends is a property of the backward, not a step of the iteration: the steps (``Phase``) are the
+iteration's own collectives, each issued once, in order.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 
 from .unused import UsageCount
+
+if TYPE_CHECKING:
+    from .launcher import Launcher
+    from .plans import PlanKeeper
+    from .unused import GradientUsage
+
+
+class NotBegun:
+    """No hook has run yet: the backward has not begun (perhaps never will)."""
+
+    begun = False
+    dropped_by_next_forward = True
+    """The next forward drops an unfinished iteration with this ending (else it stays, as nothing replaced it)."""
+
+    def all_launched(self, finalize: Callable[[], None]) -> None:
+        """Every bucket is launched (here: by the forward's unused parameters alone)."""
+
+    def check_finished(self, rank: int) -> None:
+        """Raise if a backward with this ending ended unfinished (called by the next forward)."""
+
+
+NOT_BEGUN = NotBegun()
+
+
+class EngineCallbackEnding:
+    """``_finalize`` is queued on the autograd engine (see the module docstring)."""
+
+    begun = True
+    dropped_by_next_forward = False
+
+    def all_launched(self, finalize: Callable[[], None]) -> None:
+        """The engine's callback finalizes, after the backward's last hook."""
+
+    def check_finished(self, rank: int) -> None:
+        pass
+
+
+class AtLastLaunchEnding:
+    """Compiled autograd: the hook that launches the last bucket finalizes (see the module docstring)."""
+
+    begun = True
+    dropped_by_next_forward = True
+
+    def all_launched(self, finalize: Callable[[], None]) -> None:
+        finalize()
+
+    def check_finished(self, rank: int) -> None:
+        raise RuntimeError(
+            f"[rank {rank}] graphddp.DDP: the previous backward ran under compiled autograd and ended "
+            "before every bucket was complete (some parameter got no gradient). Under compiled autograd the "
+            "Reducer finishes when the last bucket is launched, so every parameter must get a gradient or be "
+            "found unused: pass find_unused_parameters=True, or run that backward without compiled autograd."
+        )
+
+
+Ending = NotBegun | EngineCallbackEnding | AtLastLaunchEnding
+
+
+def backward_ending(finalize: Callable[[], None]) -> EngineCallbackEnding | AtLastLaunchEnding:
+    """How the backward that is beginning now ends (see the module docstring): chosen by its first hook."""
+    if _compiled_autograd_running():
+        return AtLastLaunchEnding()  # its engine runs no queued callback
+    torch.autograd.Variable._execution_engine.queue_callback(finalize)
+    return EngineCallbackEnding()
+
+
+def _compiled_autograd_running() -> bool:
+    from torch._dynamo import compiled_autograd
+
+    # While the compiled backward runs (our hooks, eagerly, between its pieces), only the region flag is set.
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
+class Phase(enum.Enum):
+    """Where an iteration stands among its own collectives, each issued once, in this order. (Not the backward:
+    the forward's unused parameters may launch every bucket, and so start the usage count, before any hook.)"""
+
+    PREPARED = 1
+    """The forward is done (``prepare_for_backward``); nothing issued yet."""
+    AGREEING = 2
+    """The plan agreement all-reduce was issued: at the first hook or the first launch, whichever comes first."""
+    COUNTING_USAGE = 3
+    """The usage count (``graphddp.runtime.unused``) was issued, after the last bucket's collectives."""
 
 
 @dataclasses.dataclass
@@ -16,13 +121,35 @@ class Iteration:
     """Parameters the usage policy found unused on this rank (marked ready at once)."""
     prescale: float | None
     """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
-    finalize_queued: bool = False
-    """The end-of-backward callback is queued: the backward has begun."""
-    agreement_started: bool = False
-    """The plan agreement all-reduce was issued: before the first hook or the first launch, whichever comes first."""
-    finalize_at_last_launch: bool = False
-    """Under compiled autograd, which runs no queued callback: finalize once the last bucket is launched."""
-    usage_counting: bool = False
-    """The usage count (``graphddp.runtime.unused``) was started, after the last bucket."""
+    phase: Phase = Phase.PREPARED
+    """The last of the iteration's collectives issued so far."""
+    ending: Ending = NOT_BEGUN
+    """How the backward ends, once it has begun (``begin_backward``; see the module docstring)."""
     usage: UsageCount | None = None
-    """That count in flight, where the usage policy needs one."""
+    """The usage count in flight, where the usage policy needs one (``count_usage``)."""
+
+    def start_agreement(self, plans: PlanKeeper) -> None:
+        """The iteration's first collective, before any bucket's: only once a backward begins (or a bucket of
+        unused parameters launches), so a forward without backward on one rank issues nothing."""
+        if self._advance(Phase.AGREEING):
+            plans.start_agreement()
+
+    def begin_backward(self, plans: PlanKeeper, finalize: Callable[[], None]) -> None:
+        """The backward's first hook: the agreement goes first, and the backward's ending is chosen."""
+        self.start_agreement(plans)
+        self.ending = backward_ending(finalize)
+
+    def count_usage(self, launcher: Launcher, usage: GradientUsage) -> None:
+        """After the buckets' collectives: count on how many ranks each parameter got a gradient
+        (``graphddp.runtime.unused``), where a joined rank's ``shadow_backward`` does: after the last bucket's
+        every collective (the launcher's last one committed first)."""
+        if self._advance(Phase.COUNTING_USAGE):
+            launcher.flush()
+            self.usage = usage.start_count()
+
+    def _advance(self, phase: Phase) -> bool:
+        """Enter ``phase`` unless the iteration is there or past it: True once, to whoever issues its collective."""
+        if self.phase.value >= phase.value:
+            return False
+        self.phase = phase
+        return True

@@ -68,6 +68,10 @@ class Launcher:
         """A new backward: nothing launched."""
         self._next, self._open = 0, None
 
+    def gave_up(self) -> list[FlatBucket]:
+        """Buckets whose row-sparse reduction gave up rows (``reductions.RowSparseReduction.gave_up``)."""
+        return [bucket for bucket, reduction in zip(self.buckets, self.reductions) if reduction.gave_up]
+
     def launch_ready(self) -> bool:
         """Launch every complete bucket the order allows; True once all are launched."""
         buckets = self.buckets

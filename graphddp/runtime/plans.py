@@ -47,10 +47,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from tabulate import tabulate
 
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 from .auto_caps import AutoCaps
 from .comm import all_gather_bytes
+from .profiling import trace_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,13 @@ class ReadyOrder:
         self._seen = self.learned = None
 
 
+def planned_specs(named_params: Sequence[tuple[str, torch.nn.Parameter]], plan: BucketPlan) -> list[ParamSpec]:
+    """Every parameter's spec, by index, as ``plan`` has it: its marks (row-sparse, sparse) and bucket dtype
+    (``mixed_precision``) carry over to every re-plan."""
+    planned = {s.name: s for b in plan.buckets for s in b.params if not s.part}
+    return [planned.get(n) or ParamSpec.of(n, p) for n, p in named_params]
+
+
 class PlanKeeper:
     """Holds the plan in force and decides, at the start of each forward, whether to switch (see the Note)."""
 
@@ -194,6 +203,37 @@ class PlanKeeper:
         self._agreement: PlanAgreement | None = None
         self.training_forwards = 0
         """Forwards run with gradients enabled (synchronising or under no_sync); ranks must agree on it."""
+
+    def install(self, plan: BucketPlan) -> None:
+        """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""
+        self.current = plan
+        trace_artifact(
+            "graphddp_bucket_plan",
+            lambda: f"rank {self.rank}, {plan.source}, fingerprint {plan.fingerprint}\n"
+            + tabulate(plan.table_rows(), headers=plan.TABLE_HEADERS),
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "[rank %d] bucket plan (%s, fingerprint %s):\n%s",
+                self.rank, plan.source, plan.fingerprint, tabulate(plan.table_rows(), headers=plan.TABLE_HEADERS),
+            )
+
+    def forward_began(self, grad_enabled: bool) -> None:
+        """A forward began (after ``next_plan``): one more training forward if it has gradients enabled, sent with
+        the next agreement, so ranks out of step are found."""
+        if grad_enabled:
+            self.training_forwards += 1
+
+    def comm_hook_registered(self) -> None:
+        """A comm hook now reduces every bucket dense: warn if tied tables' gradients were split into parts."""
+        parts = {p.label for plan in (self.current, self.graph_plans.proposed) if plan is not None for p in plan.parts}
+        if parts:
+            logger.warning(
+                "[rank %d] graphddp: a comm hook was registered after torch.compile split tied tables' gradients "
+                "into parts (%s); with a hook every bucket is reduced dense, so those tables now travel twice. "
+                "Register the hook before the first compiled forward.",
+                self.rank, ", ".join(sorted(parts)),
+            )
 
     # -- compiled graphs -----------------------------------------------------------------------------------------
     def propose(self, graph: str, plan: BucketPlan) -> None:

@@ -33,7 +33,7 @@ changes; the Reducer then also drops its parts from the plan.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
-from .comm import CudaCommStream, HostComm, average_all_reduce
+from .comm import AverageState, CudaCommStream, HostComm, average_all_reduce, average_allreduce_hook
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -67,6 +67,21 @@ class CommHook:
     state: Any
     fn: Callable[[Any, Any], torch.futures.Future]
     custom: bool
+
+    @classmethod
+    def averaging(cls, group: dist.ProcessGroup) -> CommHook:
+        """graphddp's averaging all-reduce: it only sums, as the Reducer scales while copying into the bucket."""
+        state = AverageState(group)
+        state.divisor = 1
+        return cls(state, average_allreduce_hook, custom=False)
+
+    def prescale(self, divisor: Callable[[], int]) -> float | None:
+        """What gradients are multiplied by while copied into their buckets: ``1 / divisor()`` for graphddp's
+        averaging, which only sums; None for a custom hook (it averages itself) or a divisor of 1."""
+        if self.custom:
+            return None
+        by = divisor()
+        return 1.0 / by if by != 1 else None
 
 
 class HookReduction:
@@ -110,6 +125,13 @@ DenseReduction = HookReduction | AveragingReduction
 def dense_reduction(hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> DenseReduction:
     """The whole bucket through ``hook``: the user's (a future), or graphddp's averaging (its ``Work``)."""
     return (HookReduction if hook.custom else AveragingReduction)(hook, comm, rank)
+
+
+def bucket_reductions(
+    buckets: Sequence[FlatBucket], dense: DenseReduction, *, rows: bool, group: dist.ProcessGroup
+) -> list[DenseReduction | RowSparseReduction]:
+    """One strategy per bucket: an embedding table's rows where rows apply (``rows``), else ``dense``."""
+    return [RowSparseReduction(dense, group=group) if rows and b.spec.row_sparse else dense for b in buckets]
 
 
 class DenseInFlight:
@@ -179,7 +201,7 @@ class SkippedReduction:
     """``skip_all_reduce_unused_params``: a bucket none of whose parameters got a gradient on any rank in any
     iteration so far (``GradientUsage.never_used``, the same on every rank) issues no collective. If some rank
     used one after all, every rank learns it from the usage all-reduce and the Reducer all-reduces the bucket
-    late (``Reducer._reduce_late``): never a hang, never a silently local gradient, unlike PyTorch's DDP."""
+    late (``graphddp.runtime.skipping``): never a hang, never a silently local gradient, unlike PyTorch's DDP."""
 
     gave_up = False
 

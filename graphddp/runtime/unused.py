@@ -18,11 +18,14 @@ Three small policies instead of flags in the hot hook:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -160,6 +163,7 @@ class GradientUsage:
         self.never_used: frozenset[int] = frozenset()
         """Parameters that got no gradient on any rank in any synchronised backward so far (none before the first
         ends): from all-reduced counts, so the same on every rank (``skip_all_reduce_unused_params``)."""
+        self._pending_error: str | None = None  # the last backward's missing gradient, raised by the next forward
 
     def set_policy(self, policy: UsagePolicy) -> None:
         """Find unused parameters by ``policy`` from now on (``static_graph`` turned on before the first iteration)."""
@@ -188,15 +192,29 @@ class GradientUsage:
             return counts.tolist()
         return [0] * len(self._names)
 
-    def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> str | None:
-        """End of a synchronised backward: tell the policy, forget this rank's usage, and return the error for
-        the next forward if a parameter missed its gradient where the policy forbids it (the same on every rank)."""
+    def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> None:
+        """End of a synchronised backward: tell the policy, forget this rank's usage, and keep the error for the
+        next forward (``raise_pending``) if a parameter missed its gradient where the policy forbids it (the same
+        on every rank)."""
         self.policy.observe(local_unused, counts)
         self.used = [False] * len(self._names)
         unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
         self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
         self.iterations += 1
         self.unused_sets.add(unused_everywhere)
+        error = self._missing_error(counts, missing, expected)
+        if error is not None:
+            logger.warning("%s", error)
+            self._pending_error = error
+
+    def raise_pending(self) -> None:
+        """Start of a forward: raise the error the last synchronised backward left, once."""
+        if self._pending_error is not None:
+            message, self._pending_error = self._pending_error, None
+            raise RuntimeError(message)
+
+    def _missing_error(self, counts: list[int], missing: list[int], expected: int) -> str | None:
+        """The error for parameters that got a gradient on fewer than ``expected`` ranks, if the policy forbids it."""
         if self.policy.allows_unused:
             return None
         bad = [i for i, c in enumerate(counts) if c < expected]

@@ -51,4 +51,4 @@ def test_torch_logs_turns_on_graphddps_debug_log() -> None:
     env = {**__import__("os").environ, "TORCH_LOGS": "+graphddp"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False)
     assert result.returncode == 0, result.stderr
-    assert "bucket plan (registration, fingerprint" in result.stderr  # the Reducer's DEBUG line
+    assert "bucket plan (registration, fingerprint" in result.stderr  # the plan keeper's DEBUG line (graphddp.runtime.plans)

@@ -1,0 +1,110 @@
+"""What the compile backend sees of a Reducer: its ``CompileTarget`` (``graphddp.compiler.compile_target``).
+
+The backend plans each graph Dynamo captures for the Reducer whose module runs (caps, bucket dtypes, the plan a
+recompile reuses), proposes the graph's plan, records how it cut the graph, and its taps hand parts of tied
+weights' gradients over (``take_part``). ``ReducerTarget`` answers all of that from the Reducer's plans and
+parameters, so the Reducer itself keeps to one iteration. It matches the compiler's protocols by structure: the
+runtime imports nothing of the compiler.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from torch import fx
+
+from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, rows_apply
+from .auto_caps import AutoCaps
+from .plans import PlanKeeper
+from .trace import Events
+
+
+class TargetOwner(Protocol):
+    """What a ``ReducerTarget`` asks of its Reducer: what changes while it lives (the comm hook, the events, the
+    iteration a part belongs to)."""
+
+    @property
+    def has_custom_comm_hook(self) -> bool: ...
+
+    @property
+    def events(self) -> Events: ...
+
+    def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool: ...
+
+
+class ReducerTarget:
+    """One Reducer's ``CompileTarget``, made once by it and held by it. It holds its Reducer weakly (taps and
+    compiled segments hold it weakly too), so a dropped Reducer goes at once, its hooks with it."""
+
+    def __init__(
+        self,
+        owner: TargetOwner,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        plans: PlanKeeper,
+        *,
+        rank: int,
+        world_size: int,
+        sparse_embedding_grads: bool,
+        auto_caps: AutoCaps | None,
+    ) -> None:
+        self._owner = weakref.ref(owner)
+        self._named_params = list(named_params)
+        self._plans = plans
+        self.rank, self.world_size = rank, world_size
+        self._rows_enabled = sparse_embedding_grads
+        self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
+        self.splits: list[GraphSplit] = []
+        """How each graph compiled for this Reducer was cut, in compile order (whatever backend the user named)."""
+
+    def _reducer(self) -> TargetOwner:
+        owner = self._owner()
+        assert owner is not None, "a ReducerTarget outlived its Reducer"
+        return owner
+
+    @property
+    def caps(self) -> BucketCaps:
+        return self._plans.current.caps
+
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
+        """The caps to plan a newly captured graph with: the plan's, or the automatic choice for this graph."""
+        if self._auto_caps is None:
+            return self.caps
+        return self._auto_caps.for_graph(gm, params, row_sparse=self.reduces_rows)
+
+    @property
+    def reduces_rows(self) -> bool:
+        """Row-sparse tables and parts are in use (``graphddp.passes.rows_apply``): the Reducer's launcher asks too."""
+        return rows_apply(
+            enabled=self._rows_enabled,
+            world_size=self.world_size,
+            device=str(self._named_params[0][1].device),
+            custom_comm_hook=self._reducer().has_custom_comm_hook,
+        )
+
+    @property
+    def events(self) -> Events:
+        return self._reducer().events
+
+    def params_by_id(self) -> Mapping[int, str]:
+        return {id(p): n for n, p in self._named_params}
+
+    def bucket_dtypes(self) -> Mapping[str, torch.dtype]:
+        return {s.name: s.dtype for s in self._plans.specs}
+
+    def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
+        return self._plans.plan_for_graph(params)
+
+    def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
+        self._plans.propose(graph, plan)
+
+    def record_split(self, split: GraphSplit) -> None:
+        self.splits.append(split)
+
+    def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
+        """A tap's backward offers a part of a tied weight's gradient: the Reducer takes it into its slot (True)
+        or declines (False: the tap passes it on to ``.grad``)."""
+        owner = self._owner()
+        return owner is not None and owner.take_part(key, grad)
