@@ -96,8 +96,6 @@ def uninstall() -> None:
     """Undo ``install()``: PyTorch's DDP builds PyTorch's DDP again (models built meanwhile stay graphddp's)."""
     global _installed
     _installed = False
-_options: dict[str, Any] = {}
-"""graphddp's own options (keyword-only arguments of graphddp.DDP) for every DDP built while installed."""
 
 
 def is_installed() -> bool:

@@ -125,3 +125,25 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     )
     found = imports_of("graphddp.runtime.m", source, {"graphddp.ddp", "graphddp.tools.cli", "graphddp.tools"})
     assert found == {"graphddp.ddp"}
+
+
+CLASS_LINES = 300
+"""No class of graphddp's is longer: a longer one holds features that want objects of their own."""
+SMALLER = {"Reducer": 250}
+"""The coordinators stay smaller still (docs/architecture.md): the Reducer coordinates one iteration."""
+INIT_LINES = {"DistributedDataParallel": 60}
+
+
+def test_no_class_outgrows_its_room() -> None:
+    too_long = []
+    for module, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if length > SMALLER.get(node.name, CLASS_LINES):
+                too_long.append(f"{module}.{node.name}: {length} lines (at most {SMALLER.get(node.name, CLASS_LINES)})")
+            init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is not None and node.name in INIT_LINES and init.end_lineno - init.lineno + 1 > INIT_LINES[node.name]:
+                too_long.append(f"{module}.{node.name}.__init__: {init.end_lineno - init.lineno + 1} lines")
+    assert not too_long, "\n".join(too_long)
