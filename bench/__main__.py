@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from graphddp.tools.bucket_args import add_bucket_arguments, bucket_options
 from graphddp.tools.cli import inner_backend
 
 from .link import Link, LinkUnavailable
@@ -20,8 +21,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through `with Link(...)`, which removes the namespaces
 
 
-def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     d = BenchOptions()
     parser.add_argument("--workload", default=d.workload, choices=("gpt", "mlp", "cnn"))
@@ -32,24 +32,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=d.iters)
     parser.add_argument("--rounds", type=int, default=d.rounds, help="spread the timed iterations over this many rounds through all modes")
     parser.add_argument("--warmup", type=int, default=d.warmup)
-    parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
-    parser.add_argument("--first-bucket-cap-mb", type=float, default=d.first_bucket_cap_mb)
-    parser.add_argument("--last-bucket-cap-mb", type=float, default=d.last_bucket_cap_mb, help="graphddp's (and the comm mode's) last bucket cap; --no-bucket-ramps for PyTorch's layout")
-    parser.add_argument("--no-bucket-ramps", action="store_true", help="graphddp with PyTorch's bucket layout (Note [Bucket ramps])")
-    parser.add_argument("--no-sparse-embedding-grads", action="store_true", help="graphddp reduces every bucket dense (Note [Row-sparse gradients])")
     parser.add_argument("--no-pin", action="store_true", help="let the OS place the ranks (default: each rank on a CPU of its own, when there are enough)")
     parser.add_argument("--inner", type=inner_backend, default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
-    args = parser.parse_args(argv)
+    add_bucket_arguments(
+        parser, d, note="graphddp's modes and the comm mode plan with these caps; PyTorch's modes take --bucket-cap-mb "
+        "only (their first bucket is PyTorch's own 1 MiB, with no ramps). The run's caps are numbers: time auto as a "
+        "mode, graphddp-compiled@auto",
+    )  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    args = build_parser().parse_args(argv)
     try:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup, pin=not args.no_pin,
-            bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-            last_bucket_cap_mb=args.last_bucket_cap_mb, bucket_ramps=not args.no_bucket_ramps,
-            sparse_embedding_grads=not args.no_sparse_embedding_grads, inner=args.inner,
-            link=args.link, out=args.out,
+            inner=args.inner, link=args.link, out=args.out, **bucket_options(args).bucket_kwargs(),
         )  # fmt: skip
         if options.link != "loopback":
             Link.check_available()

@@ -52,6 +52,12 @@ class BenchOptions(BucketOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # bad caps: one line, before any rank starts
+        if self.caps_search is not None:
+            auto = ", ".join(f for f in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb") if getattr(self, f) == "auto")
+            raise ValueError(
+                f"the run's caps must be numbers of MiB (PyTorch's modes, the comm mode and the predictions plan with "
+                f"them), got auto for {auto}; time automatic caps as a mode, e.g. --modes local,comm,graphddp-compiled@auto"
+            )
         for mode in self.modes:
             ModeName.parse(mode)  # raises on an unknown mode or variant
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:

@@ -1,4 +1,5 @@
-"""The ``graphddp`` command: ``graphddp demo`` (more subcommands arrive with the backend and the benchmark)."""
+"""The ``graphddp`` command: ``graphddp demo`` (train a small GPT on spawned ranks) and ``graphddp inspect`` (a model's
+bucket plan and graph split, without ranks)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import os
 import sys
 
+from ..options import BucketOptions
+from .bucket_args import add_bucket_arguments, bucket_options
 from .demo import DemoOptions, run_demo
 
 
@@ -41,22 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", default=defaults.size, help="tiny, small or bench")
     demo.add_argument("--steps", type=int, default=defaults.steps)
     demo.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (not under torchrun)")
-    demo.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb)
-    demo.add_argument("--first-bucket-cap-mb", type=float, default=defaults.first_bucket_cap_mb)
-    demo.add_argument("--last-bucket-cap-mb", type=float, default=defaults.last_bucket_cap_mb)
-    demo.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
-    demo.add_argument("--no-sparse-embedding-grads", action="store_true", help="every bucket all-reduced dense (Note [Row-sparse gradients])")
     demo.add_argument("--inner", type=inner_backend, default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
+    add_bucket_arguments(demo, defaults, note="smaller than graphddp.DDP's defaults, so the small model gets several buckets")
 
     inspect = commands.add_parser(
         "inspect", help="show a model's bucket plan and graph split, in one process, without launching ranks"
     )
     inspect.add_argument("target", help="gpt, mlp, cnn, or package.module:factory returning (model, example_inputs)")
-    inspect.add_argument("--bucket-cap-mb", type=float, default=25)
-    inspect.add_argument("--first-bucket-cap-mb", type=float, default=1)
-    inspect.add_argument("--last-bucket-cap-mb", type=float, default=1)
-    inspect.add_argument("--no-bucket-ramps", action="store_true", help="PyTorch's bucket layout (Note [Bucket ramps])")
-    inspect.add_argument("--no-sparse-embedding-grads", action="store_true", help="no row-sparse buckets, no parts (Note [Row-sparse gradients])")
     inspect.add_argument("--world-size", type=int, default=2, help="ranks of the run to plan for (embedding tables are row-sparse when few enough rows are touched on all ranks together)")
     inspect.add_argument("--batch", type=int, default=None, help="batch size of a built-in workload")
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
@@ -64,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="also predict the step on this link, e.g. 2gbit or 10gbit:20us (Note [Step cost model]); compute is estimated from the graph at this machine's rates")
     inspect.add_argument("--format", choices=("table", "json"), default="table")
     inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")
+    add_bucket_arguments(
+        inspect, BucketOptions(), note="graphddp.DDP's defaults; auto chooses the caps of each graph as a compiled run "
+        "does, for --link and --world-size (Note [Automatic caps])",
+    )  # fmt: skip
     return parser
 
 
@@ -77,12 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 size=args.size,
                 steps=args.steps,
                 world_size=args.world_size,
-                bucket_cap_mb=args.bucket_cap_mb,
-                first_bucket_cap_mb=args.first_bucket_cap_mb,
-                last_bucket_cap_mb=args.last_bucket_cap_mb,
-                bucket_ramps=not args.no_bucket_ramps,
-                sparse_embedding_grads=not args.no_sparse_embedding_grads,
                 inner=args.inner,
+                **bucket_options(args).bucket_kwargs(),
             )
         except (TypeError, ValueError) as e:
             print(f"graphddp demo: {e}", file=sys.stderr)
@@ -102,11 +96,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         inspection = inspect_target(
             args.target,
-            bucket_cap_mb=args.bucket_cap_mb,
-            first_bucket_cap_mb=args.first_bucket_cap_mb,
-            last_bucket_cap_mb=args.last_bucket_cap_mb,
-            bucket_ramps=not args.no_bucket_ramps,
-            sparse_embedding_grads=not args.no_sparse_embedding_grads,
+            **bucket_options(args).bucket_kwargs(),
             world_size=args.world_size,
             batch=args.batch,
             size=args.size,

@@ -38,10 +38,10 @@ class DemoOptions(BucketOptions):
     """Optimizer steps to train and print."""
     world_size: int = 2
     """Ranks to spawn (ignored under torchrun, which says how many there are)."""
-    bucket_cap_mb: float = 1.0
-    """Bucket cap; small by default so the small model gets several buckets to show."""
-    first_bucket_cap_mb: float = 0.25
-    last_bucket_cap_mb: float = 0.25
+    bucket_cap_mb: float | str = 1.0
+    """Bucket cap; small by default so the small model gets several buckets to show (or ``"auto"``)."""
+    first_bucket_cap_mb: float | str = 0.25
+    last_bucket_cap_mb: float | str = 0.25
     timed_steps: int = 8
     """Steps timed for the closing comparison, after 2 warm-up steps."""
     inner: str = "inductor"

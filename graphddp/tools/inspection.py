@@ -4,6 +4,10 @@ TARGET is a built-in workload (``gpt``, ``mlp``, ``cnn``) or ``package.module:fa
 ``(model, example_inputs)``. The model is captured with Dynamo once, and the same pipeline the backend runs
 (``graphddp.compiler.graph_pipeline``) produces the plan: the result equals what ``graphddp.backend`` adopts in a real run
 with the same caps. Nothing is compiled; ``--dump`` traces the AOT graphs of each segment.
+
+Caps left to ``"auto"`` are chosen for each graph as the compiled path chooses them (Note [Automatic caps] in
+``graphddp.passes.caps_choice``), from the inspected graph and a link and world size given rather than measured:
+there are no ranks to calibrate on.
 """
 
 from __future__ import annotations
@@ -21,14 +25,20 @@ from torch import fx, nn
 from ..compiler.capture import capture_graphs, parameter_names
 from ..compiler.dump import DebugDump, versions
 from ..compiler.graph_pipeline import lower_graph, prepare_graph
+from ..options import BucketOptions
 from ..passes import (
     BucketCaps,
     BucketPlan,
+    CapsChoice,
+    CapsSearch,
     ComputeRates,
+    GraphParam,
     GraphSplit,
     LinkModel,
+    MiB,
     ParamSpec,
     Prediction,
+    choose_graph_caps,
     compose_plans,
     embedding_tables,
     estimated_step_inputs,
@@ -53,6 +63,8 @@ class GraphReport:
     split: GraphSplit
     prediction: Prediction | None = None
     """With ``--link``: the step cost model's timeline of this graph's forward, backward and all-reduces."""
+    caps_choice: CapsChoice | None = None
+    """With ``auto`` caps: the choice that planned this graph, and the candidates it was chosen from."""
 
 
 def parse_link(text: str) -> LinkModel:
@@ -85,7 +97,10 @@ class Inspection:
             "target": self.target,
             "fingerprint": self.plan.fingerprint,
             "graphs": [
-                plan_record(g.plan, g.split, graph=g.name, versions=versions()) | _prediction_record(g.prediction) for g in self.graphs
+                plan_record(g.plan, g.split, graph=g.name, versions=versions())
+                | _prediction_record(g.prediction)
+                | _choice_record(g.caps_choice)
+                for g in self.graphs
             ],
             "buckets": [{"index": b.index, "bytes": b.nbytes, "params": list(b.names)} for b in self.plan.buckets],
             "versions": versions(),
@@ -95,6 +110,8 @@ class Inspection:
         parts = []
         for g in self.graphs:
             parts.append(f"{g.name}: {len(g.plan.buckets)} buckets, {g.split.num_segments} segments")
+            if g.caps_choice is not None:
+                parts.append(_choice_text(g.caps_choice))
             parts.append(tabulate(_shorten(bucket_rows(g.plan, g.split)), headers=BUCKET_HEADERS))
             parts.append("")
             parts.append(tabulate(segment_rows(g.split), headers=SEGMENT_HEADERS))
@@ -108,9 +125,9 @@ class Inspection:
 def inspect_target(
     target: str,
     *,
-    bucket_cap_mb: float = 25,
-    first_bucket_cap_mb: float = 1,
-    last_bucket_cap_mb: float = 1,
+    bucket_cap_mb: float | str = 25,
+    first_bucket_cap_mb: float | str = 1,
+    last_bucket_cap_mb: float | str = 1,
     bucket_ramps: bool = True,
     sparse_embedding_grads: bool = True,
     world_size: int = 2,
@@ -119,11 +136,23 @@ def inspect_target(
     dump: str | None = None,
     link: str | None = None,
 ) -> Inspection:
-    caps = BucketCaps.from_mb(bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb, ramps=bucket_ramps)
+    options = BucketOptions(
+        bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
+        bucket_ramps=bucket_ramps, sparse_embedding_grads=sparse_embedding_grads,
+    )  # fmt: skip
+    caps = options.caps  # with "auto": the stand-ins a run plans with until it has chosen
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world size must be a whole number, got {type(world_size).__name__} {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    link_model = parse_link(link) if link is not None else None
+    # As graphddp.DDP decides: one rank communicates nothing, so its automatic caps keep the stand-ins.
+    search = options.caps_search if world_size > 1 else None
+    if search is not None and link_model is None:
+        raise InspectError(
+            "automatic caps are chosen for a link and a world size: give the link to plan for with --link "
+            "RATE[:LATENCY] (e.g. --link 10gbit or --link 10gbit:20us) and the ranks with --world-size"
+        )
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:
@@ -131,24 +160,54 @@ def inspect_target(
     writer = DebugDump(dump) if dump is not None else None
     # As graphddp.DDP decides for a CPU model under the default comm hook.
     row_sparse = rows_apply(enabled=sparse_embedding_grads, world_size=world_size, device="cpu", custom_comm_hook=False)
-    link_model = parse_link(link) if link is not None else None
     rates = measure_compute_rates() if link_model is not None else None
+    auto = None  # with "auto": each graph's caps chosen for it, as in a compiled run
+    if search is not None and link_model is not None and rates is not None:
+        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size, row_sparse=row_sparse)
+    graph_caps = auto.for_graph if auto is not None else caps
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
-        prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=caps, row_sparse=row_sparse)
+        prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=graph_caps, row_sparse=row_sparse)
         if prepared is None:
             continue
         prediction = None
         if link_model is not None and rates is not None:
             prediction = predict_graph(captured.gm, prepared.split, link_model, world_size, rates)
-        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction))
+        choice = auto.choice_for(captured.gm) if auto is not None else None
+        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()
     specs = [ParamSpec.of(n, p, row_sparse=n in tables) for n, p in model.named_parameters() if p.requires_grad]
-    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans).
+    # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans),
+    # with the caps in force (with "auto", the stand-ins: each graph's own plan carries its chosen caps).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
     return Inspection(target, graphs, plan)
+
+
+class GraphCapsChooser:
+    """``"auto"`` caps for each captured graph, chosen as ``graphddp.runtime.auto_caps.AutoCaps.for_graph`` chooses
+    them in a compiled run (Note [Automatic caps]), with the link and world size given instead of calibrated on a
+    process group. Communication's cost in CPU compute is not measured without ranks: it counts as nothing."""
+
+    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, row_sparse: bool) -> None:
+        self.search = search
+        self.link = link
+        self.rates = rates
+        self.world = world
+        self.row_sparse = row_sparse
+        self._choices: dict[int, CapsChoice] = {}  # id of the graph -> its choice
+
+    def for_graph(self, gm: fx.GraphModule, params: list[GraphParam]) -> BucketCaps:
+        """``prepare_graph``'s ``caps``: the choice for ``gm``, remembered for the report."""
+        choice = choose_graph_caps(
+            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=self.row_sparse
+        )
+        self._choices[id(gm)] = choice
+        return choice.caps
+
+    def choice_for(self, gm: fx.GraphModule) -> CapsChoice | None:
+        return self._choices.get(id(gm))
 
 
 def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module, tuple]:
@@ -194,6 +253,25 @@ def _prediction_record(p: Prediction | None) -> dict[str, Any]:
         return {}
     timeline = {node: [start, end] for node, (start, end) in p.timeline.items()}
     return {"prediction": {"step_s": p.step_s, "exposed_s": p.exposed_s, "critical_path": list(p.critical_path), "timeline": timeline}}
+
+
+def _choice_text(choice: CapsChoice) -> str:
+    return (
+        f"automatic caps (Note [Automatic caps]): {_mb(choice.caps)}; predicted backward with its all-reduces, "
+        f"fastest first: {choice.describe()}"
+    )
+
+
+def _choice_record(choice: CapsChoice | None) -> dict[str, Any]:
+    if choice is None:
+        return {}
+    ranking = [{"caps": dataclasses.asdict(caps), "predicted_s": seconds} for caps, seconds in choice.ranking]
+    return {"automatic_caps": {"caps": dataclasses.asdict(choice.caps), "predicted_s": choice.predicted_s, "ranking": ranking}}
+
+
+def _mb(caps: BucketCaps) -> str:
+    """Caps as ``bucket/first/last MiB``, as the runtime's automatic-caps log lines write them."""
+    return f"{caps.bucket / MiB:g}/{caps.first / MiB:g}/{caps.last / MiB:g} MiB"
 
 
 def _shorten(rows: list[list[Any]], width: int = 70) -> list[list[Any]]:

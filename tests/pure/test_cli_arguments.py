@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from graphddp.tools.cli import main
@@ -41,3 +43,97 @@ def test_inspect_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch,
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
     assert main(["inspect", "mymodels_here:factory"]) == 0
     assert "fingerprint" in capsys.readouterr().out
+
+
+# -- the bucket arguments: one helper for graphddp demo, graphddp inspect and python -m bench ------------------------
+CAP_FLAGS = ("--bucket-cap-mb", "--first-bucket-cap-mb", "--last-bucket-cap-mb")
+BUCKET_FLAGS = (*CAP_FLAGS, "--no-bucket-ramps", "--no-sparse-embedding-grads")
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    from bench.__main__ import build_parser as bench_parser
+    from graphddp.tools.cli import build_parser
+
+    (commands,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {"demo": commands.choices["demo"], "inspect": commands.choices["inspect"], "bench": bench_parser()}
+
+
+def bucket_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.option_strings[0]: a for a in parser._actions if a.option_strings and a.option_strings[0] in BUCKET_FLAGS}
+
+
+def test_the_three_commands_take_the_same_bucket_flags_from_one_helper() -> None:
+    from bench.run import BenchOptions
+    from graphddp.ddp import BucketOptions
+    from graphddp.tools.bucket_args import cap_mb
+    from graphddp.tools.demo import DemoOptions
+
+    parsers = command_parsers()
+    described = {
+        name: {flag: (a.dest, a.type, a.help, a.metavar, a.const, a.nargs) for flag, a in bucket_actions(p).items()}
+        for name, p in parsers.items()
+    }
+    assert set(described["demo"]) == set(BUCKET_FLAGS)
+    assert described["demo"] == described["inspect"] == described["bench"]
+    assert all(bucket_actions(p)[flag].type is cap_mb for p in parsers.values() for flag in CAP_FLAGS)
+    # Each command keeps its own defaults: the demo's small caps, graphddp.DDP's for inspect and the bench.
+    for name, options in (("demo", DemoOptions()), ("inspect", BucketOptions()), ("bench", BenchOptions())):
+        defaults = {a.dest: a.default for a in bucket_actions(parsers[name]).values()}
+        assert defaults == {f: getattr(options, f) for f in defaults}, name
+
+
+@pytest.mark.parametrize("command", ["demo", "inspect", "bench"])
+def test_auto_and_numbers_parse_to_bucket_options(command: str) -> None:
+    from graphddp.ddp import BucketOptions
+    from graphddp.tools.bucket_args import bucket_options
+
+    positional = ["gpt"] if command == "inspect" else []
+    parser = command_parsers()[command]
+    args = parser.parse_args([*positional, "--bucket-cap-mb", "auto", "--first-bucket-cap-mb", "0.5", "--last-bucket-cap-mb", "AUTO"])
+    options = bucket_options(args)
+    assert options == BucketOptions(bucket_cap_mb="auto", first_bucket_cap_mb=0.5, last_bucket_cap_mb="auto")
+    assert options.caps_search is not None and options.caps_search.first_mb == 0.5
+    flags = bucket_options(parser.parse_args([*positional, "--no-bucket-ramps", "--no-sparse-embedding-grads"]))
+    assert not flags.bucket_ramps and not flags.sparse_embedding_grads
+
+
+@pytest.mark.parametrize("command", ["demo", "inspect", "bench"])
+@pytest.mark.parametrize("flag", CAP_FLAGS)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "must be a finite number of MiB > 0 or auto, got '0'"),
+        ("-1", "must be a finite number of MiB > 0 or auto, got '-1'"),
+        ("nan", "must be a finite number of MiB > 0 or auto, got 'nan'"),
+        ("inf", "must be a finite number of MiB > 0 or auto, got 'inf'"),
+        ("big", "must be a number of MiB or auto, got 'big'"),
+    ],
+)
+def test_a_bad_cap_is_an_argparse_error_naming_the_flag(command: str, flag: str, value: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    from bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        if command == "bench":
+            bench_main([flag, value])
+        else:
+            main([command, *(["gpt"] if command == "inspect" else []), flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: {message}")
+
+
+def test_inspect_with_auto_caps_asks_for_the_link(capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "mlp", "--size", "tiny", "--bucket-cap-mb", "auto"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "graphddp inspect: automatic caps are chosen for a link and a world size: give the link to plan for with "
+        "--link RATE[:LATENCY] (e.g. --link 10gbit or --link 10gbit:20us) and the ranks with --world-size"
+    )
+
+
+def test_the_bench_times_automatic_caps_as_a_mode(capsys: pytest.CaptureFixture) -> None:
+    from bench.__main__ import main as bench_main
+
+    assert bench_main(["--first-bucket-cap-mb", "auto"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bench: the run's caps must be numbers of MiB (PyTorch's modes, the comm mode and the predictions plan with "
+        "them), got auto for first_bucket_cap_mb; time automatic caps as a mode, e.g. --modes local,comm,graphddp-compiled@auto"
+    )

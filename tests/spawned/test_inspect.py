@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +13,13 @@ import torch
 from ranks import run_on_ranks
 
 import graphddp
+from graphddp.compiler.capture import capture_graphs, parameter_names
+from graphddp.compiler.graph_pipeline import prepare_graph
+from graphddp.passes import BucketCaps, BucketPlan, CapsSearch, ComputeRates, MiB, rows_apply
+from graphddp.passes.caps_choice import MIDDLE_MB
+from graphddp.runtime.auto_caps import AutoCaps
 from graphddp.tools.cli import main
+from graphddp.tools.inspection import parse_link
 from graphddp.tools.workloads import build_workload
 
 TESTS = os.path.dirname(os.path.dirname(__file__))  # inspect_factories.py
@@ -176,3 +183,55 @@ def test_a_bad_link_is_one_line_and_exit_2() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip() == "graphddp inspect: --link must be RATE[:LATENCY] such as 2gbit or 10gbit:20us, got 'fast'"
+
+
+# -- automatic caps (Note [Automatic caps]) ------------------------------------------------------------------------
+RATES = ComputeRates(flops_per_s=1e11, bytes_per_s=1e10)
+"""Fixed compute rates, so the choice is the same on every machine and load."""
+AUTO = ("--bucket-cap-mb", "auto", "--first-bucket-cap-mb", "auto", "--last-bucket-cap-mb", "auto")
+
+
+def compiled_run_choice(link: str, world: int) -> BucketPlan:
+    """The plan of gpt (small) as a compiled run with every cap ``"auto"`` makes it, given its calibration
+    (``graphddp.runtime.auto_caps.AutoCaps.for_graph`` in the backend's pipeline)."""
+    workload = build_workload("gpt", size="small", seed=0)
+    auto = AutoCaps(CapsSearch(), parse_link(link), RATES, cpu_seconds_per_byte=0.0, world=world, rank=0)
+    row_sparse = rows_apply(enabled=True, world_size=world, device="cpu", custom_comm_hook=False)
+    (captured,) = capture_graphs(workload.model, *workload.make_batch(torch.Generator().manual_seed(0)))
+    prepared = prepare_graph(
+        captured.gm, captured.example_inputs, parameter_names(workload.model),
+        caps=lambda gm, params: auto.for_graph(gm, params, row_sparse=row_sparse), row_sparse=row_sparse,
+    )  # fmt: skip
+    assert prepared is not None
+    return prepared.plan
+
+
+def test_auto_caps_are_chosen_for_the_link_as_a_compiled_run_chooses_them(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)
+    chosen = {}
+    for link in ("1gbit", "10gbit:1ms"):
+        record = inspect_json(capsys, "gpt", "--size", "small", *AUTO, "--link", link, "--world-size", "2")
+        (graph,) = record["graphs"]
+        auto = graph["automatic_caps"]
+        assert auto["caps"] == graph["caps"] == auto["ranking"][0]["caps"]  # the graph is planned with the choice
+        assert len(auto["ranking"]) == len(CapsSearch().candidates())
+        assert [c["predicted_s"] for c in auto["ranking"]] == sorted(c["predicted_s"] for c in auto["ranking"])
+        expected = compiled_run_choice(link, 2)
+        assert graph["caps"] == dataclasses.asdict(expected.caps) and graph["fingerprint"] == expected.fingerprint
+        chosen[link] = (graph["caps"], len(graph["buckets"]))
+    assert chosen["1gbit"] != chosen["10gbit:1ms"], chosen  # the link decides
+    # The table says which caps were chosen, as the runtime's log line writes them.
+    assert main(["inspect", "gpt", "--size", "small", *AUTO, "--link", "1gbit"]) == 0
+    caps = BucketCaps(**chosen["1gbit"][0])
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("automatic caps"))
+    assert line.startswith(f"automatic caps (Note [Automatic caps]): {caps.bucket / MiB:g}/{caps.first / MiB:g}/{caps.last / MiB:g} MiB;")
+
+
+def test_auto_keeps_the_caps_the_user_fixed(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)
+    args = ("gpt", "--size", "small", "--bucket-cap-mb", "auto", "--first-bucket-cap-mb", "0.25", "--last-bucket-cap-mb", "0.5")
+    ranking = inspect_json(capsys, *args, "--link", "1gbit")["graphs"][0]["automatic_caps"]["ranking"]
+    assert len(ranking) == len(MIDDLE_MB) and {(c["caps"]["first"], c["caps"]["last"]) for c in ranking} == {(MiB // 4, MiB // 2)}
+    # One rank communicates nothing: as graphddp.DDP, no choice (and no link needed); the defaults stand in.
+    one = inspect_json(capsys, *args, "--world-size", "1")["graphs"][0]
+    assert "automatic_caps" not in one and one["caps"]["bucket"] == 25 * MiB
