@@ -100,7 +100,7 @@ class TorchDDPSurface:
             )
             raise RuntimeError(self._logged_error)
         self.options = dataclasses.replace(self.options, static_graph=True)
-        self.reducer.set_usage_policy(self.options.usage_policy())
+        self.reducer.usage.set_policy(self.options.usage_policy())
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """The subset of PyTorch's DDP logging data that frameworks read (Lightning's teardown, for one)."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.decorators import skip
 
 from ..passes import Bucket, BucketPlan
 from .grad_layout import SparseGrads, fill
@@ -65,9 +66,16 @@ class FlatBucket:
     def mark_ready(self, slot: int) -> bool:
         """Record that the gradient in ``slot`` is in the buffer; True when it was the last one missing."""
         assert not self._ready[slot], "the Reducer checks double readiness before calling mark_ready"
+        return self.count_down(slot) == 0
+
+    @skip  # the steady hook's one call per gradient (Note [Hook that only counts]): Dynamo never compiles it
+    def count_down(self, slot: int) -> int:
+        """``slot``'s gradient is final: how many slots are still missing, or -1 if it was final already."""
+        if self._ready[slot]:
+            return -1
         self._ready[slot] = True
         self._pending -= 1
-        return self._pending == 0
+        return self._pending
 
     @property
     def complete(self) -> bool:
@@ -153,6 +161,9 @@ class BucketSlots:
                     self.parts_of.setdefault(i, []).append((bucket.index, slot))
                 else:
                     self.slot[i] = (bucket.index, slot)
+        # Per parameter, its slice and its parts' slices, looked up once (the write-back runs every iteration).
+        self._views = [self.view(where) for where in self.slot]
+        self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]
 
     def move_grads(self) -> None:
         """Each parameter's gradient into its slice of these buckets (a new plan: bucket views follow)."""
@@ -170,7 +181,7 @@ class BucketSlots:
 
     def parts(self, i: int) -> list[torch.Tensor]:
         """The bucket views of parameter ``i``'s parts (reduced before its own bucket, so added at write-back)."""
-        return [self.view(where) for where in self.parts_of.get(i, ())]
+        return self._parts[i]
 
     # -- into the buckets ------------------------------------------------------------------------------------
     def gather(self, bucket: FlatBucket, scale: float | None) -> None:
@@ -198,6 +209,23 @@ class BucketSlots:
         """The parameter whose gradient (or part of one) slot ``where`` holds."""
         return self.buckets[where[0]].param_indices[where[1]]
 
+    def tables_with_parts(self, buckets: Sequence[FlatBucket]) -> list[int]:
+        """The tied tables (parameters with parts) among the tables of these row-sparse buckets."""
+        return [i for i in (bucket.param_indices[0] for bucket in buckets) if i in self.parts_of]
+
+    def mark_ready(self, where: Where) -> FlatBucket | None:
+        """Slot ``where`` is filled: its bucket when that made it complete, else None."""
+        bucket = self.buckets[where[0]]
+        return bucket if bucket.mark_ready(where[1]) else None
+
+    def mark_unused(self, unused: list[int], mark: Callable[[int], None], mark_part: Callable[[Where], None]) -> None:
+        """The forward's unused parameters are ready at once, their parts too (no gradient reaches them, through a
+        tap neither): ``mark(i)``, ``mark_part(where)``."""
+        for i in unused:
+            mark(i)
+            for where in self.parts_of.get(i, ()):
+                mark_part(where)
+
     def fill_missing(self, mark: Callable[[int], None], mark_part: Callable[[Where], None]) -> list[int]:
         """End of backward: mark every slot no gradient reached, in bucket order (``mark(i)`` for parameter ``i``,
         ``mark_part(where)`` for a part: no contribution from that use here); returns those parameters."""
@@ -224,9 +252,7 @@ class BucketSlots:
         """``write_back`` for parameters of one bucket (one layout), in one call."""
         if indices:
             self.layout[indices[0]].from_bucket_many(
-                [self._params[i] for i in indices],
-                [self.view(self.slot[i]) for i in indices],
-                [self.parts(i) for i in indices],
+                [self._params[i] for i in indices], [self._views[i] for i in indices], [self._parts[i] for i in indices]
             )
 
     def write_back_used_elsewhere(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
@@ -239,7 +265,7 @@ class BucketSlots:
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
         their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
-        self.layout[i].from_bucket(self._params[i], self.view(self.slot[i]), self.parts(i))
+        self.layout[i].from_bucket(self._params[i], self._views[i], self._parts[i])
 
 
 class GradBucket:

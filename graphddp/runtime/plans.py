@@ -145,6 +145,11 @@ class ReadyOrder:
         that came in no hook)."""
         self.backward_s = 0.0
 
+    @property
+    def learning(self) -> bool:
+        """Still learning the order (each gradient's hook must ``observe``)."""
+        return self._seen is not None
+
     def restart(self) -> None:
         """A backward begins: one that failed part-way leaves no stale order behind."""
         if self._seen is not None:

@@ -43,7 +43,6 @@ launcher. The Reducer does not care where its plan came from: ``adopt(plan)`` in
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -54,6 +53,7 @@ from ..passes import BucketCaps, BucketPlan, GraphSplit
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
 from .comm import CudaCommStream, HostComm
+from .countdown import Countdown, hook_params, remove_all
 from .grad_layout import BucketViewGrads, CopiedGrads
 from .iteration import Iteration
 from .join import ActiveRanks
@@ -92,8 +92,7 @@ class Reducer:
         self._placement = Placement(named_params)  # as planned; begin_forward checks it holds
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
         self._group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self._layout = BucketViewGrads() if gradient_as_bucket_view else CopiedGrads()
         self._comm = comm if comm is not None else HostComm()
         self.usage = GradientUsage(self._names, usage if usage is not None else ExpectAllUsed(), group=process_group,
@@ -110,8 +109,9 @@ class Reducer:
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps)
         self._iteration: Iteration | None = None
+        self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
         self.adopt(plan)
-        weakref.finalize(self, _remove_all, _hook_params(self, self._params))  # a discarded Reducer leaves no hooks
+        weakref.finalize(self, remove_all, hook_params(self._countdown, self._params))  # gone with the Reducer
 
     # -- plan and comm hook ----------------------------------------------------------------------------------
     def adopt(self, plan: BucketPlan) -> None:
@@ -127,6 +127,7 @@ class Reducer:
         self._slots.move_grads()
         self.plans.install(plan)
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
+        self._countdown.use(self._slots)
 
     def _make_launcher(self) -> Launcher:
         dense = dense_reduction(self._hook, self._comm, self.rank)
@@ -142,10 +143,6 @@ class Reducer:
     def set_after_bucket(self, after: NoStep | StepPerBucket) -> None:
         """Once a bucket's averages are in ``.grad``: nothing, or its optimizer step (Note [Optimizer overlap])."""
         self._after_bucket = after
-
-    def set_usage_policy(self, policy: UsagePolicy) -> None:
-        """How unused parameters are found from now on (``_set_static_graph`` before the first iteration)."""
-        self.usage.set_policy(policy)
 
     @property
     def compile_target(self) -> ReducerTarget:
@@ -167,6 +164,7 @@ class Reducer:
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
         """Step 1 of Note [Reducer], on every rank alike."""
+        self._countdown.disarm()  # hooks take the full path until a backward's first hook has begun it
         stale = self._iteration
         if stale is not None and stale.ending.dropped_by_next_forward:
             self._iteration = None  # its forward had no backward, or its compiled backward ended unfinished
@@ -178,8 +176,7 @@ class Reducer:
 
     def switch_plan(self, grad_enabled: bool) -> None:
         """Adopt the plan the ranks agreed on, if any (collective: every rank, joined ones too, calls it)."""
-        gone = [bucket.param_indices[0] for bucket in self._launcher.gave_up()]
-        gone_dense = [self._names[i] for i in gone if i in self._slots.parts_of]  # tables with parts
+        gone_dense = [self._names[i] for i in self._slots.tables_with_parts(self._launcher.gave_up())]
         plan = self.plans.next_plan(
             grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense
         )
@@ -195,10 +192,7 @@ class Reducer:
         self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescale)
         if iteration.local_unused:  # they may launch a bucket now: the agreement goes first
             iteration.start_agreement(self.plans)
-        for i in iteration.local_unused:
-            self._mark_ready(i)
-            for where in self._slots.parts_of.get(i, ()):  # no gradient reaches it, through a tap neither
-                self._part_ready(where)
+        self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
 
     def on_grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (step 3 of Note [Reducer])."""
@@ -207,7 +201,7 @@ class Reducer:
         if iteration is None:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
             return
         if not iteration.ending.begun:
-            iteration.begin_backward(self.plans, self._finalize)
+            self._begin_backward(iteration)
         bucket, slot = self._slots.slot[i]
         if self._slots.buckets[bucket].is_ready(slot):
             raise RuntimeError(ready_twice(self.rank, self._names[i], marked_unused=i in iteration.local_unused))
@@ -221,26 +215,32 @@ class Reducer:
             return False
         self.usage.used[self._slots.owner(where)] = True
         if not iteration.ending.begun:
-            iteration.begin_backward(self.plans, self._finalize)
+            self._begin_backward(iteration)
         self._part_ready(where, grad)
         return True
+
+    def _begin_backward(self, iteration: Iteration) -> None:
+        """The first hook: the agreement, the ending, and the steady hook where nothing is asked per gradient."""
+        iteration.begin_backward(self.plans, self._finalize)
+        if not (self._events.recording or self.plans.ready_order.learning):
+            self._countdown.arm()  # Note [Hook that only counts] in graphddp.runtime.countdown
 
     def _mark_ready(self, i: int) -> None:
         """Parameter ``i``'s gradient is final: copied with the bucket's others once it is complete."""
         where = self._slots.slot[i]
         self._events.record("ready", where[0], self._names[i])
-        self._slot_filled(where)
+        if (bucket := self._slots.mark_ready(where)) is not None:
+            self.bucket_complete(bucket)
 
     def _part_ready(self, where: Where, grad: torch.Tensor | None = None) -> None:
         """A part's slot is filled: with ``grad``, or zeros (no contribution this iteration)."""
         assert self._iteration is not None
         self._events.record("ready", where[0], self._slots.fill_part(where, grad, self._iteration.prescale))
-        self._slot_filled(where)
+        if (bucket := self._slots.mark_ready(where)) is not None:
+            self.bucket_complete(bucket)
 
-    def _slot_filled(self, where: Where) -> None:
-        bucket = self._slots.buckets[where[0]]
-        if not bucket.mark_ready(where[1]):
-            return
+    def bucket_complete(self, bucket: FlatBucket) -> None:
+        """Every slot of ``bucket`` is filled: into its buffer, and launch what the index order allows."""
         iteration = self._iteration
         assert iteration is not None
         self._slots.gather(bucket, iteration.prescale)
@@ -253,6 +253,7 @@ class Reducer:
         """End of backward (step 4 of Note [Reducer])."""
         iteration = self._iteration
         assert iteration is not None
+        self._countdown.disarm()
         try:
             self._events.record("finalize")
             self.plans.ready_order.compute_ended()
@@ -265,7 +266,7 @@ class Reducer:
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
                 whole = self._slots.take_reduced(bucket, reduced, write=used_here)
                 self._events.record("written", bucket.index)
-                if all(used_here[i] for i in whole):
+                if all(map(used_here.__getitem__, whole)):  # no Python frame per parameter
                     self._bucket_final(bucket.index, whole)
                 else:
                     later.append((bucket.index, whole))
@@ -317,25 +318,3 @@ class Reducer:
 
     def params(self) -> list[torch.nn.Parameter]:
         return list(self._params)
-
-
-@torch.compiler.disable  # under compiled autograd too, the Reducer runs eagerly, between the compiled pieces
-def _grad_ready_trampoline(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
-    # The hook holds the Reducer weakly: a discarded DDP wrapper leaves no live reducer behind its hooks.
-    reducer = reducer_ref()
-    if reducer is not None:
-        reducer.on_grad_ready(index)
-
-
-def _hook_params(reducer: Reducer, params: list[torch.nn.Parameter]) -> list[Any]:
-    """A post-accumulate-grad hook per parameter, each holding the Reducer weakly; returns their handles."""
-    me = weakref.ref(reducer)
-    return [
-        p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_trampoline, me, i))
-        for i, p in enumerate(params)
-    ]
-
-
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()

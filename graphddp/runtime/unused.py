@@ -197,7 +197,7 @@ class GradientUsage:
         next forward (``raise_pending``) if a parameter missed its gradient where the policy forbids it (the same
         on every rank)."""
         self.policy.observe(local_unused, counts)
-        self.used = [False] * len(self._names)
+        self.used[:] = [False] * len(self._names)  # in place: the steady hook writes this list (graphddp.runtime.countdown)
         unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
         self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
         self.iterations += 1
