@@ -12,7 +12,8 @@ One iteration, on every rank:
    reset, and the parameters the usage policy (``graphddp.runtime.unused``) finds unused marked ready at once,
    their parts too (the plan-agreement all-reduce first, as they may launch a bucket).
 3. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final and marks its slot
-   ready; a tap hands over a *part* of a tied weight's gradient through the compile backend's view of the Reducer
+   ready (in steady state it only counts its bucket down: Note [Hook that only counts] in
+   ``graphddp.runtime.countdown``); a tap hands over a *part* of a tied weight's gradient through the compile backend's view of the Reducer
    (``graphddp.runtime.target``), written into its slot at once (``take_part``). When a bucket is complete, its
    gradients go into their slices in one call (``BucketSlots`` in ``graphddp.runtime.buckets``, through
    ``graphddp.runtime.grad_layout``: one multi-tensor copy, not one per parameter: on a GPU the hook's Python is
