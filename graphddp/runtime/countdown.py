@@ -52,8 +52,10 @@ class Countdown:
         parts come through taps, which the full path takes)."""
         self.slot_of = [(slots.buckets[b], s) for b, s in slots.slot]
 
-    def arm(self) -> None:
-        self.armed = True
+    def arm(self, *, per_gradient_work: bool) -> None:
+        """A backward has begun: the steady path from now on, unless something is asked of every gradient (events
+        recorded, the ready order learned)."""
+        self.armed = not per_gradient_work
 
     def disarm(self) -> None:
         self.armed = False
@@ -72,7 +74,7 @@ class Countdown:
 @skip
 def gradient_ready(countdown_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter ``index`` (Note [Hook that only counts])."""
-    if compiled_autograd.in_compiled_autograd_region:
+    if getattr(compiled_autograd, "in_compiled_autograd_region", False):  # the flag is newer than torch 2.4
         return _full_path(countdown_ref, index)
     countdown = countdown_ref()
     if countdown is None or not countdown.armed:

@@ -125,10 +125,10 @@ class Reducer:
         if (problem := plan.coverage_problem(self._names)) is not None:
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
         self._slots = BucketSlots(plan, self._names, self._params, self._layout)
+        self._countdown.use(self._slots)  # at once: the steady hook must never count an old plan's buckets
         self._slots.move_grads()
         self.plans.install(plan)
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
-        self._countdown.use(self._slots)
 
     def _make_launcher(self) -> Launcher:
         dense = dense_reduction(self._hook, self._comm, self.rank)
@@ -161,6 +161,7 @@ class Reducer:
     @events.setter
     def events(self, events: Events) -> None:
         self._events = self._launcher.events = events
+        self._countdown.disarm()  # the rest of this backward records each gradient: the full path
 
     # -- iteration -------------------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
@@ -223,8 +224,7 @@ class Reducer:
     def _begin_backward(self, iteration: Iteration) -> None:
         """The first hook: the agreement, the ending, and the steady hook where nothing is asked per gradient."""
         iteration.begin_backward(self.plans, self._finalize)
-        if not (self._events.recording or self.plans.ready_order.learning):
-            self._countdown.arm()  # Note [Hook that only counts] in graphddp.runtime.countdown
+        self._countdown.arm(per_gradient_work=self._events.recording or self.plans.ready_order.learning)
 
     def _mark_ready(self, i: int) -> None:
         """Parameter ``i``'s gradient is final: copied with the bucket's others once it is complete."""
