@@ -52,7 +52,10 @@ def test_every_rank_chooses_the_same_caps_and_trains_as_pytorchs_ddp(world: int,
     ours = run_on_ranks(train_auto, world, compile, None)  # the real calibration on this machine's loopback
     theirs = run_on_ranks(train_torch, world)
     assert len({(r["fingerprint"], r["caps"]) for r in ours}) == 1, ours
-    assert ours[0]["source"] == ("graph" if compile else "ready-order")  # chosen at the first backward / compile
+    # Chosen at compile time, or eagerly at the first backward from its real ready times: where that choice cuts
+    # the same buckets as the registration order (a loaded machine's timings can make it so), the plan in force
+    # stays the registration one (PlanKeeper keeps an identical plan instead of rebuilding it).
+    assert ours[0]["source"] in (("graph",) if compile else ("ready-order", "registration")), ours[0]
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine["state"], reference)
 
