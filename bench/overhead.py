@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -42,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
+
+from graphddp.tools.launch import free_port
 
 EAGER_MODES = ("local", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled")
@@ -256,17 +257,12 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
     for world_size in o.world_sizes:
         print(f"bench.overhead: {world_size} rank(s), {len(o.modes)} modes x {o.rounds} rounds x {o.steps} steps", flush=True)
         queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(run_rank, args=(world_size, _free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
         per_rank = dict(queue.get() for _ in range(world_size))
         rows += summarise(o, world_size, per_rank)
         Path(o.out, "overhead.json").write_text(json.dumps({"options": dataclasses.asdict(o), "rows": rows}, indent=1))
     return rows
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from tabulate import tabulate
 
 from graphddp.ddp import BucketOptions
+from graphddp.tools.launch import free_port
 
 from .link import Link, LinkSpec
 from .modes import MODES, ModeName
@@ -111,7 +111,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
 
 
 def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path, local_addr: str | None = None) -> list[str]:
-    port = _free_port() if host == "127.0.0.1" else 29517
+    port = free_port() if host == "127.0.0.1" else 29517
     # Namespaces share one hostname, so torchrun can guess neither which host serves the rendezvous nor
     # which address the others reach this one at: say both.
     where = [f"--rdzv-conf=is_host={int(node_rank == 0)}", f"--local-addr={local_addr}"] if local_addr else []
@@ -144,11 +144,6 @@ def _launch(commands: list[list[str]], extra_env: dict[str, str] | None = None) 
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the report --------------------------------------------------------------------------------------------------

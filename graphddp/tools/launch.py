@@ -57,7 +57,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     if launched_by_torchrun():
         _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, fn, args)
         return
-    port = _free_port()
+    port = free_port()
     mp.start_processes(
         _rank_main, args=(world_size, port, backend, fn, args), nprocs=world_size, join=True, start_method="spawn"
     )
@@ -73,7 +73,8 @@ def _rank_main(rank: int, world_size: int, port: int | None, backend: str, fn: C
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (the one helper: the CLI, the benchmarks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
