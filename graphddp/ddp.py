@@ -225,6 +225,11 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         refuse_torch_ddp_outside(self.rank)
         self._join.notify(self)
         self.reducer.begin_forward(torch.is_grad_enabled())
+        self.reducer.compile_target.begin_forward(  # in-graph reduction this forward? (Note [In-graph reduction])
+            grad_enabled=torch.is_grad_enabled(),
+            synchronising=torch.is_grad_enabled() and self.require_backward_grad_sync,
+            joining=self._join_config.enable,
+        )
         if self._will_sync_buffers():
             src = self._join.common_rank(True) if self._join_config.enable else 0
             self._broadcast_buffers(src)
@@ -234,7 +239,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any) -> Any:
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if synchronise:
+        if synchronise and not self.reducer.compile_target.gate.open:  # open: the graphs reduce, no Reducer
             self.reducer.prepare_for_backward(output)
         self._forward_done(synchronise)
         return output
@@ -300,6 +305,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         ``zero_grad()``. Only optimizers that update each parameter from its own gradient and state (SGD, Adam,
         AdamW, ...): ``TypeError`` otherwise."""
         self.reducer.set_after_bucket(StepPerBucket(optimizer, self.reducer.params()))
+        self.reducer.compile_target.block_in_graph("step_in_backward")  # its step runs in the Reducer's hooks
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -368,13 +374,15 @@ def compile(
     options: dict[str, Any] | None = None,
     dynamic: bool | None = None,
     fullgraph: bool = False,
+    reduction: str = "auto",
     **kwargs: Any,
 ) -> nn.Module:
     """``torch.compile`` for a ``graphddp.DDP`` module: the wrapper stays eager, the inner module is compiled.
 
     ``backend`` is the inner backend (as for ``graphddp.backend``) or a ``graphddp.backend(...)`` object.
     ``mode`` and ``options`` configure the inner compiler as ``torch.compile`` would (Inductor's modes and config);
-    ``dynamic``, ``fullgraph`` and any other keyword go to ``torch.compile``.
+    ``dynamic``, ``fullgraph`` and any other keyword go to ``torch.compile``. ``reduction``: how gradients are
+    reduced, as for ``graphddp.backend`` (``"auto"``, ``"split"``, ``"in_graph"``; ignored for a backend object).
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
@@ -384,7 +392,8 @@ def compile(
     if isinstance(backend, GraphDDPBackend):
         backend = backend.configured(mode=mode, options=options, dynamic=dynamic)
     else:
-        backend = GraphDDPBackend(inner_compiler(backend, mode=mode, options=options, dynamic=dynamic), debug_dir=debug_dir)
+        inner = inner_compiler(backend, mode=mode, options=options, dynamic=dynamic)
+        backend = GraphDDPBackend(inner, debug_dir=debug_dir, reduction=reduction)
     return torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **kwargs)
 
 

@@ -38,6 +38,7 @@ from .plan import (
     plan_buckets,
 )
 from .plan_graph import plan_graph
+from .reduction import REDUCTIONS, ReductionChoice, check_reduction, choose_reduction, plan_blockers, sink_waits
 from .row_sparse import (
     ROW_SPARSE_MAX_DENSITY,
     RowSparseParam,
@@ -51,7 +52,9 @@ from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, 
 from .taps import place_taps, tap_parts
 
 __all__ = [
+    "REDUCTIONS",
     "ROW_SPARSE_MAX_DENSITY",
+    "ReductionChoice",
     "Bucket",
     "CapsChoice",
     "CapsSearch",
@@ -71,8 +74,10 @@ __all__ = [
     "Tap",
     "allreduce_seconds",
     "assign_segments",
+    "check_reduction",
     "choose_caps",
     "choose_graph_caps",
+    "choose_reduction",
     "compose_plans",
     "embedding_tables",
     "estimated_step_inputs",
@@ -82,6 +87,7 @@ __all__ = [
     "first_difference_across",
     "misplaced_parts",
     "place_taps",
+    "plan_blockers",
     "plan_bucket_groups",
     "plan_buckets",
     "plan_graph",
@@ -92,6 +98,7 @@ __all__ = [
     "row_sparse_params",
     "rows_apply",
     "segment_backward_seconds",
+    "sink_waits",
     "sparse_gradient_params",
     "split_at_buckets",
     "step_inputs_from_completions",

@@ -39,12 +39,21 @@ import torch
 from tabulate import tabulate
 from torch import fx, nn
 
-from ..passes import BucketCaps, GraphSplit
+from ..passes import (
+    BucketCaps,
+    BucketPlan,
+    GraphSplit,
+    ReductionChoice,
+    check_reduction,
+    choose_reduction,
+    plan_blockers,
+)
 from ..runtime.profiling import label_backward, labelled, profiling, trace_artifact
 from ..runtime.trace import Events
 from .compile_target import CompileTarget, running
 from .dump import DebugDump
 from .graph_pipeline import lower_graph, prepare_graph
+from .in_graph import ReductionSwitch, describe_inner, in_graph_compiler, insert_bucket_reductions
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +61,17 @@ CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 _graph_ids = itertools.count()
 
 
-def backend(inner: str | CompilerFn = "inductor", *, debug_dir: str | None = None) -> GraphDDPBackend:
-    """A Dynamo backend that splits captured graphs at graphddp's bucket boundaries (Note [graphddp backend]).
+def backend(
+    inner: str | CompilerFn = "inductor", *, debug_dir: str | None = None, reduction: str = "auto"
+) -> GraphDDPBackend:
+    """A Dynamo backend that splits captured graphs at graphddp's bucket boundaries (Note [graphddp backend]), or
+    reduces their gradients inside the compiled backward (Note [In-graph reduction]).
 
     ``inner`` is a Dynamo backend name (``"inductor"``, ``"aot_eager"``, ``"eager"``) or a compiler function
-    ``(gm, example_inputs) -> callable``, used for every segment.
+    ``(gm, example_inputs) -> callable``, used for every segment. ``reduction``: ``"auto"`` (in-graph where it can be
+    traced, else split), ``"split"`` or ``"in_graph"`` (split where it cannot, with a warning).
     """
-    return GraphDDPBackend(inner, debug_dir=debug_dir)
+    return GraphDDPBackend(inner, debug_dir=debug_dir, reduction=reduction)
 
 
 def inner_compiler(
@@ -79,8 +92,10 @@ def inner_compiler(
 class GraphDDPBackend:
     """The callable ``graphddp.backend(...)`` returns; Dynamo calls it once per captured graph."""
 
-    def __init__(self, inner: str | CompilerFn, *, debug_dir: str | None = None) -> None:
+    def __init__(self, inner: str | CompilerFn, *, debug_dir: str | None = None, reduction: str = "auto") -> None:
         self._inner_spec = inner
+        self.reduction = check_reduction(reduction)
+        """What the user asked for: ``"auto"``, ``"split"`` or ``"in_graph"`` (``graphddp.passes.choose_reduction``)."""
         self.inner: CompilerFn = inner_compiler(inner)
         # Checked now, before anything is compiled: an unwritable dump directory is a clear error.
         self.dump = DebugDump.from_argument_or_env(debug_dir)
@@ -133,16 +148,17 @@ class GraphDDPBackend:
             logger.debug("graphddp.compiler.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
+        choice = self.choose_reduction(prepared.plan, target)
         if target is not None:
-            target.record_split(prepared.split)
+            target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
         if target is not None and not prepared.reused_plan:
-            target.propose_graph_plan(graph_key, prepared.plan)
+            target.propose_graph_plan(graph_key, prepared.plan, choice.strategy)
         split = prepared.split
         trace_artifact(f"graphddp_split_{graph_key}", lambda: _describe_split(prepared))
         extended = [s.index for s in split.segments if s.extended]
         logger.info(
-            "[rank %s] graphddp.compiler.backend: %s: %d parameters, %d buckets, %d segments%s%s",
+            "[rank %s] graphddp.compiler.backend: %s: %d parameters, %d buckets, %d segments%s%s; reduction: %s",
             getattr(target, "rank", "-"),
             graph_key,
             len(prepared.params),
@@ -150,7 +166,35 @@ class GraphDDPBackend:
             split.num_segments,
             f" (extended: {extended})" if extended else "",
             " (a recompile: cut by the plan made before)" if prepared.reused_plan else "",
+            choice,
         )
+        if choice.strategy == "split" and self.reduction == "in_graph":
+            _warn_once(f"graphddp: reduction='in_graph' was asked for, but this graph runs split: {choice.reason}")
+        in_graph = None
+        if target is not None and choice.strategy == "in_graph":  # compiled first: gm is cut for the split below
+            compiler = in_graph_compiler(self.inner)
+            assert compiler is not None, "choose_reduction checks the inner compiler"
+            reducing = insert_bucket_reductions(
+                gm, prepared.params, prepared.plan, group_name=target.group_name, divisor=target.world_size
+            )
+            in_graph = compiler(reducing, example_inputs)
+        split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
+        if target is None:
+            return split_fn
+        return ReductionSwitch(in_graph, split_fn, target, frozenset(p.spec.name for p in prepared.params))
+
+    def choose_reduction(self, plan: BucketPlan, target: CompileTarget | None) -> ReductionChoice:
+        """How a graph planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``)."""
+        if target is None:
+            return ReductionChoice("split", "no graphddp.DDP runs it")
+        blockers = [*plan_blockers(plan), *target.in_graph_blockers()]
+        if in_graph_compiler(self.inner) is None:
+            blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
+        return choose_reduction(self.reduction, blockers)
+
+    def _compile_split(
+        self, prepared: Any, gm: fx.GraphModule, example_inputs: list[Any], graph_key: str, target: CompileTarget | None
+    ) -> Callable[..., Any]:
         if prepared.split_gm is None:
             lower_graph(prepared, gm, example_inputs, name=graph_key, dump=self.dump)
             compiled = self.inner(gm, example_inputs)
@@ -171,14 +215,17 @@ def registered_backend(
     gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
     """The backend named ``"graphddp"`` (entry point ``torch_dynamo_backends``):
-    ``torch.compile(model, backend="graphddp", options={"inner": "inductor", "debug_dir": ...})``; the other
+    ``torch.compile(model, backend="graphddp", options={"inner": "inductor", "debug_dir": ..., "reduction": ...})``;
+    the other
     options and ``mode`` configure the inner compiler (for Inductor: its config and modes)."""
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     debug_dir = options.pop("debug_dir", None)
-    key = (inner if isinstance(inner, str) else id(inner), mode, repr(sorted(options.items())), debug_dir)
+    reduction = options.pop("reduction", "auto")
+    key = (inner if isinstance(inner, str) else id(inner), mode, repr(sorted(options.items())), debug_dir, reduction)
     if key not in _named_backends:
-        _named_backends[key] = GraphDDPBackend(inner, debug_dir=debug_dir).configured(mode=mode, options=options)
+        made = GraphDDPBackend(inner, debug_dir=debug_dir, reduction=reduction)
+        _named_backends[key] = made.configured(mode=mode, options=options)
     return _named_backends[key](gm, example_inputs)
 
 
@@ -190,6 +237,15 @@ def _describe_split(prepared: Any) -> str:
         + "\n\n"
         + tabulate(rows, headers=("segment", "buckets", "nodes", "parameter bytes", "extended"))
     )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 # -- without a graphddp.DDP -------------------------------------------------------------------------------------

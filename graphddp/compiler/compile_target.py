@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import fx
 
-from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit
+from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ReductionChoice
 from ..runtime.trace import Events
 
 
@@ -31,6 +31,8 @@ class CompileTarget(PartSink, Protocol):
 
     rank: int
     world_size: int
+    group_name: str
+    """The DDP's process group, as functional collectives name it (Note [In-graph reduction])."""
 
     def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
         """The caps to plan a newly captured graph with (chosen for it, with ``bucket_cap_mb="auto"``)."""
@@ -56,12 +58,22 @@ class CompileTarget(PartSink, Protocol):
         """The plan already made for a graph with exactly these parameters: a recompile is cut by it."""
         ...
 
-    def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
-        """A new graph's plan, adopted once every rank agrees (Note [Plan agreement] in ``graphddp.runtime.plans``)."""
+    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
+        """A new graph's plan and how it reduces, adopted once every rank agrees (Note [Plan agreement] in
+        ``graphddp.runtime.plans``)."""
         ...
 
-    def record_split(self, split: GraphSplit) -> None:
-        """A graph compiled for this target was cut so (``splits``: for tools and tests)."""
+    def record_split(self, split: GraphSplit, reduction: ReductionChoice | None = None) -> None:
+        """A graph compiled for this target was cut so, and reduces so (``splits``, ``reductions``: tools, tests)."""
+        ...
+
+    def in_graph_blockers(self) -> list[str]:
+        """What in the DDP's set-up needs the Reducer's hooks (a comm hook, unused parameters, ...)."""
+        ...
+
+    def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
+        """Asked by a compiled graph as it runs: its in-graph variant (True) or its split one? ``can``: it has an
+        in-graph variant (Note [In-graph reduction])."""
         ...
 
 

@@ -102,10 +102,31 @@ def _complete(countdown: Countdown, bucket: FlatBucket) -> None:
     countdown.complete(bucket)
 
 
-def hook_params(countdown: Countdown, params: list[torch.nn.Parameter]) -> list[Any]:
-    """A post-accumulate-grad hook per parameter, each holding the countdown weakly; returns their handles."""
-    me = weakref.ref(countdown)
-    return [p.register_post_accumulate_grad_hook(functools.partial(gradient_ready, me, i)) for i, p in enumerate(params)]
+class GradientHooks:
+    """The post-accumulate-grad hook of every parameter, each holding the countdown weakly. ``detach`` takes them
+    off while gradients are reduced inside the compiled graph (Note [In-graph reduction]: no hook is called at
+    all), ``attach`` puts them back; ``handles`` is one list for the Reducer's finalizer."""
+
+    def __init__(self, countdown: Countdown, params: list[torch.nn.Parameter]) -> None:
+        self._countdown = weakref.ref(countdown)
+        self._params = params
+        self.handles: list[Any] = []
+        self.attach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.handles) or not self._params
+
+    def attach(self) -> None:
+        if not self.handles:
+            me = self._countdown
+            self.handles.extend(
+                p.register_post_accumulate_grad_hook(functools.partial(gradient_ready, me, i)) for i, p in enumerate(self._params)
+            )
+
+    def detach(self) -> None:
+        remove_all(self.handles)
+        self.handles.clear()
 
 
 def remove_all(handles: list[Any]) -> None:

@@ -41,6 +41,7 @@ cut would differ, the split follows the agreed plan: buckets still launch in pla
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -63,12 +64,14 @@ class GraphPlans:
     def __init__(self, specs_in_registration_order: Sequence[ParamSpec]) -> None:
         self._specs = list(specs_in_registration_order)
         self._by_graph: dict[str, BucketPlan] = {}  # in the order forward first ran them
+        self._strategies: dict[str, str] = {}  # how each graph reduces: "split" or "in_graph"
         self.proposed: BucketPlan | None = None
 
-    def propose(self, graph: str, plan: BucketPlan, current: BucketPlan) -> None:
+    def propose(self, graph: str, plan: BucketPlan, current: BucketPlan, strategy: str = "split") -> None:
         """Record ``plan`` for ``graph``, compiled now for the first time (graphs are first compiled in the order
-        forward runs them)."""
+        forward runs them), reduced by ``strategy`` (Note [In-graph reduction])."""
         self._by_graph[graph] = plan
+        self._strategies[graph] = strategy
         # Proposed even when it equals the plan in force: adopting it (agreed by every rank) is what stops the
         # ready-order rebuild, which would otherwise re-cut the buckets away from the graph's split.
         self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
@@ -81,12 +84,18 @@ class GraphPlans:
     def graphs(self) -> dict[str, BucketPlan]:
         return dict(self._by_graph)
 
+    def in_graph_sets(self) -> frozenset[frozenset[str]]:
+        """The parameter sets of the graphs that reduce in-graph."""
+        return frozenset(frozenset(p.param_names) for g, p in self._by_graph.items() if self._strategies[g] == "in_graph")
+
     def tokens(self) -> tuple[int, int]:
-        """What this rank contributes to the agreement (see the Note); zeros when nothing is proposed."""
+        """What this rank contributes to the agreement (see the Note); zeros when nothing is proposed. The
+        graphs' strategies are part of it: ranks must not issue different collectives."""
         if self.proposed is None:
             return (0, 0)
-        fingerprint = self.proposed.fingerprint
-        return (int(fingerprint[:5], 16) + 1, int(fingerprint[5:10], 16) + 1)
+        strategies = ",".join(self._strategies[g] for g in self._by_graph)
+        digest = hashlib.sha1(f"{self.proposed.fingerprint}|{strategies}".encode()).hexdigest()
+        return (int(digest[:5], 16) + 1, int(digest[5:10], 16) + 1)
 
     def take(self) -> BucketPlan | None:
         proposed, self.proposed = self.proposed, None
@@ -206,6 +215,8 @@ class PlanKeeper:
         self._auto_caps = auto_caps
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._agreement: PlanAgreement | None = None
+        self.agreed_in_graph: frozenset[frozenset[str]] = frozenset()
+        """Parameter sets of the agreed graphs that reduce in-graph (``graphddp.runtime.in_graph``)."""
         self.training_forwards = 0
         """Forwards run with gradients enabled (synchronising or under no_sync); ranks must agree on it."""
 
@@ -241,8 +252,13 @@ class PlanKeeper:
             )
 
     # -- compiled graphs -----------------------------------------------------------------------------------------
-    def propose(self, graph: str, plan: BucketPlan) -> None:
-        self.graph_plans.propose(graph, plan, self.current)
+    def propose(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
+        self.graph_plans.propose(graph, plan, self.current, strategy)
+
+    @property
+    def proposing(self) -> bool:
+        """A graph plan awaits the ranks' agreement."""
+        return self.graph_plans.proposed is not None
 
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self.graph_plans.plan_for(params)
@@ -262,6 +278,7 @@ class PlanKeeper:
         if verdict is False:
             self._plans_differ(allows_unused)
         elif verdict:
+            self.agreed_in_graph = self.graph_plans.in_graph_sets()
             plan = self.graph_plans.take()
             assert plan is not None
             self.ready_order.forget()

@@ -44,7 +44,6 @@ launcher. The Reducer does not care where its plan came from: ``adopt(plan)`` in
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -54,7 +53,7 @@ from ..passes import BucketCaps, BucketPlan, GraphSplit
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
 from .comm import CudaCommStream, HostComm
-from .countdown import Countdown, hook_params, remove_all
+from .countdown import Countdown
 from .grad_layout import BucketViewGrads, CopiedGrads
 from .iteration import Iteration
 from .join import ActiveRanks
@@ -107,12 +106,12 @@ class Reducer:
         self.plans = PlanKeeper(
             planned_specs(named_params, plan), plan, group=process_group, device=collective_device, auto_caps=auto_caps
         )
-        self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
-                                     sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps)
         self._iteration: Iteration | None = None
         self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
+        self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
+                                     sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
+                                     group_name=process_group.group_name, countdown=self._countdown, skip=skip_unused)
         self.adopt(plan)
-        weakref.finalize(self, remove_all, hook_params(self._countdown, self._params))  # gone with the Reducer
 
     # -- plan and comm hook ----------------------------------------------------------------------------------
     def adopt(self, plan: BucketPlan) -> None:

@@ -16,10 +16,13 @@ from typing import Protocol
 import torch
 from torch import fx
 
-from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, rows_apply
+from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ReductionChoice, rows_apply
 from .auto_caps import AutoCaps
+from .countdown import Countdown, GradientHooks, remove_all
+from .in_graph import InGraphGate
 from .plans import PlanKeeper
 from .trace import Events
+from .unused import GradientUsage
 
 
 class TargetOwner(Protocol):
@@ -31,6 +34,9 @@ class TargetOwner(Protocol):
 
     @property
     def events(self) -> Events: ...
+
+    @property
+    def usage(self) -> GradientUsage: ...
 
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool: ...
 
@@ -49,6 +55,9 @@ class ReducerTarget:
         world_size: int,
         sparse_embedding_grads: bool,
         auto_caps: AutoCaps | None,
+        group_name: str,
+        countdown: Countdown,
+        skip: bool,
     ) -> None:
         self._owner = weakref.ref(owner)
         self._named_params = list(named_params)
@@ -56,8 +65,16 @@ class ReducerTarget:
         self.rank, self.world_size = rank, world_size
         self._rows_enabled = sparse_embedding_grads
         self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
+        self.group_name = group_name
+        """The DDP's process group, as functional collectives name it (in-graph reduction)."""
+        hooks = GradientHooks(countdown, [p for _, p in named_params])  # the Reducer's, on or off (the gate says)
+        weakref.finalize(owner, remove_all, hooks.handles)  # gone with the Reducer
+        self.gate = InGraphGate(plans, hooks, [n for n, _ in named_params], rank=rank)
+        self._blockers = ["skip_all_reduce_unused_params"] if skip else []
         self.splits: list[GraphSplit] = []
         """How each graph compiled for this Reducer was cut, in compile order (whatever backend the user named)."""
+        self.reductions: list[ReductionChoice] = []
+        """How each graph compiled for this Reducer reduces its gradients, in compile order."""
 
     def _reducer(self) -> TargetOwner:
         owner = self._owner()
@@ -97,11 +114,43 @@ class ReducerTarget:
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self._plans.plan_for_graph(params)
 
-    def propose_graph_plan(self, graph: str, plan: BucketPlan) -> None:
-        self._plans.propose(graph, plan)
+    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
+        self._plans.propose(graph, plan, strategy)
 
-    def record_split(self, split: GraphSplit) -> None:
+    def record_split(self, split: GraphSplit, reduction: ReductionChoice | None = None) -> None:
         self.splits.append(split)
+        if reduction is not None:
+            self.reductions.append(reduction)
+
+    def block_in_graph(self, reason: str) -> None:
+        """A feature that needs the Reducer's hooks is on (``step_in_backward``): graphs compiled from now stay split."""
+        if reason not in self._blockers:
+            self._blockers.append(reason)
+
+    def in_graph_blockers(self) -> list[str]:
+        """What needs the Reducer's hooks, so graphs compiled for it stay split (``choose_reduction``)."""
+        owner = self._reducer()
+        checks = (
+            ("a comm hook", owner.has_custom_comm_hook),
+            ("find_unused_parameters", owner.usage.policy.searches_each_iteration),
+            ("mixed_precision reduces in another dtype", any(s.dtype != p.dtype for s, (_, p) in zip(self._plans.specs, self._named_params))),
+        )
+        return [*self._blockers, *(why for why, blocks in checks if blocks)]
+
+    def begin_forward(self, *, grad_enabled: bool, synchronising: bool, joining: bool) -> None:
+        """Every DDP forward, after the plan switch: does this one reduce in-graph (``graphddp.runtime.in_graph``)?
+        Not while a feature registered after compiling needs the hooks (a comm hook, ``step_in_backward``), nor
+        while the Reducer's events are recorded (a timeline of its buckets: as the steady hook, the full path)."""
+        owner = self._reducer()
+        needs_hooks = (
+            joining or bool(self._blockers) or owner.has_custom_comm_hook or owner.events.recording
+            or owner.usage.policy.may_leave_unused  # static_graph: until its first iteration found every one used
+        )
+        self.gate.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, needs_hooks=needs_hooks)
+
+    def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
+        """Asked by each compiled graph as it runs (``graphddp.compiler.in_graph.ReductionSwitch``)."""
+        return self.gate.reduces_in_graph(params, can)
 
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
         """A tap's backward offers a part of a tied weight's gradient: the Reducer takes it into its slot (True)

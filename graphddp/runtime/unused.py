@@ -68,6 +68,10 @@ class ExpectAllUsed:
     """Default: no parameter may miss its gradient (see the module docstring)."""
 
     allows_unused = False
+    searches_each_iteration = False
+    """Which parameters are unused may change from one iteration to the next (compiled graphs stay split)."""
+    may_leave_unused = False
+    """Some parameter may get no gradient in the next backward (in-graph reduction waits: Note [In-graph reduction])."""
     known_counts: list[int] | None = None
     """Per-parameter number of ranks that produced a gradient, when known without an all-reduce."""
 
@@ -85,6 +89,8 @@ class SearchEveryIteration:
     """``find_unused_parameters=True``: one autograd-graph traversal per forward."""
 
     allows_unused = True
+    searches_each_iteration = True
+    may_leave_unused = True
     known_counts: list[int] | None = None
 
     def __init__(self) -> None:
@@ -105,9 +111,16 @@ class SearchEveryIteration:
 class StaticGraph(SearchEveryIteration):
     """``static_graph=True``: the first iteration's answer holds for every later one."""
 
+    searches_each_iteration = False
+
     def __init__(self) -> None:
         super().__init__()
         self._frozen: list[int] | None = None
+
+    @property
+    def may_leave_unused(self) -> bool:  # type: ignore[override]
+        """Until the first iteration has said, or when it found some parameter unused."""
+        return self._frozen is None or bool(self._frozen)
 
     def locally_unused(self, outputs: Any, index_of: dict[int, int]) -> list[int]:
         if self._frozen is not None:

@@ -169,7 +169,7 @@ def test_flex_attention_forward_compiles_and_matches_eager() -> None:
 # -- where users look: the profiler and torch's structured trace ------------------------------------------------------
 def test_buckets_and_segments_appear_as_labelled_profiler_ranges() -> None:
     ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
-    model = torch.compile(ddp, backend="aot_eager")
+    model = graphddp.compile(ddp, "aot_eager", reduction="split")
     loss(model).backward()  # compile outside the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss(model, 1).backward()
@@ -179,6 +179,18 @@ def test_buckets_and_segments_appear_as_labelled_profiler_ranges() -> None:
     assert {f"graphddp: wait for bucket {k}" for k in range(len(ddp.bucket_plan.buckets))} <= names
     assert {f"graphddp: segment {s} backward" for s in range(segments)} <= names
     assert {f"graphddp: segment {s} forward" for s in range(segments)} <= names
+
+
+def test_in_graph_reduction_shows_one_functional_all_reduce_per_bucket_in_the_profile() -> None:
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = torch.compile(ddp, backend="aot_eager")  # "auto": in-graph, from the second step on
+    loss(model).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss(model, 1).backward()
+    names = [e.name for e in prof.events()]
+    assert ddp.reducer.compile_target.gate.open
+    assert names.count("_c10d_functional::all_reduce") == len(ddp.bucket_plan.buckets) > 1
+    assert not any(n.startswith("graphddp: all-reduce bucket") for n in names)  # the Reducer sent nothing
 
 
 class _Records(__import__("logging").Handler):

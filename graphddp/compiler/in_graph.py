@@ -1,0 +1,189 @@
+"""In-graph reduction: each bucket's all-reduce traced into the compiled backward, no hook, no split.
+
+Note [In-graph reduction]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The split (Note [graphddp backend]) gives autograd one node per bucket segment, and a Python hook per gradient
+tells the Reducer what is ready; on a launch-bound backward (a GPU, many small parameters) that Python is the
+step's pace, and the cut stops the inner compiler fusing across it. The in-graph strategy puts the reduction into
+the graph instead, bucketed by the same ``BucketPlan`` the split would use (one plan still serves both):
+
+1. ``insert_bucket_reductions``: for each bucket of the graph's plan, every use of its parameters goes through one
+   call of ``BucketAllReduce``, an identity in forward placed just before the bucket's earliest use (Note
+   [Earliest use]). Autograd runs a node's backward once all its outputs' gradients are in, and runs the nodes it
+   can in reverse creation order, so the call's backward runs right after the bucket's last gradient is complete:
+   it flattens the bucket (one ``cat``), divides by the world size, and issues a functional all-reduce
+   (``_c10d_functional.all_reduce``) on the DDP's own process group, then ``wait_tensor`` and the views that hand
+   each parameter its slice.
+2. AOTAutograd traces that into the compiled backward (``in_graph_compiler``: Inductor or aot_eager); in the
+   backward graph ``graphddp.passes.sink_waits`` moves each wait, with its views, to just before the first node
+   that reads the result (the graph's output, for a gradient), so the compute after the all-reduce overlaps it.
+   Inductor fuses the copy and the division into one kernel per bucket; its peak-memory reordering, which would
+   hoist the waits again, is off for these graphs.
+3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for
+   the step (``graphddp.runtime.in_graph``: zero hook calls), the Reducer prepares nothing, and no Python runs per
+   gradient or per bucket.
+
+Both variants are compiled; ``ReductionSwitch`` runs the in-graph one only once every rank has agreed on the plan
+*and* the strategy (Note [Plan agreement]: the strategy is part of what is agreed, so ranks never issue different
+collectives), and the split one otherwise: the first iteration, a ``no_sync`` micro-step (which must not reduce) and
+the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
+rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
+good (``graphddp.passes.choose_reduction``): a Python comm hook, unused parameters found at run time, row-sparse
+tables, the optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an inner compiler that is not
+AOTAutograd-based.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..passes import BucketPlan, GraphParam, sink_waits
+
+CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+class BucketAllReduce(torch.autograd.Function):
+    """Identity in forward; in backward, the bucket's gradients averaged over the group (Note [In-graph
+    reduction], step 1)."""
+
+    @staticmethod
+    def forward(ctx: Any, group_name: str, divisor: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group_name, ctx.divisor = group_name, divisor
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        some = next(g for g in grads if g is not None)
+        pieces = [
+            g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
+            for g, s in zip(grads, ctx.shapes)
+        ]
+        flat = torch.cat(pieces).div_(ctx.divisor)  # [bucket numel]
+        flat = torch.ops._c10d_functional.all_reduce(flat, "sum", ctx.group_name)
+        flat = torch.ops._c10d_functional.wait_tensor(flat)
+        averaged = [chunk.view(s) for chunk, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)]
+        return (None, None, *averaged)
+
+
+def reduce_bucket(group_name: str, divisor: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
+    return BucketAllReduce.apply(group_name, divisor, *params)
+
+
+def insert_bucket_reductions(
+    gm: fx.GraphModule, params: Sequence[GraphParam], plan: BucketPlan, *, group_name: str, divisor: int
+) -> fx.GraphModule:
+    """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note); ``gm`` is
+    left as it was (the split variant is cut from it)."""
+    graph = copy.deepcopy(gm.graph)
+    nodes = {n.name: n for n in graph.nodes}
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {p.spec.name: p for p in params}
+    for bucket in plan.buckets:
+        members = [by_name[s.name] for s in bucket.params]
+        # Before the earliest use a gradient flows through: a use under no_grad would make the bucket's outputs
+        # carry none (a parameter with no such use gets its zeros through the same call).
+        uses = [u for p in members for u in p.uses if u.differentiable] or [u for p in members for u in p.uses]
+        at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
+        with graph.inserting_before(at):
+            call = graph.call_function(reduce_bucket, (group_name, divisor, *(nodes[p.node] for p in members)))
+            for k, member in enumerate(members):
+                item = graph.call_function(operator.getitem, (call, k))
+                nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient
+                    item, delete_user_cb=lambda user, call=call, at=at: user is not call and position.get(user, -1) >= position[at]
+                )
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+# -- the inner compiler, made to keep waits late ---------------------------------------------------------------
+@functools.cache
+def _sink_waits_pass() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # Inductor only when it is used
+
+    class SinkWaits(CustomGraphPass):
+        """Inductor's post-grad hook running ``sink_waits`` (after a pass the user had set)."""
+
+        def __init__(self, before: Any = None) -> None:
+            self.before = before
+
+        def __call__(self, graph: fx.Graph) -> None:
+            if self.before is not None:
+                self.before(graph)
+            sink_waits(graph)
+
+        def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
+            before = self.before.uuid() if self.before is not None and hasattr(self.before, "uuid") else None
+            return ("graphddp.sink_waits", 1, before)
+
+    return SinkWaits
+
+
+def _inductor_patches(patches: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **patches,
+        "post_grad_custom_post_pass": _sink_waits_pass()(patches.get("post_grad_custom_post_pass")),
+        "reorder_for_peak_memory": False,  # it hoists the waits back next to their all-reduce
+    }
+
+
+def _sinking(compiler: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        sink_waits(gm.graph)
+        gm.recompile()
+        return compiler(gm, example_inputs)
+
+    return compile_backward
+
+
+def in_graph_compiler(inner: Any) -> CompilerFn | None:
+    """``inner`` (as ``graphddp.backend`` got it, or as Dynamo hands it over) made to sink waits in the backward
+    it compiles; None when it is not a compiler whose backward graph graphddp can reach (Inductor, aot_eager)."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+    from torch._inductor.compile_fx import compile_fx
+
+    fn = getattr(inner, "_torchdynamo_orig_backend", inner)
+    keywords: dict[str, Any] = {}
+    if isinstance(fn, torch._TorchCompileInductorWrapper):
+        return functools.partial(compile_fx, config_patches=_inductor_patches(dict(fn.config)))
+    if isinstance(fn, torch._TorchCompileWrapper):
+        fn, keywords = fn.compiler_fn, dict(fn.kwargs)
+    if isinstance(fn, functools.partial) and not fn.args:
+        fn, keywords = fn.func, {**fn.keywords, **keywords}
+    if fn is compile_fx:
+        return functools.partial(compile_fx, config_patches=_inductor_patches(keywords.get("config_patches") or {}))
+    if fn is aot_eager and not ({"fw_compiler", "bw_compiler"} & keywords.keys()):
+        return functools.partial(aot_eager, bw_compiler=_sinking(boxed_nop), **keywords)
+    return None
+
+
+def describe_inner(inner: Any) -> str:
+    fn = getattr(inner, "_torchdynamo_orig_backend", inner)
+    return getattr(fn, "compiler_name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+# -- which variant runs --------------------------------------------------------------------------------------
+class ReductionSwitch:
+    """What Dynamo runs for a graph compiled for a graphddp.DDP: the in-graph variant while the DDP's gate is open
+    for this graph's parameters, the split one otherwise (Note [In-graph reduction]). One Python call per graph
+    and forward, nothing per parameter."""
+
+    def __init__(self, in_graph: Callable[..., Any] | None, split: Callable[..., Any], target: Any, params: frozenset[str]) -> None:
+        self.in_graph, self.split = in_graph, split
+        self._target = weakref.ref(target)
+        self.params = params
+
+    def __call__(self, *args: Any) -> Any:
+        target = self._target()
+        if target is not None and target.reduces_in_graph(self.params, self.in_graph is not None):
+            return self.in_graph(*args)  # type: ignore[misc]
+        return self.split(*args)

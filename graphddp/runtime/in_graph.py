@@ -1,0 +1,67 @@
+"""When gradients are reduced inside the compiled graph instead of by the Reducer: the runtime half of Note
+[In-graph reduction] (``graphddp/compiler/in_graph.py``).
+
+The compile backend compiles an in-graph variant beside the split one for a graph whose strategy is
+``"in_graph"``; this gate says, per forward, which one runs. It is open (in-graph) for a synchronising forward
+when every rank agreed on plans whose graphs all reduce in-graph and together cover every parameter of the
+Reducer, nothing new is proposed, no rank has joined, and ``.grad`` holds no sum of ``no_sync`` micro-steps (the
+step after them runs split, so the Reducer averages the whole accumulated gradient). While it is open the
+Reducer's hooks are off, so no Python runs per gradient. A graph that cannot reduce in-graph, run while it is
+open (a new graph, compiled mid-forward), closes it for the rest of the forward: the hooks are back and the
+Reducer prepares as usual; a graph that already reduced in this forward is then averaged twice, which leaves the
+same average on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from .countdown import GradientHooks
+from .plans import PlanKeeper
+
+logger = logging.getLogger(__name__)
+
+
+class InGraphGate:
+    """Per forward: does this iteration's backward reduce inside the compiled graphs? (see the module doc)"""
+
+    def __init__(self, plans: PlanKeeper, hooks: GradientHooks, names: Iterable[str], *, rank: int) -> None:
+        self._plans, self._hooks = plans, hooks
+        self._names = frozenset(names)
+        self._rank = rank
+        self.open = False
+        """This forward's graphs reduce in-graph; the Reducer's hooks are off and it prepares nothing."""
+        self._local_sum = False  # .grad holds no_sync micro-steps' gradients, not yet averaged
+        self.in_graph_forwards = 0
+        """Runs of a compiled graph that reduced in-graph (the benchmark and tests read it)."""
+
+    def begin_forward(self, *, grad_enabled: bool, synchronising: bool, needs_hooks: bool) -> None:
+        """At the start of every DDP forward, after the plan switch (a forward without gradients changes
+        nothing: it has no backward). ``needs_hooks``: a rank has joined, or a feature set after compiling (a
+        comm hook, ``step_in_backward``) needs the Reducer."""
+        if not grad_enabled:
+            return
+        agreed = self._plans.agreed_in_graph
+        covered = bool(agreed) and self._names <= frozenset().union(*agreed)
+        self._set(synchronising and covered and not needs_hooks and not self._local_sum and not self._plans.proposing)
+        self._local_sum = not synchronising
+
+    def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
+        """Asked by each compiled graph as it runs: reduce in-graph (True), or run split (False)?"""
+        if not self.open:
+            return False
+        if can and params in self._plans.agreed_in_graph:
+            self.in_graph_forwards += 1
+            return True
+        logger.info(
+            "[rank %d] graphddp: a graph not agreed for in-graph reduction runs (a new graph?); this forward's "
+            "gradients go through the Reducer (Note [In-graph reduction])", self._rank,
+        )
+        self._set(False)
+        return False
+
+    def _set(self, open_: bool) -> None:
+        if open_ != self.open:
+            self._hooks.detach() if open_ else self._hooks.attach()
+            self.open = open_

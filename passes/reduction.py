@@ -1,0 +1,112 @@
+"""How a compiled graph's gradients are reduced: split at buckets, or all-reduced inside the compiled backward.
+
+One rule, one place: the compile backend, ``graphddp inspect`` and the benchmark all ask ``choose_reduction``.
+The algorithm of the in-graph strategy is Note [In-graph reduction] in ``graphddp/compiler/in_graph.py``; this
+module only decides, from facts every rank shares (the options, the comm hook's kind, the plan), so every rank
+decides alike, and the plan agreement checks it all the same (Note [Plan agreement]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+from torch import fx
+
+from .plan import BucketPlan
+
+Strategy = Literal["split", "in_graph"]
+REDUCTIONS = ("auto", "split", "in_graph")
+"""What a user may ask for: ``"auto"`` (in-graph where it can be traced, else split), or one strategy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionChoice:
+    """The strategy one graph runs, and why (shown in the log, ``inspect``, the dump and the benchmark)."""
+
+    strategy: Strategy
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.strategy} ({self.reason})"
+
+
+def check_reduction(requested: object) -> str:
+    """``requested`` as given, or a ``ValueError`` naming the choices."""
+    if requested not in REDUCTIONS:
+        raise ValueError(f"graphddp: reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {requested!r}")
+    return str(requested)
+
+
+def plan_blockers(plan: BucketPlan) -> list[str]:
+    """What in ``plan`` cannot be reduced in the graph: row-sparse tables and their parts (their rows are chosen at
+    run time), ``torch.sparse`` gradients."""
+    blockers = []
+    if plan.parts or any(b.row_sparse for b in plan.buckets):
+        blockers.append("row-sparse embedding gradients")
+    if any(b.sparse_grad for b in plan.buckets):
+        blockers.append("sparse gradients")
+    return blockers
+
+
+def choose_reduction(requested: str, blockers: Sequence[str]) -> ReductionChoice:
+    """The strategy for one graph: the one asked for, else in-graph unless something in ``blockers`` needs the
+    Reducer (a Python comm hook, unused parameters, row-sparse tables, ...), which the split path serves.
+
+    The step cost model predicts the same communication for both (each bucket's all-reduce starts once its last
+    gradient exists, in the same order) and less CPU per bucket for in-graph, so ``"auto"`` takes in-graph
+    wherever it can be traced.
+    """
+    check_reduction(requested)
+    if requested == "split":
+        return ReductionChoice("split", "asked for")
+    if blockers:
+        return ReductionChoice("split", "in-graph cannot serve: " + "; ".join(blockers))
+    return ReductionChoice("in_graph", "asked for" if requested == "in_graph" else "traceable")
+
+
+# -- waits as late as the graph allows -------------------------------------------------------------------------
+_VIEW_OPS = {"view", "_unsafe_view", "slice", "reshape", "alias", "as_strided", "detach", "split", "split_with_sizes",
+             "narrow", "t", "permute", "expand", "getitem"}
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "_c10d_functional::wait_tensor"
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if getattr(node.target, "__name__", "") == "getitem":
+        return True
+    packet = getattr(node.target, "_overloadpacket", None)
+    return packet is not None and packet.__name__ in _VIEW_OPS
+
+
+def sink_waits(graph: fx.Graph) -> int:
+    """Move each functional collective's ``wait_tensor``, with the views of its result that hang off it, to just
+    before the first node that computes with the result (the output, for a gradient): compute issued after the
+    collective then runs while it is in flight. Returns how many waits moved. Pure graph surgery: only nodes
+    before that first consumer move, down, in their order, so every input still comes first."""
+    moved = 0
+    for wait in [n for n in graph.nodes if _is_wait(n)]:
+        chain, frontier = {wait}, [wait]
+        while frontier:  # the views of the result, all the way down
+            for user in frontier.pop().users:
+                if _is_view(user) and user not in chain:
+                    chain.add(user)
+                    frontier.append(user)
+        consumers = {u for n in chain for u in n.users if u not in chain}
+        if not consumers:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(consumers, key=order.__getitem__)
+        to_move = sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__)
+        if order[to_move[-1]] - order[wait] + 1 == len(to_move) and order[first] == order[to_move[-1]] + 1:
+            continue  # already together, right before the first consumer
+        for node in to_move:
+            first.prepend(node)
+        moved += 1
+    graph.lint()
+    return moved

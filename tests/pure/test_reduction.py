@@ -1,0 +1,155 @@
+"""In-graph reduction at the graph level (Note [In-graph reduction]), in one process: the choice of strategy, the
+wait-sinking pass, and the backward graph AOTAutograd makes of a graph with the buckets' all-reduces inserted."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.distributed  # noqa: F401  (registers the functional collectives' ops)
+from torch import fx, nn
+
+from graphddp.compiler.capture import capture_graphs, parameter_names
+from graphddp.compiler.graph_pipeline import prepare_graph
+from graphddp.compiler.in_graph import in_graph_compiler, insert_bucket_reductions
+from graphddp.passes import BucketCaps, BucketPlan, ParamSpec, choose_reduction, plan_blockers, plan_buckets, sink_waits
+
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def test_auto_reduces_in_graph_unless_something_needs_the_reducer() -> None:
+    assert choose_reduction("auto", []).strategy == "in_graph"
+    assert choose_reduction("in_graph", []).reason == "asked for"
+    chosen = choose_reduction("auto", ["a comm hook", "find_unused_parameters"])
+    assert chosen.strategy == "split" and "a comm hook; find_unused_parameters" in chosen.reason
+    assert choose_reduction("in_graph", ["a comm hook"]).strategy == "split"  # cannot: split, and the reason says why
+    assert choose_reduction("split", []).strategy == "split"
+    with pytest.raises(ValueError, match="'auto', 'split', 'in_graph'.*got 'ingraph'"):
+        choose_reduction("ingraph", [])
+
+
+def test_row_sparse_and_sparse_buckets_block_in_graph_reduction() -> None:
+    table = torch.nn.Parameter(torch.zeros(10, 4))
+    dense = plan_buckets([ParamSpec.of("emb.weight", table)], caps=BucketCaps())
+    assert plan_blockers(dense) == []
+    rows = plan_buckets([ParamSpec.of("emb.weight", table, row_sparse=True)], caps=BucketCaps())
+    assert plan_blockers(rows) == ["row-sparse embedding gradients"]
+
+
+def _collective_graph() -> fx.Graph:
+    """x -> all_reduce -> wait -> view -> output, with a matmul in between that does not need the result."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    reduced = graph.call_function(ALL_REDUCE, (x, "sum", "0"))
+    waited = graph.call_function(WAIT, (reduced,))
+    view = graph.call_function(torch.ops.aten.view.default, (waited, [4]))
+    later = graph.call_function(torch.ops.aten.mm.default, (w, w))
+    graph.output((view, later))
+    return graph
+
+
+def test_sink_waits_moves_the_wait_and_its_views_behind_later_compute() -> None:
+    graph = _collective_graph()
+    assert sink_waits(graph) == 1
+    order = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert order == [ALL_REDUCE, torch.ops.aten.mm.default, WAIT, torch.ops.aten.view.default]
+    assert sink_waits(graph) == 0  # already as late as it goes
+    gm = fx.GraphModule(nn.Module(), graph)
+    assert gm.code.index("mm") < gm.code.index("wait_tensor")
+
+
+class Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+def _backward_of_reducing_graph(caps: BucketCaps) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
+    model = Layers()
+    (captured,) = capture_graphs(model, torch.randn(5, 8))
+    prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
+    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_name="0", divisor=2)
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def keep(kind: str):
+        def compiler(gm: fx.GraphModule, example_inputs: list) -> object:
+            if kind == "backward":
+                sink_waits(gm.graph)
+                gm.recompile()
+            graphs[kind] = gm
+            return gm.forward
+
+        return compiler
+
+    from functorch.compile import make_boxed_compiler
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        aot_module_simplified(
+            reducing, captured.example_inputs, fw_compiler=make_boxed_compiler(keep("forward")),
+            bw_compiler=make_boxed_compiler(keep("backward")),
+        )
+    return graphs["forward"], graphs["backward"], prepared.plan, prepared.split.num_segments
+
+
+def test_k_buckets_give_k_all_reduces_and_k_waits_in_the_backward_each_wait_after_later_compute() -> None:
+    forward, backward, plan, _ = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200))
+    k = len(plan.buckets)
+    assert k >= 3, plan.table_rows()
+    nodes = list(backward.graph.nodes)
+    reduces = [i for i, n in enumerate(nodes) if n.target is ALL_REDUCE]
+    waits = [i for i, n in enumerate(nodes) if n.target is WAIT]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(reduces) == k and len(waits) == k
+    assert not any(n.target in (ALL_REDUCE, WAIT) for n in forward.graph.nodes)
+    # Each bucket's all-reduce is issued before the backward's remaining matmuls, and waited for after all of them.
+    assert reduces[0] < matmuls[-1], "the first bucket goes out while earlier layers' backward still computes"
+    assert min(waits) > matmuls[-1]
+    # Bucket k's all-reduce carries exactly its parameters' elements, divided by the world size before it.
+    sizes = sorted(n.args[0].meta["val"].numel() for n in nodes if n.target is ALL_REDUCE)
+    assert sizes == sorted(b.numel for b in plan.buckets)
+
+
+def test_the_reducing_graph_is_not_split() -> None:
+    # The split variant of the same graph is cut into one segment per bucket; the reducing one is one graph.
+    _, backward, plan, segments = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200))
+    assert segments == len(plan.buckets) > 1
+    assert sum(1 for n in backward.graph.nodes if n.op == "output") == 1
+
+
+def test_inserted_reductions_are_identities_in_forward() -> None:
+    model = Layers()
+    x = torch.randn(5, 8)
+    (captured,) = capture_graphs(model, x)
+    prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=BucketCaps(), row_sparse=False)
+    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_name="0", divisor=2)
+    calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
+    assert len(calls) == len(prepared.plan.buckets)
+    assert all(any(u.target is operator.getitem for u in c.users) for c in calls)
+    with torch.no_grad():
+        torch.testing.assert_close(reducing(*_real_inputs(captured, model, x))[0], model(x))
+
+
+def _real_inputs(captured, model: nn.Module, x: torch.Tensor) -> list:
+    by_name = dict(model.named_parameters())
+    names = parameter_names(model)
+    values = []
+    for value in captured.example_inputs:
+        if isinstance(value, nn.Parameter):
+            values.append(by_name[names[id(value)]])
+        else:
+            values.append(x)
+    return values
+
+
+def test_only_aot_autograd_compilers_can_reduce_in_graph() -> None:
+    assert in_graph_compiler(torch._TorchCompileInductorWrapper(None, None, None)) is not None
+    assert in_graph_compiler(torch._dynamo.lookup_backend("aot_eager")) is not None
+    assert in_graph_compiler(torch._TorchCompileWrapper("aot_eager", None, None, None)) is not None
+    assert in_graph_compiler(torch._dynamo.lookup_backend("eager")) is None
+    assert in_graph_compiler(lambda gm, inputs: gm.forward) is None

@@ -1,0 +1,177 @@
+"""In-graph reduction on spawned gloo ranks (Note [In-graph reduction]): the same gradients as PyTorch's DDP on 2
+and 3 ranks, no hook called while the graph reduces, and the split (with the Reducer) wherever in-graph must not or
+cannot run: the first step, no_sync micro-steps and the step after them, features that need the Reducer."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import IN, MLP, OUT
+from ranks import run_on_ranks
+from training import CAPS
+
+import graphddp
+from graphddp.runtime import countdown
+
+
+@contextlib.contextmanager
+def counted_hooks():
+    """Count every call of graphddp's per-gradient hook (hooks made while this is active)."""
+    calls = [0]
+    original = countdown.gradient_ready
+
+    @functools.wraps(original)
+    def counting(*args):
+        calls[0] += 1
+        return original(*args)
+
+    countdown.gradient_ready = counting
+    try:
+        yield calls
+    finally:
+        countdown.gradient_ready = original
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(6, IN, generator=g), torch.randn(6, OUT, generator=g)
+
+
+def train(rank: int, world: int, inner: str, reduction: str, accumulate: int, ddp_kwargs: dict) -> list[tuple]:
+    """Per step: (gate open at the synchronising forward, hook calls in its backward); asserts parity throughout."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), **ddp_kwargs)
+    with counted_hooks() as calls:
+        ddp = graphddp.DDP(model, **CAPS, **ddp_kwargs)
+        compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction=reduction))
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ref))
+        record = []
+        for step in range(5):
+            for micro in range(accumulate):
+                sync = micro == accumulate - 1
+                x, y = batch(step, micro, rank)
+                before = calls[0]
+                for module in (compiled, ref):
+                    with contextlib.nullcontext() if sync else (ddp if module is compiled else ref).no_sync():
+                        F.mse_loss(module(x), y).backward()
+                if sync:
+                    record.append((ddp.reducer.compile_target.gate.open, calls[0] - before))
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    reductions = {str(r) for r in ddp.reducer.compile_target.reductions}
+    return [*record, reductions]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_graph_matches_pytorch_ddp_and_calls_no_hook(world: int) -> None:
+    params = len(list(MLP().parameters()))
+    for *steps, reductions in run_on_ranks(train, world, "aot_eager", "auto", 1, {}):
+        assert reductions == {"in_graph (traceable)"}
+        # Step 0 runs split while the ranks agree on plan and strategy; from then on the graph reduces, no hook runs.
+        assert steps[0] == (False, params)
+        assert steps[1:] == [(True, 0)] * 4, steps
+
+
+def test_no_sync_micro_steps_accumulate_locally_and_the_step_after_averages_the_whole_sum() -> None:
+    params = len(list(MLP().parameters()))
+    for *steps, _ in run_on_ranks(train, 2, "aot_eager", "auto", 2, {}):
+        # Every step has a no_sync micro-step before it, so every synchronising step runs split, by the Reducer.
+        assert steps == [(False, params)] * 5, steps
+
+
+def test_static_graph_reduces_in_graph_too() -> None:
+    for *steps, reductions in run_on_ranks(train, 2, "aot_eager", "auto", 1, {"static_graph": True}):
+        assert reductions == {"in_graph (traceable)"}
+        assert steps[-1] == (True, 0)
+
+
+def test_split_when_asked_or_when_a_feature_needs_the_reducer() -> None:
+    params = len(list(MLP().parameters()))
+    for *steps, reductions in run_on_ranks(train, 2, "aot_eager", "split", 1, {}):
+        assert reductions == {"split (asked for)"} and steps == [(False, params)] * 5
+    for *steps, reductions in run_on_ranks(train, 2, "aot_eager", "auto", 1, {"find_unused_parameters": True}):
+        assert reductions == {"split (in-graph cannot serve: find_unused_parameters)"}
+        assert all(not open_ for open_, _ in steps)
+    for *_steps, reductions in run_on_ranks(train, 2, "eager", "in_graph", 1, {}):
+        (reason,) = reductions
+        assert reason.startswith("split (in-graph cannot serve: the inner compiler") and "not AOTAutograd-based" in reason
+
+
+def register_late(rank: int, world: int, feature: str) -> list[bool]:
+    """A comm hook or step_in_backward set after the graph was compiled for in-graph reduction: the Reducer takes
+    over at the next forward (its hooks back on), with PyTorch's DDP's gradients and weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
+    opened = []
+    for step in range(5):
+        if step == 3:
+            if feature == "comm_hook":
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                for module in (ddp, ref):
+                    module.register_comm_hook(None, allreduce_hook)
+            else:
+                ddp.step_in_backward(opt)
+        x, y = batch(step, 0, rank)
+        for module in (compiled, ref):
+            F.mse_loss(module(x), y).backward()
+        opened.append(ddp.reducer.compile_target.gate.open)
+        if not (feature == "step_in_backward" and step >= 3):
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    return opened
+
+
+@pytest.mark.parametrize("feature", ["comm_hook", "step_in_backward"])
+def test_a_feature_set_after_compiling_closes_the_gate(feature: str) -> None:
+    for opened in run_on_ranks(register_late, 2, feature):
+        assert opened == [False, True, True, False, False]
+
+
+def compiled_autograd_steps(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    from torch._dynamo import compiled_autograd
+
+    for step in range(3):
+        x, y = batch(step, 0, rank)
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            F.mse_loss(compiled(x), y).backward()
+        F.mse_loss(ref(x), y).backward()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        ddp.zero_grad(), ref.zero_grad()
+
+
+def test_in_graph_under_compiled_autograd() -> None:
+    run_on_ranks(compiled_autograd_steps, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_graph_with_inductor_matches_pytorch_ddp(world: int) -> None:
+    for *steps, reductions in run_on_ranks(train, world, "inductor", "auto", 1, {}):
+        assert reductions == {"in_graph (traceable)"} and steps[1:] == [(True, 0)] * 4, steps
