@@ -9,7 +9,10 @@ width, and times, interleaved round by round in the same processes,
 - ``local`` and ``local-compiled``: no DDP (the baselines each DDP is measured against);
 - ``torch-eager`` / ``graphddp-eager``: PyTorch's DDP (C++ Reducer) and graphddp's;
 - ``torch-compiled`` / ``graphddp-compiled``: the same under ``torch.compile`` with the inner compiler(s) given
-  (``inductor``, ``aot_eager``): PyTorch's through DDPOptimizer, graphddp's through its own backend.
+  (``inductor``, ``aot_eager``): PyTorch's through DDPOptimizer, graphddp's through its own backend as a user gets
+  it (``reduction="auto"``: in-graph where the graph can be traced, Note [In-graph reduction]);
+  ``graphddp-compiled-split``: graphddp's backend with ``reduction="split"`` (one segment per bucket, the Reducer's
+  hooks), for comparison. The table's ``reduction`` column says what each graphddp mode ran.
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. One mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's caches warm), warms
@@ -45,8 +48,10 @@ from tabulate import tabulate
 from graphddp.tools.launch import free_port
 
 EAGER_MODES = ("local", "torch-eager", "graphddp-eager")
-COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled")
-BASELINE = {"torch-eager": "local", "graphddp-eager": "local", "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled"}
+COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
+BASELINE = {"torch-eager": "local", "graphddp-eager": "local", "torch-compiled": "local-compiled",
+            "graphddp-compiled": "local-compiled", "graphddp-compiled-split": "local-compiled"}  # fmt: skip
+TORCH_PEER = {"graphddp-eager": "torch-eager", "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}
 """Which mode without DDP each DDP mode's added time and calls are measured against."""
 
 
@@ -75,6 +80,9 @@ class OverheadOptions:
     """Every bucket cap of both DDPs, in MiB."""
     threads: int = 1
     """Intra-op threads per rank."""
+    dense_tables: bool = False
+    """graphddp's ``sparse_embedding_grads=False``: embedding tables reduced dense, as PyTorch's DDP reduces them,
+    so a multi-rank compiled graph can reduce in-graph (row-sparse tables keep the split)."""
     device: str = "cpu"
     out: str = "bench-overhead"
 
@@ -118,12 +126,14 @@ def build_mode(mode: str, o: OverheadOptions) -> tuple[torch.nn.Module, Any]:
     elif name.startswith("graphddp"):
         cap = o.cap_mb
         ddp = graphddp.DDP(
-            model, device_ids=device_ids, bucket_cap_mb=cap, first_bucket_cap_mb=cap, last_bucket_cap_mb=cap, bucket_ramps=False
-        )
+            model, device_ids=device_ids, bucket_cap_mb=cap, first_bucket_cap_mb=cap, last_bucket_cap_mb=cap, bucket_ramps=False,
+            sparse_embedding_grads=not o.dense_tables,
+        )  # fmt: skip
     wrapped = ddp if ddp is not None else model
-    if not name.endswith("compiled"):
+    if not inner:
         return wrapped, ddp
-    backend = graphddp.backend(inner) if name.startswith("graphddp") else inner
+    reduction = "split" if name.endswith("-split") else "auto"
+    backend = graphddp.backend(inner, reduction=reduction) if name.startswith("graphddp") else inner
     return torch.compile(wrapped, backend=backend), ddp
 
 
@@ -196,9 +206,20 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
                 record[mode]["backward_calls"] = step(CallCounter())
                 if ddp is not None and hasattr(ddp, "bucket_plan"):
                     record[mode]["buckets"] = len(ddp.bucket_plan.buckets)
+                    record[mode]["reduction"] = reduction_ran(ddp)
             record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
             del step, step_model, ddp, opt
     return record
+
+
+def reduction_ran(ddp: Any) -> str:
+    """What a graphddp mode ran: ``eager``, ``in_graph``, or ``split`` with the reason the backend gave."""
+    target = ddp.reducer.compile_target
+    if not target.reductions:
+        return "eager"
+    if target.gate.in_graph_forwards:
+        return "in_graph"
+    return "; ".join(sorted({str(r) for r in target.reductions}))
 
 
 def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -218,7 +239,8 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     for mode in o.modes:
         times = [max(per_rank[r][mode]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][mode]["times_s"]))]
         rows.append({"mode": mode, "step_s": statistics.median(times), "backward_calls": per_rank[0][mode].get("backward_calls"),
-                     "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"]})  # fmt: skip
+                     "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
+                     "reduction": per_rank[0][mode].get("reduction")})  # fmt: skip
     by_mode = {row["mode"]: row for row in rows}
     for row in rows:
         name, _, inner = row["mode"].partition(":")
@@ -229,7 +251,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     for row in rows:
         name, _, inner = row["mode"].partition(":")
         if name.startswith("graphddp"):
-            torch_row = by_mode[name.replace("graphddp", "torch") + (f":{inner}" if inner else "")]
+            torch_row = by_mode[TORCH_PEER[name] + (f":{inner}" if inner else "")]
             row["step_vs_torch"] = row["step_s"] / torch_row["step_s"]
             row["added_vs_torch"] = row["added_s"] / torch_row["added_s"] if torch_row["added_s"] > 0 else None
     return [dict(row, world_size=world_size) for row in rows]
@@ -244,10 +266,12 @@ def render(rows: list[dict[str, Any]]) -> str:
 
     table = [
         [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
-         ratio(r.get("added_vs_torch")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or ""]
+         ratio(r.get("added_vs_torch")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "",
+         r.get("reduction") or ""]
         for r in rows
     ]  # fmt: skip
-    headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "py calls (bwd)", "added calls", "buckets"]
+    headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "py calls (bwd)", "added calls",
+               "buckets", "reduction"]  # fmt: skip
     return tabulate(table, headers=headers, disable_numparse=True)
 
 
@@ -273,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
     p.add_argument("--cap-mb", type=float, default=d.cap_mb, help="every bucket cap of both DDPs, in MiB (>= 1)")
+    p.add_argument("--dense-tables", action="store_true", help="graphddp: sparse_embedding_grads=False (tables dense, as PyTorch)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=d.out)
     args = p.parse_args(argv)
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "device", "out")},
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "dense_tables", "device", "out")},
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))

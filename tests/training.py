@@ -93,6 +93,10 @@ class Case:
     """Each step also asks ``torch.autograd.grad`` for the loss's gradient of ``wte.weight`` before backward."""
     tolerance: tuple[tuple[str, float], ...] = ()
     """``assert_close`` tolerances where the defaults are too tight for the case (fp16 sums, Inductor, ...)."""
+    record_events: bool = True
+    """graphddp: record the Reducer's events at each synchronising micro-batch (``Run.events``). Compiled graphs
+    then keep the split path, where those events happen; False lets them reduce in-graph (Note [In-graph
+    reduction])."""
     device: str = "cpu"
     """Where the model and batches live: ``cuda`` puts them on this rank's current GPU (``device_ids`` given to
     both DDPs), as the GPU tests (``tests/gpu``) train."""
@@ -236,7 +240,7 @@ def _train(impl: str, case: Case, rank: int, keep_states: bool) -> Run:
             log = EventLog()
             for micro in range(case.accumulate):
                 sync = micro == case.accumulate - 1
-                if sync and impl == "graphddp":
+                if sync and impl == "graphddp" and case.record_events:
                     ddp.reducer.events = log
                 with contextlib.nullcontext() if sync else ddp.no_sync():
                     loss = loss_for(call, case, batch_for(case, step, micro, rank), rank)

@@ -207,6 +207,46 @@ def test_compiled_matches_eager_and_torch_ddp(name: str) -> None:
     check_expectations(results, CASES[name][1])
 
 
+# -- the same cases, reducing in-graph (Note [In-graph reduction]) ------------------------------------------------
+IN_GRAPH_QUICK = (
+    "mlp_adam", "no_grad_island_with_a_parameter", "checkpointing", "graph_breaks_and_a_graph_without_parameters",
+    "no_sync", "static_graph", "mark_dynamic_batch", "cnn_batchnorm", "fp16_comm_hook",
+)
+
+
+def check_in_graph(rank: int, world: int, name: str) -> dict[str, Any]:
+    """``name`` trained with nothing recorded, so graphs that can reduce in-graph do: PyTorch's DDP's weights."""
+    case = dataclasses.replace({**CASES, **INDUCTOR_CASES}[name][0], record_events=False)
+    torch._dynamo.reset()
+    ours = train("graphddp", case, rank)
+    theirs = train("torch", case, rank)
+    torch.testing.assert_close(ours.ddp.module.state_dict(), theirs.ddp.module.state_dict(), **dict(case.tolerance))
+    target = ours.ddp.reducer.compile_target
+    return {"strategies": sorted({r.strategy for r in target.reductions}), "in_graph_runs": target.gate.in_graph_forwards}
+
+
+def expect_in_graph(name: str, results: list[dict[str, Any]]) -> None:
+    case = CASES[name][0] if name in CASES else INDUCTOR_CASES[name][0]
+    blocked = case.hook is not None or case.accumulate > 1 or any(k == "find_unused_parameters" for k, _ in case.ddp)
+    blocked |= case.model in ("w:gpt", "w:gpt:small", "sparse_bags", "branchy")  # row-sparse / sparse / branches
+    for r in results:
+        if blocked:
+            assert r["in_graph_runs"] == 0, r
+        else:
+            assert r["strategies"] == ["in_graph"] and r["in_graph_runs"] >= case.steps - 2, r
+
+
+@pytest.mark.parametrize("name", IN_GRAPH_QUICK)
+def test_in_graph_matches_torch_ddp(name: str) -> None:
+    expect_in_graph(name, run_on_ranks(check_in_graph, 2, name, timeout=300))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(IN_GRAPH_QUICK)) + sorted(INDUCTOR_CASES))
+def test_in_graph_matches_torch_ddp_every_case(name: str) -> None:
+    expect_in_graph(name, run_on_ranks(check_in_graph, 2, name, timeout=900))
+
+
 def check_expectations(results: list[dict[str, Any]], expect: Expect) -> None:
     assert len({r["fingerprint"] for r in results}) == 1, "ranks run different plans"
     first = results[0]

@@ -35,13 +35,14 @@ def test_the_counter_sees_calls_a_backward_hook_makes() -> None:
 def test_summary_measures_each_ddp_against_its_baseline() -> None:
     o = OverheadOptions(inners=("aot_eager",))
     times = {"local": 10, "torch-eager": 12, "graphddp-eager": 11, "local-compiled:aot_eager": 8,
-             "torch-compiled:aot_eager": 12, "graphddp-compiled:aot_eager": 9}  # fmt: skip
+             "torch-compiled:aot_eager": 12, "graphddp-compiled:aot_eager": 9, "graphddp-compiled-split:aot_eager": 13}  # fmt: skip
     per_rank = {0: {m: {"times_s": [t / 1e3] * 3, "backward_calls": t * 10, "params": 5} for m, t in times.items()}}
     rows = {r["mode"]: r for r in summarise(o, 1, per_rank)}
     assert rows["graphddp-eager"]["added_s"] == pytest.approx(1e-3)
     assert rows["graphddp-eager"]["added_vs_torch"] == pytest.approx(0.5)
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
+    assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
 
 
 @pytest.mark.timeout(300, func_only=True)
@@ -55,3 +56,14 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert by_mode["graphddp-eager"]["buckets"] >= 1
     assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
     assert "graphddp-eager" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_compiled_graphddp_reduces_in_graph_with_python_calls_per_bucket_not_per_parameter(tmp_path) -> None:
+    assert main(["--world-sizes", "1", "--inners", "aot_eager", "--layers", "2", "--steps", "1", "--rounds", "1",
+                 "--warmup", "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    by_mode = {r["mode"]: r for r in json.loads((tmp_path / "overhead.json").read_text())["rows"]}
+    in_graph, split = by_mode["graphddp-compiled:aot_eager"], by_mode["graphddp-compiled-split:aot_eager"]
+    assert in_graph["reduction"] == "in_graph" and split["reduction"] == "split (asked for)"
+    # The split's hooks cost Python per gradient; the in-graph backward runs none of graphddp's.
+    assert in_graph["added_calls"] < split["added_calls"] - in_graph["params"]
