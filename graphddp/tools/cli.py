@@ -9,6 +9,7 @@ import os
 import sys
 
 from ..options import BucketOptions
+from ..passes import REDUCTIONS
 from .bucket_args import add_bucket_arguments, bucket_options
 from .demo import DemoOptions, run_demo
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
     inspect.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="also predict the step on this link, e.g. 2gbit or 10gbit:20us (Note [Step cost model]); compute is estimated from the graph at this machine's rates")
+    inspect.add_argument("--reduction", choices=REDUCTIONS, default="auto", help="how a compiled run reduces each graph: in-graph where it can (auto), split, in_graph (Note [In-graph reduction])")
     inspect.add_argument("--format", choices=("table", "json"), default="table")
     inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")
     add_bucket_arguments(
@@ -102,6 +104,7 @@ def _inspect(args: argparse.Namespace) -> int:
             size=args.size,
             dump=args.dump,
             link=args.link,
+            reduction=args.reduction,
         )
     except (InspectError, ValueError, TypeError) as e:
         if args.verbose:

@@ -38,11 +38,15 @@ from ..passes import (
     MiB,
     ParamSpec,
     Prediction,
+    ReductionChoice,
+    check_reduction,
     choose_graph_caps,
+    choose_reduction,
     compose_plans,
     embedding_tables,
     estimated_step_inputs,
     forward_seconds,
+    plan_blockers,
     predict_step,
     rate_bits_per_second,
     rows_apply,
@@ -65,6 +69,8 @@ class GraphReport:
     """With ``--link``: the step cost model's timeline of this graph's forward, backward and all-reduces."""
     caps_choice: CapsChoice | None = None
     """With ``auto`` caps: the choice that planned this graph, and the candidates it was chosen from."""
+    reduction: ReductionChoice | None = None
+    """How a compiled run reduces this graph (``graphddp.passes.choose_reduction``, Note [In-graph reduction])."""
 
 
 def parse_link(text: str) -> LinkModel:
@@ -98,6 +104,7 @@ class Inspection:
             "fingerprint": self.plan.fingerprint,
             "graphs": [
                 plan_record(g.plan, g.split, graph=g.name, versions=versions())
+                | {"reduction": str(g.reduction) if g.reduction is not None else None}
                 | _prediction_record(g.prediction)
                 | _choice_record(g.caps_choice)
                 for g in self.graphs
@@ -110,6 +117,8 @@ class Inspection:
         parts = []
         for g in self.graphs:
             parts.append(f"{g.name}: {len(g.plan.buckets)} buckets, {g.split.num_segments} segments")
+            if g.reduction is not None:
+                parts.append(f"reduction: {g.reduction}")
             if g.caps_choice is not None:
                 parts.append(_choice_text(g.caps_choice))
             parts.append(tabulate(_shorten(bucket_rows(g.plan, g.split)), headers=BUCKET_HEADERS))
@@ -135,6 +144,7 @@ def inspect_target(
     size: str = "small",
     dump: str | None = None,
     link: str | None = None,
+    reduction: str = "auto",
 ) -> Inspection:
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
@@ -153,6 +163,7 @@ def inspect_target(
             "automatic caps are chosen for a link and a world size: give the link to plan for with --link "
             "RATE[:LATENCY] (e.g. --link 10gbit or --link 10gbit:20us) and the ranks with --world-size"
         )
+    check_reduction(reduction)
     model, inputs = load_target(target, batch=batch, size=size)
     names = parameter_names(model)
     if not names:
@@ -174,7 +185,9 @@ def inspect_target(
         if link_model is not None and rates is not None:
             prediction = predict_graph(captured.gm, prepared.split, link_model, world_size, rates)
         choice = auto.choice_for(captured.gm) if auto is not None else None
-        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice))
+        # As the backend decides for a DDP with the default comm hook and options, and an AOTAutograd compiler.
+        strategy = choose_reduction(reduction, plan_blockers(prepared.plan))
+        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()

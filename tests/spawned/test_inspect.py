@@ -235,3 +235,17 @@ def test_auto_keeps_the_caps_the_user_fixed(capsys: pytest.CaptureFixture, monke
     # One rank communicates nothing: as graphddp.DDP, no choice (and no link needed); the defaults stand in.
     one = inspect_json(capsys, *args, "--world-size", "1")["graphs"][0]
     assert "automatic_caps" not in one and one["caps"]["bucket"] == 25 * MiB
+
+
+def test_inspect_says_how_each_graph_reduces(capsys) -> None:
+    from graphddp.tools.inspection import inspect_target
+
+    one_rank = inspect_target("gpt", size="tiny", world_size=1)
+    assert [str(g.reduction) for g in one_rank.graphs] == ["in_graph (traceable)"]
+    two_ranks = inspect_target("gpt", size="tiny", world_size=2)  # the tied table's rows: the split serves them
+    assert [str(g.reduction) for g in two_ranks.graphs] == ["split (in-graph cannot serve: row-sparse embedding gradients)"]
+    assert main(["inspect", "mlp", "--size", "tiny", "--reduction", "split", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["graphs"][0]["reduction"] == "split (asked for)"
+    with pytest.raises(SystemExit):  # argparse's choices name the three
+        main(["inspect", "mlp", "--size", "tiny", "--reduction", "ingraph"])
+    assert "invalid choice: 'ingraph'" in capsys.readouterr().err
