@@ -92,6 +92,7 @@ def step_inputs_from_ready_times(
     *,
     backward_s: float,
     cpu_seconds_per_byte: float = 0.0,
+    cpu_seconds_per_bucket: float = 0.0,
 ) -> StepInputs:
     """The step's inputs for buckets planned with ``caps`` over parameters whose gradients became ready
     ``ready_s`` seconds into backward (measured; ``backward_s`` is the whole backward)."""
@@ -103,10 +104,13 @@ def step_inputs_from_ready_times(
     for bucket in plan.buckets:  # a bucket is complete when its last gradient is ready
         running = max([running, *(at[p.name] for p in bucket.params)])
         completions.append(min(running, backward_s))
-    return step_inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
+    inputs = step_inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
+    return dataclasses.replace(inputs, cpu_seconds_per_bucket=cpu_seconds_per_bucket)
 
 
-def step_inputs_from_split(split: GraphSplit, segment_seconds: Sequence[float], *, cpu_seconds_per_byte: float = 0.0) -> StepInputs:
+def step_inputs_from_split(
+    split: GraphSplit, segment_seconds: Sequence[float], *, cpu_seconds_per_byte: float = 0.0, cpu_seconds_per_bucket: float = 0.0
+) -> StepInputs:
     """The step's inputs for a graph cut into ``split``: segment ``i``'s backward takes ``segment_seconds[i]``,
     and backward runs the segments last to first."""
     count = split.num_segments
@@ -123,6 +127,7 @@ def step_inputs_from_split(split: GraphSplit, segment_seconds: Sequence[float], 
         bucket_bytes=tuple(b.nbytes for b in split.plan.buckets),
         completed_by=tuple(positions),
         cpu_seconds_per_byte=cpu_seconds_per_byte,
+        cpu_seconds_per_bucket=cpu_seconds_per_bucket,
     )
 
 
@@ -143,16 +148,22 @@ def choose_graph_caps(
 
     def inputs_for(caps: BucketCaps) -> StepInputs:
         split = plan_graph(gm, params, caps, row_sparse=row_sparse)
-        return estimated_step_inputs(split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
+        return estimated_step_inputs(
+            split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
+        )
 
     return choose_caps(search.candidates(), inputs_for, link, world)
 
 
-def estimated_step_inputs(split: GraphSplit, node_seconds: Mapping[str, float], *, cpu_seconds_per_byte: float = 0.0) -> StepInputs:
+def estimated_step_inputs(
+    split: GraphSplit, node_seconds: Mapping[str, float], *, cpu_seconds_per_byte: float = 0.0, cpu_seconds_per_bucket: float = 0.0
+) -> StepInputs:
     """The step's inputs for a graph cut into ``split``, each segment's backward estimated from its nodes'
     forward seconds (``graphddp.passes.graph_cost``); forward and optimizer left out (the same for every cut)."""
     seconds = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
-    return step_inputs_from_split(split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
+    return step_inputs_from_split(
+        split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket
+    )
 
 
 def step_inputs_from_completions(completions: Sequence[float], nbytes: Sequence[int], backward_s: float, cpu: float = 0.0) -> StepInputs:

@@ -20,8 +20,12 @@ done (one link, buckets in index order); the step ends when the last segment and
 plus the time after backward (the optimizer; or, stepped per bucket, each bucket's step once backward's compute
 is over and its all-reduce done). On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
-byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). The longest path through the DAG is the predicted step time;
-the timeline gives each node's start and end.
+byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it).
+And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
+write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
+added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
+in-graph, a bucket costs no Python; the estimate keeps the Reducer's figure, an upper bound.) The longest path
+through the DAG is the predicted step time; the timeline gives each node's start and end.
 
 This module is pure: no ``torch.distributed``, no graphddp runtime module.
 """
@@ -34,6 +38,10 @@ from collections.abc import Sequence
 
 import networkx as nx
 import sympy
+
+REDUCER_CALLS_PER_BUCKET = 95
+"""Python calls the Reducer makes per bucket in a steady backward (gather, launch, wait, write-back), as
+``bench.overhead`` counts them (``docs/benchmarks.md``)."""
 
 
 def allreduce_seconds() -> tuple[sympy.Expr, dict[str, sympy.Symbol]]:
@@ -114,6 +122,8 @@ class StepInputs:
     cpu_seconds_per_byte: float = 0.0
     """Compute time each byte a rank sends costs it (CPU hosts: gloo and the network stack share the CPU); a ring
     all-reduce of ``n`` bytes sends ``2 (w - 1) / w · n`` per rank."""
+    cpu_seconds_per_bucket: float = 0.0
+    """Compute time each bucket costs the rank (the Reducer's Python per bucket), on the segment completing it."""
     step_per_bucket_s: tuple[float, ...] = ()
     """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
     on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""
@@ -150,6 +160,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k falls on the next segment
         if segment + 1 < len(segments):
             segments[segment + 1] += inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
+        segments[segment] += inputs.cpu_seconds_per_bucket
     durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
     chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]
     durations.update({f"segment {i}": s for i, s in enumerate(segments)})

@@ -35,10 +35,20 @@ class ComputeRates:
     """Floating-point operations per second of a large matmul."""
     bytes_per_s: float
     """Bytes per second an elementwise op reads and writes."""
+    python_call_s: float = 0.0
+    """Seconds of one Python function call: graphddp's per-bucket work is counted in calls
+    (``graphddp.passes.cost.REDUCER_CALLS_PER_BUCKET``); 0: not measured."""
 
     def __post_init__(self) -> None:
-        if not (self.flops_per_s > 0 and self.bytes_per_s > 0):
+        if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0:
             raise ValueError(f"compute rates must be > 0, got {self}")
+
+    @property
+    def reducer_seconds_per_bucket(self) -> float:
+        """What one bucket costs the Reducer's Python at these rates (Note [Step cost model])."""
+        from .cost import REDUCER_CALLS_PER_BUCKET
+
+        return REDUCER_CALLS_PER_BUCKET * self.python_call_s
 
 
 _MATMULS = {torch.matmul, torch.mm, torch.bmm, operator.matmul, F.linear, torch._C._nn.linear, torch.addmm, torch.baddbmm}

@@ -58,7 +58,8 @@ class AutoCaps:
         choice = choose_caps(
             self.search.candidates(),
             lambda caps: step_inputs_from_ready_times(
-                specs_in_ready_order, ready_s, caps, backward_s=backward_s, cpu_seconds_per_byte=self.cpu_seconds_per_byte
+                specs_in_ready_order, ready_s, caps, backward_s=backward_s, cpu_seconds_per_byte=self.cpu_seconds_per_byte,
+                cpu_seconds_per_bucket=self.rates.reducer_seconds_per_bucket,
             ),
             self.link,
             self.world,

@@ -113,10 +113,10 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
     group = group if group is not None else dist.group.WORLD
     device = device or torch.device("cpu")
     here = measure_compute_rates(device)
-    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s], dtype=torch.float64, device=device)
+    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s], dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
         dist.broadcast(agreed, group=group, group_src=0)
-    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]))
+    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]), python_call_s=float(agreed[2]))
 
 
 def measure_compute_rates(
@@ -130,7 +130,23 @@ def measure_compute_rates(
     x, y = torch.randn(1 << 22, device=device, dtype=dtype), torch.randn(1 << 22, device=device, dtype=dtype)
     matmul_s = _best_of(lambda: torch.mm(a, b), device)
     add_s = _best_of(lambda: torch.add(x, y), device)
-    return ComputeRates(flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s)
+    return ComputeRates(flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s, python_call_s=python_call_seconds())
+
+
+def python_call_seconds(calls: int = 20_000) -> float:
+    """One Python call of a small method, best of 5 loops (what the Reducer's per-bucket work is counted in)."""
+
+    class Probe:
+        def touch(self, value: int) -> int:
+            return value
+
+    probe, best = Probe(), float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(calls):
+            probe.touch(i)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def cpu_cost_of_communication(

@@ -6,8 +6,22 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from graphddp.passes import LinkModel, StepInputs, allreduce_seconds, fit_link, predict_step, project_scaling
+from graphddp.passes import (
+    BucketCaps,
+    ComputeRates,
+    LinkModel,
+    ParamSpec,
+    StepInputs,
+    allreduce_seconds,
+    choose_caps,
+    fit_link,
+    predict_step,
+    project_scaling,
+    step_inputs_from_ready_times,
+)
+from graphddp.passes.cost import REDUCER_CALLS_PER_BUCKET
 
 
 def test_the_sympy_expression_is_the_ring_all_reduce_the_model_uses() -> None:
@@ -128,3 +142,22 @@ def test_scaling_on_paper_pays_the_ring_latency_per_rank_and_the_bandwidth_term_
     assert projected[2][0] == pytest.approx(0.01 + 2e-6 + 1e-3)
     assert projected[256][0] == pytest.approx(0.01 + 510e-6 + 2 * 255 / 256 * 1e-3)
     assert projected[2][1] == pytest.approx(0.01 / projected[2][0]) and projected[256][1] < projected[8][1] < projected[2][1]
+
+
+def test_each_bucket_costs_the_reducer_its_python_so_many_small_buckets_lose_when_launch_bound() -> None:
+    # 64 small gradients ready one after another over a 6.4 ms backward; a fast link, so only the CPU decides.
+    specs = [ParamSpec.of(f"p{i}", torch.zeros(1024)) for i in range(64)]  # 4 KiB each
+    ready = [0.0001 * (i + 1) for i in range(64)]
+    link = LinkModel(latency_s=1e-6, seconds_per_byte=1e-12)
+    rates = ComputeRates(flops_per_s=1e10, bytes_per_s=1e10, python_call_s=1e-6)
+    assert rates.reducer_seconds_per_bucket == pytest.approx(REDUCER_CALLS_PER_BUCKET * 1e-6)
+    small, large = BucketCaps(bucket=4096, first=4096, last=4096), BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20)
+
+    def inputs_for(caps: BucketCaps, per_bucket: float) -> StepInputs:
+        return step_inputs_from_ready_times(specs, ready, caps, backward_s=0.0064, cpu_seconds_per_bucket=per_bucket)
+
+    free = {caps: predict_step(inputs_for(caps, 0.0), link, 2).step_s for caps in (small, large)}
+    costly = {caps: predict_step(inputs_for(caps, rates.reducer_seconds_per_bucket), link, 2).step_s for caps in (small, large)}
+    assert costly[small] - free[small] == pytest.approx(64 * rates.reducer_seconds_per_bucket)  # 64 buckets
+    assert costly[large] - free[large] == pytest.approx(rates.reducer_seconds_per_bucket)  # one
+    assert choose_caps([small, large], lambda caps: inputs_for(caps, rates.reducer_seconds_per_bucket), link, 2).caps == large
