@@ -294,7 +294,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         ``powerSGD_hook.powerSGD_hook``) work unchanged.
         """
         check_comm_hook(hook)
-        if self.reducer.has_custom_comm_hook:
+        if self.reducer.comm_hook.custom:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self.reducer.set_comm_hook(state, hook)
 

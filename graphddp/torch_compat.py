@@ -118,7 +118,7 @@ class TorchDDPSurface:
             "static_graph": int(self.options.static_graph),
             "has_rebuilt_buckets": int(self.bucket_plan.source != "registration"),
             "num_buckets": len(self.bucket_plan.buckets),
-            "comm_hook": "custom" if self.reducer.has_custom_comm_hook else "graphddp average all-reduce",
+            "comm_hook": "custom" if self.reducer.comm_hook.custom else "graphddp average all-reduce",
             "iteration": usage.iterations,
             # As PyTorch: the set of unused parameters never changed, so static_graph=True would be safe.
             "can_set_static_graph": int(usage.iterations > 0 and len(usage.unused_sets) == 1),
@@ -139,7 +139,7 @@ class TorchDDPSurface:
         }
         if comm_hook_type not in hooks:
             raise ValueError(f"graphddp.DDP: unknown built-in comm hook {comm_hook_type!r}")
-        if self.reducer.has_custom_comm_hook:
+        if self.reducer.comm_hook.custom:
             raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once.")
         self.reducer.set_comm_hook(self.process_group, hooks[comm_hook_type])
 

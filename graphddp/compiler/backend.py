@@ -175,7 +175,8 @@ class GraphDDPBackend:
             compiler = in_graph_compiler(self.inner)
             assert compiler is not None, "choose_reduction checks the inner compiler"
             reducing = insert_bucket_reductions(
-                gm, prepared.params, prepared.plan, group_name=target.group_name, divisor=target.world_size
+                gm, prepared.params, prepared.plan, group_name=target.group_name, divisor=target.world_size,
+                wire=target.in_graph_wire(),
             )
             in_graph = compiler(reducing, example_inputs)
         split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)

@@ -71,6 +71,10 @@ class CompileTarget(PartSink, Protocol):
         """What in the DDP's set-up needs the Reducer's hooks (a comm hook, unused parameters, ...)."""
         ...
 
+    def in_graph_wire(self) -> torch.dtype | None:
+        """The dtype the in-graph all-reduces send (a compressing comm hook's; None: the gradients' own)."""
+        ...
+
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by a compiled graph as it runs: its in-graph variant (True) or its split one? ``can``: it has an
         in-graph variant (Note [In-graph reduction])."""

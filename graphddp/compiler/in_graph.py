@@ -13,7 +13,8 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    can in reverse creation order, so the call's backward runs right after the bucket's last gradient is complete:
    it flattens the bucket (one ``cat``), divides by the world size, and issues a functional all-reduce
    (``_c10d_functional.all_reduce``) on the DDP's own process group, then ``wait_tensor`` and the views that hand
-   each parameter its slice.
+   each parameter its slice. PyTorch's built-in ``allreduce_hook``, ``fp16_compress_hook`` and
+   ``bf16_compress_hook`` are traced the same way (the last two cast the bucket before and after).
 2. AOTAutograd traces that into the compiled backward (``in_graph_compiler``: Inductor or aot_eager); in the
    backward graph ``graphddp.passes.sink_waits`` moves each wait, with its views, to just before the first node
    that reads the result (the graph's output, for a gradient), so the compute after the all-reduce overlaps it.
@@ -28,9 +29,9 @@ Both variants are compiled; ``ReductionSwitch`` runs the in-graph one only once 
 collectives), and the split one otherwise: the first iteration, a ``no_sync`` micro-step (which must not reduce) and
 the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
 rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
-good (``graphddp.passes.choose_reduction``): a Python comm hook, unused parameters found at run time, row-sparse
-tables, the optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an inner compiler that is not
-AOTAutograd-based.
+good (``graphddp.passes.choose_reduction``): a comm hook other than the built-in three, unused parameters searched
+for every step, row-sparse tables, the optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an
+inner compiler that is not AOTAutograd-based.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ class BucketAllReduce(torch.autograd.Function):
     reduction], step 1)."""
 
     @staticmethod
-    def forward(ctx: Any, group_name: str, divisor: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group_name, ctx.divisor = group_name, divisor
+    def forward(
+        ctx: Any, group_name: str, divisor: int, wire: torch.dtype | None, *params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.group_name, ctx.divisor, ctx.wire = group_name, divisor, wire
         ctx.shapes = [p.shape for p in params]
         return tuple(p.view_as(p) for p in params)
 
@@ -67,23 +70,32 @@ class BucketAllReduce(torch.autograd.Function):
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)
         ]
-        flat = torch.cat(pieces).div_(ctx.divisor)  # [bucket numel]
-        flat = torch.ops._c10d_functional.all_reduce(flat, "sum", ctx.group_name)
-        flat = torch.ops._c10d_functional.wait_tensor(flat)
+        flat = torch.cat(pieces)  # [bucket numel]
+        if ctx.wire is not None:  # fp16/bf16_compress_hook: cast, then average, as PyTorch's hooks do
+            flat = flat.to(ctx.wire)
+        flat = torch.ops._c10d_functional.all_reduce(flat.div_(ctx.divisor), "sum", ctx.group_name)
+        flat = torch.ops._c10d_functional.wait_tensor(flat).to(some.dtype)
         averaged = [chunk.view(s) for chunk, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)]
-        return (None, None, *averaged)
+        return (None, None, None, *averaged)
 
 
-def reduce_bucket(group_name: str, divisor: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def reduce_bucket(group_name: str, divisor: int, wire: torch.dtype | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
-    return BucketAllReduce.apply(group_name, divisor, *params)
+    return BucketAllReduce.apply(group_name, divisor, wire, *params)
 
 
 def insert_bucket_reductions(
-    gm: fx.GraphModule, params: Sequence[GraphParam], plan: BucketPlan, *, group_name: str, divisor: int
+    gm: fx.GraphModule,
+    params: Sequence[GraphParam],
+    plan: BucketPlan,
+    *,
+    group_name: str,
+    divisor: int,
+    wire: torch.dtype | None = None,
 ) -> fx.GraphModule:
-    """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note); ``gm`` is
-    left as it was (the split variant is cut from it)."""
+    """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note), sent as
+    ``wire`` (a compressing comm hook's dtype; None: the gradients' own); ``gm`` is left as it was (the split
+    variant is cut from it)."""
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -95,7 +107,7 @@ def insert_bucket_reductions(
         uses = [u for p in members for u in p.uses if u.differentiable] or [u for p in members for u in p.uses]
         at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
         with graph.inserting_before(at):
-            call = graph.call_function(reduce_bucket, (group_name, divisor, *(nodes[p.node] for p in members)))
+            call = graph.call_function(reduce_bucket, (group_name, divisor, wire, *(nodes[p.node] for p in members)))
             for k, member in enumerate(members):
                 item = graph.call_function(operator.getitem, (call, k))
                 nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient

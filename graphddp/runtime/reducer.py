@@ -110,7 +110,7 @@ class Reducer:
         self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
-                                     group_name=process_group.group_name, countdown=self._countdown, skip=skip_unused)
+                                     group=process_group, countdown=self._countdown, skip=skip_unused)
         self.adopt(plan)
 
     # -- plan and comm hook ----------------------------------------------------------------------------------
@@ -150,8 +150,8 @@ class Reducer:
         return self._target
 
     @property
-    def has_custom_comm_hook(self) -> bool:
-        return self._hook.custom
+    def comm_hook(self) -> CommHook:
+        return self._hook
 
     @property
     def events(self) -> Events:

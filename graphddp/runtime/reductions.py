@@ -84,6 +84,21 @@ class CommHook:
         return 1.0 / by if by != 1 else None
 
 
+def in_graph_wire(hook: CommHook, group: dist.ProcessGroup) -> torch.dtype | None | bool:
+    """How a compiled backward can run ``hook`` itself (Note [In-graph reduction]): None (graphddp's averaging, or
+    PyTorch's ``allreduce_hook``: average in the gradients' dtype), a dtype (``fp16_compress_hook``,
+    ``bf16_compress_hook``: cast, average, cast back), or False: a Python hook it cannot trace."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if not hook.custom:
+        return None
+    if hook.state is not None and hook.state is not group:  # the built-in hooks' state: the group they reduce on
+        return False
+    wires = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: torch.float16,
+             default_hooks.bf16_compress_hook: torch.bfloat16}  # fmt: skip
+    return wires.get(hook.fn, False)
+
+
 class HookReduction:
     """The whole bucket through the user's comm hook, whose future resolves to the reduced bucket."""
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ReductionChoice, rows_apply
@@ -21,6 +22,7 @@ from .auto_caps import AutoCaps
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
 from .plans import PlanKeeper
+from .reductions import CommHook, in_graph_wire
 from .trace import Events
 from .unused import GradientUsage
 
@@ -30,7 +32,7 @@ class TargetOwner(Protocol):
     iteration a part belongs to)."""
 
     @property
-    def has_custom_comm_hook(self) -> bool: ...
+    def comm_hook(self) -> CommHook: ...
 
     @property
     def events(self) -> Events: ...
@@ -55,7 +57,7 @@ class ReducerTarget:
         world_size: int,
         sparse_embedding_grads: bool,
         auto_caps: AutoCaps | None,
-        group_name: str,
+        group: dist.ProcessGroup,
         countdown: Countdown,
         skip: bool,
     ) -> None:
@@ -65,12 +67,14 @@ class ReducerTarget:
         self.rank, self.world_size = rank, world_size
         self._rows_enabled = sparse_embedding_grads
         self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
-        self.group_name = group_name
+        self._group = group
+        self.group_name = group.group_name
         """The DDP's process group, as functional collectives name it (in-graph reduction)."""
         hooks = GradientHooks(countdown, [p for _, p in named_params])  # the Reducer's, on or off (the gate says)
         weakref.finalize(owner, remove_all, hooks.handles)  # gone with the Reducer
         self.gate = InGraphGate(plans, hooks, [n for n, _ in named_params], rank=rank)
         self._blockers = ["skip_all_reduce_unused_params"] if skip else []
+        self._traced_hook: CommHook | None = None  # the comm hook the in-graph variants were traced with
         self.splits: list[GraphSplit] = []
         """How each graph compiled for this Reducer was cut, in compile order (whatever backend the user named)."""
         self.reductions: list[ReductionChoice] = []
@@ -98,7 +102,7 @@ class ReducerTarget:
             enabled=self._rows_enabled,
             world_size=self.world_size,
             device=str(self._named_params[0][1].device),
-            custom_comm_hook=self._reducer().has_custom_comm_hook,
+            custom_comm_hook=self._reducer().comm_hook.custom,
         )
 
     @property
@@ -131,7 +135,7 @@ class ReducerTarget:
         """What needs the Reducer's hooks, so graphs compiled for it stay split (``choose_reduction``)."""
         owner = self._reducer()
         checks = (
-            ("a comm hook", owner.has_custom_comm_hook),
+            ("a comm hook other than the built-in allreduce/fp16/bf16 ones", in_graph_wire(owner.comm_hook, self._group) is False),
             ("find_unused_parameters", owner.usage.policy.searches_each_iteration),
             ("mixed_precision reduces in another dtype", any(s.dtype != p.dtype for s, (_, p) in zip(self._plans.specs, self._named_params))),
         )
@@ -143,10 +147,19 @@ class ReducerTarget:
         while the Reducer's events are recorded (a timeline of its buckets: as the steady hook, the full path)."""
         owner = self._reducer()
         needs_hooks = (
-            joining or bool(self._blockers) or owner.has_custom_comm_hook or owner.events.recording
+            joining or bool(self._blockers) or owner.comm_hook is not self._traced_hook or owner.events.recording
             or owner.usage.policy.may_leave_unused  # static_graph: until its first iteration found every one used
         )
         self.gate.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, needs_hooks=needs_hooks)
+
+    def in_graph_wire(self) -> torch.dtype | None:
+        """The dtype a graph's in-graph all-reduce sends (None: the gradients' own), as the comm hook in force says
+        (``graphddp.runtime.reductions.in_graph_wire``). That hook is remembered: one registered later sends every
+        graph back to the split, where the Reducer runs it."""
+        self._traced_hook = self._reducer().comm_hook
+        wire = in_graph_wire(self._traced_hook, self._group)
+        assert wire is not False, "in_graph_blockers refuses this hook"
+        return wire
 
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by each compiled graph as it runs (``graphddp.compiler.in_graph.ReductionSwitch``)."""

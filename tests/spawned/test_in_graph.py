@@ -147,6 +147,46 @@ def test_a_feature_set_after_compiling_closes_the_gate(feature: str) -> None:
         assert opened == [False, True, True, False, False]
 
 
+def users_allreduce(state, bucket):  # a comm hook a user wrote: Python graphddp does not trace
+    import torch.distributed as dist
+
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def hooked(rank: int, world: int, hook_name: str) -> tuple[list[str], int]:
+    """A comm hook registered before compiling, on both DDPs: PyTorch's built-in ones are traced into the graph."""
+    from training import make_hook
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    for module in (ddp, ref):
+        module.register_comm_hook(*(make_hook(hook_name) if hook_name != "users" else (None, users_allreduce)))
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    for step in range(4):
+        x, y = batch(step, 0, rank)
+        for module in (compiled, ref):
+            F.mse_loss(module(x), y).backward()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)  # fp16 on the wire: both round alike
+        ddp.zero_grad(), ref.zero_grad()
+    target = ddp.reducer.compile_target
+    return sorted({str(r) for r in target.reductions}), target.gate.in_graph_forwards
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "users"])  # bf16: PyTorch refuses it on gloo
+def test_builtin_comm_hooks_are_traced_and_others_keep_the_split(hook_name: str) -> None:
+    for reductions, in_graph_runs in run_on_ranks(hooked, 2, hook_name):
+        if hook_name == "users":
+            assert reductions == ["split (in-graph cannot serve: a comm hook other than the built-in allreduce/fp16/bf16 ones)"]
+            assert in_graph_runs == 0
+        else:
+            assert reductions == ["in_graph (traceable)"] and in_graph_runs == 3
+
+
 def compiled_autograd_steps(rank: int, world: int) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
