@@ -110,6 +110,7 @@ def cell(workload: str, link: str, summary: dict[str, Any], swept: dict[str, Any
         "prediction_error": {m: v["prediction_error"] for m, v in modes.items() if "prediction_error" in v},
         "met": {label: ratios[label] <= target for label, target in TARGETS.items() if label in ratios},
         "below_limit": below_limit(median, limit),
+        "reductions": summary.get("reductions", {}),
     }  # fmt: skip
     if swept is not None:
         sweep = {m.split("@", 1)[1]: v["median_s"] for m, v in swept["modes"].items()}
@@ -158,10 +159,12 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             _ms(m.get("graphddp-compiled+step")),
             f"{errors[worst] * 100:+.0f}% ({worst})" if worst else "-",
             f"{r['sweep']['auto_over_best']:.3f} (best {r['sweep']['best_fixed']} MiB)" if "sweep" in r else "-",
+            (r.get("reductions") or {}).get("graphddp-compiled") or "-",
         ])  # fmt: skip
     headers = [
         "workload", "link", "gddp-compiled ms", "torch-compiled ms", "ratio (≤0.90)", "gddp-eager ms", "torch-eager ms",
         "ratio (≤0.97)", "limit ms", "compiled / limit (≤1.10)", "compiled+step ms", "worst prediction error", "auto / best fixed (≤1.03)",
+        "gddp-compiled reduction",
     ]  # fmt: skip
     lines = [f"Command: `{command}`", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
     missed = [

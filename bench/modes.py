@@ -123,6 +123,16 @@ def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: 
     return step, ddp
 
 
+def reduction_ran(ddp: Any) -> str:
+    """What a graphddp mode ran: ``eager``, ``in_graph``, or ``split`` with the reason the backend gave."""
+    target = ddp.reducer.compile_target
+    if not target.reductions:
+        return "eager"
+    if target.gate.in_graph_forwards:
+        return "in_graph"
+    return "; ".join(sorted({str(r) for r in target.reductions}))
+
+
 def _mark(log: Any, phase: str) -> None:
     """The start of ``phase`` (``end``: the end of the iteration), when the caller records phases."""
     if log is not None:

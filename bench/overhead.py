@@ -47,6 +47,8 @@ from tabulate import tabulate
 
 from graphddp.tools.launch import free_port
 
+from .modes import reduction_ran
+
 EAGER_MODES = ("local", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
 BASELINE = {"torch-eager": "local", "graphddp-eager": "local", "torch-compiled": "local-compiled",
@@ -210,16 +212,6 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
             record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
             del step, step_model, ddp, opt
     return record
-
-
-def reduction_ran(ddp: Any) -> str:
-    """What a graphddp mode ran: ``eager``, ``in_graph``, or ``split`` with the reason the backend gave."""
-    target = ddp.reducer.compile_target
-    if not target.reductions:
-        return "eager"
-    if target.gate.in_graph_forwards:
-        return "in_graph"
-    return "; ".join(sorted({str(r) for r in target.reductions}))
 
 
 def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,

@@ -201,6 +201,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         "calibration": ranks[0].get("calibration"),
         "params": ranks[0].get("params", []),
         "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
+        "reductions": {mode: ranks[0]["modes"][mode].get("reduction") for mode in options.modes},
     }
     for mode, predicted in predict_modes(summary).items():
         modes[mode].update(predicted)

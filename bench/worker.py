@@ -33,7 +33,7 @@ from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
-from .modes import ModeConfig, Step, build
+from .modes import ModeConfig, Step, build, reduction_ran
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ def main(config_path: str) -> None:
             if r == rounds - 1:
                 entry["timeline"] = record_timeline(m)
                 entry["buckets"] = bucket_layout(m)
+                entry["reduction"] = reduction_ran(m.ddp) if isinstance(m.ddp, graphddp.DDP) else None
             results["batch_size"] = m.workload.batch_size
             results["params"] = [[n, p.numel() * p.element_size()] for n, p in m.workload.model.named_parameters() if p.requires_grad]
             say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)

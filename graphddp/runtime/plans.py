@@ -12,7 +12,9 @@ backward in flight:
   ready times too, from which every rank chooses the same caps (Note [Automatic caps]);
 * **graph plans** (compiled): the backend plans each graph Dynamo captures while it compiles, in the middle of a
   forward, possibly on one rank only. It must not issue a collective there, so it only *proposes* the plan
-  (``GraphPlans``): the composite of all graphs' plans in forward order. At the end of every synchronising
+  (``GraphPlans``): the composite of all graphs' plans in forward order, with how each graph reduces (split or
+  in-graph, Note [In-graph reduction]: ranks that differ there would issue different collectives, so the
+  strategies are hashed into the tokens with the fingerprint). At the end of every synchronising
   forward each rank contributes two tokens of its proposal (two 20-bit slices of its fingerprint, plus one; 0
   for "none"), each with its square, to **one small all-reduce on the main group, of its own**: not folded into
   the unused-parameter search, so it runs whatever ``find_unused_parameters`` and ``static_graph`` say. The sums

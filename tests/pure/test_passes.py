@@ -171,6 +171,17 @@ def test_a_recompile_finds_its_graphs_plan_and_agreement_needs_every_rank() -> N
     assert agreed((0, 0), [0, 0, 0, 0], ranks=3) is None
 
 
+def test_the_strategy_is_part_of_what_ranks_agree_on() -> None:
+    # Same plan, one rank reducing in-graph and the other split: different collectives, so different tokens.
+    specs = [ParamSpec(n, (4,), torch.float32, "cpu") for n in ("a", "b", "c")]
+    current = plan_buckets(specs[::-1], caps=SMALL)
+    split, in_graph = GraphPlans(specs), GraphPlans(specs)
+    split.propose("g0", current, current, "split")
+    in_graph.propose("g0", current, current, "in_graph")
+    assert split.proposed.fingerprint == in_graph.proposed.fingerprint and split.tokens() != in_graph.tokens()
+    assert split.in_graph_sets() == frozenset() and in_graph.in_graph_sets() == {frozenset("abc")}
+
+
 
 def test_cuts_fall_inside_an_autocast_region_and_each_segment_enters_it_again() -> None:
     from models import AutocastInside
