@@ -52,7 +52,7 @@ from ..runtime.profiling import label_backward, labelled, profiling, trace_artif
 from ..runtime.trace import Events
 from .compile_target import CompileTarget, running
 from .dump import DebugDump
-from .graph_pipeline import lower_graph, prepare_graph
+from .graph_pipeline import fake_mode_for, lower_graph, prepare_graph
 from .in_graph import ReductionSwitch, describe_inner, in_graph_compiler, insert_bucket_reductions
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,9 @@ class GraphDDPBackend:
                 wire=target.in_graph_wire(),
             )
             in_graph = compiler(reducing, example_inputs)
+            if self.dump is not None:  # its forward and backward, waits sunk as compiled: beside the split's folder
+                folder = self.dump.graph_folder(f"{graph_key}_in_graph")
+                self.dump.write_aot(folder, {"in_graph": (reducing, example_inputs)}, fake_mode_for(example_inputs))
         split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
         if target is None:
             return split_fn

@@ -33,6 +33,7 @@ class InGraphGate:
         self.open = False
         """This forward's graphs reduce in-graph; the Reducer's hooks are off and it prepares nothing."""
         self._local_sum = False  # .grad holds no_sync micro-steps' gradients, not yet averaged
+        self._covered: tuple[frozenset[frozenset[str]], bool] = (frozenset(), False)  # (agreed sets, they cover all)
         self.in_graph_forwards = 0
         """Runs of a compiled graph that reduced in-graph (the benchmark and tests read it)."""
 
@@ -43,7 +44,9 @@ class InGraphGate:
         if not grad_enabled:
             return
         agreed = self._plans.agreed_in_graph
-        covered = bool(agreed) and self._names <= frozenset().union(*agreed)
+        if agreed is not self._covered[0]:  # O(parameters) once per agreement, not per forward
+            self._covered = (agreed, bool(agreed) and self._names <= frozenset().union(*agreed))
+        covered = self._covered[1]
         self._set(synchronising and covered and not needs_hooks and not self._local_sum and not self._plans.proposing)
         self._local_sum = not synchronising
 

@@ -220,3 +220,15 @@ def test_the_split_and_the_plan_go_to_torchs_structured_trace() -> None:
         trace_log.setLevel(level)
     assert any(name.startswith("graphddp_split_graph") for name in records.names), records.names
     assert records.names.count("graphddp_bucket_plan") >= 2  # construction, then the graph's plan
+
+
+def test_the_dump_shows_the_in_graph_variant_with_its_all_reduces_and_sunk_waits(tmp_path) -> None:
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager", debug_dir=str(tmp_path)))
+    loss(model).backward()
+    backward = (tmp_path / "rank0" / "graph0_in_graph" / "aot" / "in_graph.backward.py").read_text()
+    buckets = len(ddp.reducer.compile_target.splits[0].plan.buckets)
+    assert backward.count("_c10d_functional.all_reduce.default") == buckets > 1
+    assert backward.count("_c10d_functional.wait_tensor.default") == buckets
+    assert backward.rindex("aten.mm.default") < backward.index("wait_tensor"), "every wait after the last matmul"
+    assert (tmp_path / "rank0" / "graph0" / "plan.json").exists()  # the split's folder as before
