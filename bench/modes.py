@@ -31,21 +31,29 @@ class ModeName:
     cap: str | None = None
     """``bucket_cap_mb`` for this mode (a number of MiB, or ``auto`` for every cap)."""
     step_in_backward: bool = False
+    split: bool = False
+    """``graphddp-compiled+split``: the backend's ``reduction="split"`` (Note [In-graph reduction])."""
 
     @classmethod
     def parse(cls, name: str) -> ModeName:
-        rest, step = (name[: -len("+step")], True) if name.endswith("+step") else (name, False)
+        rest, split = (name[: -len("+split")], True) if name.endswith("+split") else (name, False)
+        rest, step = (rest[: -len("+step")], True) if rest.endswith("+step") else (rest, False)
         base, _, cap = rest.partition("@")
         if base not in MODES:
-            raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, MODE+step)")
+            raise ValueError(
+                f"unknown mode {name!r}; choose from {', '.join(MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, "
+                "MODE+step; graphddp-compiled also as MODE+split)"
+            )
         if (cap or step) and not base.startswith("graphddp"):
             raise ValueError(f"mode {name!r}: only graphddp modes take @CAP or +step")
+        if split and base != "graphddp-compiled":
+            raise ValueError(f"mode {name!r}: only graphddp-compiled takes +split")
         if cap and cap != "auto":
             try:
                 float(cap)
             except ValueError:
                 raise ValueError(f"mode {name!r}: the cap after @ must be a number of MiB or auto") from None
-        return cls(base, cap or None, step)
+        return cls(base, cap or None, step, split)
 
     def config(self, cfg: ModeConfig) -> ModeConfig:
         if self.cap == "auto":
@@ -86,7 +94,7 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "graphddp-eager": lambda m, c: _trained(graphddp.DDP(m, **c.bucket_kwargs()), step_in_backward=step_in_backward),
         "graphddp-compiled": lambda m, c: _trained(
             graphddp.DDP(m, **c.bucket_kwargs()),
-            graphddp_backend=graphddp.backend(c.inner),
+            graphddp_backend=graphddp.backend(c.inner, reduction="split" if name.split else "auto"),
             step_in_backward=step_in_backward,
         ),
     }

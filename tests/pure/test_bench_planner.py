@@ -26,6 +26,10 @@ def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
         ModeName.parse("graphddp-compiled@big")
     with pytest.raises(ValueError, match="unknown mode 'graphddp'"):
         ModeName.parse("graphddp")
+    assert ModeName.parse("graphddp-compiled+split").split and not ModeName.parse("graphddp-compiled").split
+    assert ModeName.parse("graphddp-compiled@4+step+split") == ModeName("graphddp-compiled", "4", True, True)
+    with pytest.raises(ValueError, match="only graphddp-compiled takes \\+split"):
+        ModeName.parse("graphddp-eager+split")
 
 
 def summary() -> dict:

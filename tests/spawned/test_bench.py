@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the default suite stays under 10 minutes on 2 cores
 def test_bench_smoke_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "2", "--warmup", "0", "--inner", "aot_eager",
@@ -58,6 +61,7 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     assert (tmp_path / "modes.png").stat().st_size > 0 and (tmp_path / "timeline-graphddp-compiled.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the default suite stays under 10 minutes on 2 cores
 def test_bench_rejects_bad_input_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--link", "fast"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

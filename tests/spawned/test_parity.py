@@ -95,3 +95,31 @@ def test_parity_with_torch_ddp(case_name: str, optim: str, world: int) -> None:
     assert len(set(buckets)) == 1, f"ranks built different numbers of buckets: {buckets}"
     if CASES[case_name].ddp:
         assert buckets[0] > 1, "the tiny caps must give several buckets, or the case tests nothing about bucketing"
+
+
+# -- compiled, with graphs that reduce in-graph where they can (Note [In-graph reduction]) ------------------------
+IN_GRAPH_CASES = ("default", "static_graph", "no_sync", "batchnorm", "hook_allreduce", "hook_fp16", "join", "find_unused")
+"""Features on the compiled path with nothing recorded: in-graph where the graph allows (default, static_graph,
+batchnorm, the built-in hooks), the split where it must (no_sync's synchronising steps, join, find_unused)."""
+
+
+def check_compiled_parity(rank: int, world: int, case_name: str) -> tuple[int, list[str]]:
+    import dataclasses
+
+    case = dataclasses.replace(CASES[case_name], compile="torch.compile", record_events=False)
+    ours = train("graphddp", case, rank).ddp
+    theirs = train("torch", case.eager(), rank).ddp
+    torch.testing.assert_close(state_of(ours.module), state_of(theirs.module), **dict(case.tolerance))
+    assert_same_on_all_ranks({n: p.detach() for n, p in ours.module.named_parameters()})
+    target = ours.reducer.compile_target
+    return target.gate.in_graph_forwards, sorted({r.strategy for r in target.reductions})
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case_name", IN_GRAPH_CASES)
+def test_compiled_parity_with_torch_ddp_in_graph_where_it_can(case_name: str, world: int) -> None:
+    for in_graph_runs, strategies in run_on_ranks(check_compiled_parity, world, case_name):
+        if case_name in ("no_sync", "join", "find_unused"):
+            assert in_graph_runs == 0, (case_name, in_graph_runs, strategies)  # every sync step needs the Reducer
+        else:
+            assert strategies == ["in_graph"] and in_graph_runs >= CASES[case_name].steps - 2, (in_graph_runs, strategies)
