@@ -27,6 +27,7 @@ from .runtime.comm import broadcast_coalesced, collective_device, comm_for, veri
 from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
 from .runtime.optimizer_overlap import StepPerBucket
 from .runtime.reducer import Reducer
+from .runtime.torch_ddp import TorchDDP
 from .torch_compat import TorchDDPSurface, check_comm_hook, refuse_torch_ddp_outside
 
 __all__ = ["AUTO", "DDP", "BucketOptions", "DDPOptions", "DistributedDataParallel", "compile", "on_construction"]
@@ -356,7 +357,7 @@ def _check_wrappable(module: nn.Module) -> None:
     """Refuse what ``DistributedDataParallel`` cannot wrap: a non-module, a DDP, or anything before a process group."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"graphddp.DDP wraps an nn.Module, got {type(module).__name__}")
-    if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+    if isinstance(module, (DistributedDataParallel, TorchDDP)):
         raise ValueError("graphddp.DDP: the module is already wrapped in a DistributedDataParallel; wrap the inner module")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .runtime.torch_ddp import TorchDDP, active_ddp_module
+
 if TYPE_CHECKING:
     from .options import DDPOptions
     from .passes import BucketPlan
@@ -149,7 +151,7 @@ class TorchDDPSurface:
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
         """Keep these parameters and buffers (fully qualified names) local: a DDP built on ``module`` afterwards
         neither broadcasts nor reduces them. The same call as PyTorch's DDP, which frameworks make."""
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore)
+        TorchDDP._set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore)
 
 
 def _internal(name: str) -> Any:
@@ -170,7 +172,7 @@ for _name in (
     "_set_ddp_sink_clone", "_register_buffer_comm_hook", "_get_data_parallel_params", "_check_reducer_finalized",
     "scatter", "gather", "to_kwargs", "_run_ddp_forward", "_delay_all_reduce",
 ):
-    if hasattr(nn.parallel.DistributedDataParallel, _name) and _name not in TorchDDPSurface.__dict__:
+    if hasattr(TorchDDP, _name) and _name not in TorchDDPSurface.__dict__:
         setattr(TorchDDPSurface, _name, _internal(_name))
 
 
@@ -199,7 +201,7 @@ def check_comm_hook(hook: Any) -> None:
 
 def refuse_torch_ddp_outside(rank: int) -> None:
     """PyTorch's DDP wrapped around a graphddp DDP would all-reduce every gradient twice (Note [Frameworks])."""
-    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+    if active_ddp_module() is not None:
         raise RuntimeError(
             f"[rank {rank}] graphddp.DDP runs inside torch.nn.parallel.DistributedDataParallel's forward: every "
             "gradient would be all-reduced twice. Hand the framework the unwrapped model and call graphddp.install() "

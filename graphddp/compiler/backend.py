@@ -49,6 +49,7 @@ from ..passes import (
     plan_blockers,
 )
 from ..runtime.profiling import label_backward, labelled, profiling, trace_artifact
+from ..runtime.torch_ddp import TorchDDP, active_ddp_module
 from ..runtime.trace import Events
 from .compile_target import CompileTarget, running
 from .dump import DebugDump
@@ -254,7 +255,7 @@ def _warn_once(message: str) -> None:
 
 # -- without a graphddp.DDP -------------------------------------------------------------------------------------
 def _refuse_pytorch_ddp() -> None:
-    if isinstance(nn.parallel.DistributedDataParallel._get_active_ddp_module(), nn.parallel.DistributedDataParallel):
+    if isinstance(active_ddp_module(), TorchDDP):
         raise RuntimeError(
             "graphddp.backend was used on a model wrapped in torch.nn.parallel.DistributedDataParallel, whose own "
             "Reducer would not follow graphddp's bucket plan. Wrap the model in graphddp.DDP instead: "

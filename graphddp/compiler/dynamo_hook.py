@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.torch_ddp import TorchDDP, active_ddp_module, set_active_ddp_module
+
 logger = logging.getLogger(__name__)
 
 _installed: bool | None = None
@@ -71,7 +73,7 @@ def install() -> bool:
         from torch._dynamo.backends import distributed as dynamo_distributed
 
         original = dynamo_distributed.DDPOptimizer
-        hooks_present = hasattr(nn.parallel.DistributedDataParallel, "_active_ddp_module") and hasattr(
+        hooks_present = hasattr(TorchDDP, "_active_ddp_module") and hasattr(
             torch._dynamo.utils, "get_optimize_ddp_mode"
         )
     except (ImportError, AttributeError):
@@ -98,7 +100,7 @@ def _dispatching_optimizer(original: type) -> type:
         _graphddp_dispatch = True
 
         def __new__(cls, bucket_bytes_cap: int, backend_compile_fn: Any, first_bucket_cap: int | None = None) -> Any:
-            active = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+            active = active_ddp_module()
             if active is not None and active in _graphddp_modules:
                 return _GraphDDPSplit(split_backend_for(backend_compile_fn))
             return original(
@@ -122,11 +124,9 @@ def activate(ddp: nn.Module) -> Any:
     """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]); returns the one
     before it, for ``deactivate`` (nested DDPs: the innermost is active)."""
     _graphddp_modules.add(ddp)
-    previous = nn.parallel.DistributedDataParallel._active_ddp_module
-    nn.parallel.DistributedDataParallel._active_ddp_module = ddp  # type: ignore[assignment]
-    return previous
+    return set_active_ddp_module(ddp)
 
 
 @torch.compiler.disable
 def deactivate(previous: Any) -> None:
-    nn.parallel.DistributedDataParallel._active_ddp_module = previous
+    set_active_ddp_module(previous)

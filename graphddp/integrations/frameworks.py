@@ -31,10 +31,11 @@ from typing import Any
 from torch import nn
 
 from ..ddp import DistributedDataParallel
+from ..runtime.torch_ddp import TorchDDP
 
 logger = logging.getLogger(__name__)
 
-_TorchDDP = nn.parallel.DistributedDataParallel
+_TorchDDP = TorchDDP  # PyTorch's own class, even when install() or a script rebound the name
 
 
 class InstalledDDP(DistributedDataParallel, _TorchDDP):

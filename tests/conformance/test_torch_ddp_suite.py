@@ -1,9 +1,10 @@
 """PyTorch's own DDP tests, run against graphddp by substitution (slow; see ``torch_ddp_suite.py``).
 
 Each test name below is run from torch's ``distributed_test.DistributedTest._DistTestBase`` (gloo, world size 2,
-``MultiProcessTestCase`` spawn) in a subprocess, twice: with PyTorch's DDP (the control, ``TestTorchDDPControl``) and
-with ``graphddp.install()`` in every rank (``TestGraphDDPInstalled``). A test the control does not pass here is
-a failure of the environment; one the control passes must pass under graphddp too.
+``MultiProcessTestCase`` spawn) in a subprocess, three times: with PyTorch's DDP (the control, ``TestTorchDDPControl``),
+with ``graphddp.install()`` in every rank (``TestGraphDDPInstalled``), and with the name rebound to ``graphddp.DDP``
+(``TestGraphDDPRebound``: how scripts swapped DDP before ``install()``). A test the control does not pass here is a
+failure of the environment; one the control passes must pass under graphddp both ways.
 
 Which tests: every test of ``_DistTestBase`` that builds a ``DistributedDataParallel`` (the 79 named "ddp" or
 "DistributedDataParallel", and 24 others that build one through a helper) was run with PyTorch's DDP on this CPU-only,
@@ -123,8 +124,8 @@ def test_torch_ddp_test_passes_with_graphddp(name: str) -> None:
     assert control == "passed", (  # the list holds tests PyTorch's DDP passes here: anything else is the machine's fault
         f"{name}: PyTorch's own DDP does not pass it here ({control}, {control_s:.0f}s):\n{_errors(control_out)}"
     )
-    outcome, out, seconds = _run("TestGraphDDPInstalled", name)
-    assert outcome == "passed", (
-        f"{name}: PyTorch's DDP passed ({control_s:.0f}s); with graphddp.install() it {outcome} ({seconds:.0f}s):\n"
-        f"{_errors(out)}"
-    )
+    for cls, how in (("TestGraphDDPInstalled", "with graphddp.install()"), ("TestGraphDDPRebound", "rebound to graphddp.DDP")):
+        outcome, out, seconds = _run(cls, name)
+        assert outcome == "passed", (
+            f"{name}: PyTorch's DDP passed ({control_s:.0f}s); {how} it {outcome} ({seconds:.0f}s):\n{_errors(out)}"
+        )

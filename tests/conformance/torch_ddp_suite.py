@@ -6,7 +6,9 @@ The tests are imported from the torch wheel, never copied. This module is PyTorc
 * ``TestTorchDDPControl``: exactly PyTorch's setup, PyTorch's DDP (the control);
 * ``TestGraphDDPInstalled``: the same, with ``graphddp.install()`` called in each spawned rank before the process
   group and the test body, so every ``torch.nn.parallel.DistributedDataParallel(...)`` the test builds is graphddp's
-  (``graphddp.integrations.frameworks.InstalledDDP``, Note [Frameworks]).
+  (``graphddp.integrations.frameworks.InstalledDDP``, Note [Frameworks]);
+* ``TestGraphDDPRebound``: the same, swapping the old way instead: each rank rebinds
+  ``torch.nn.parallel.DistributedDataParallel = graphddp.DDP`` (graphddp's class itself, not a subclass of PyTorch's).
 
 The file name does not match ``test_*.py``, so the default pytest run does not collect it; the slow entry
 ``test_torch_ddp_suite.py`` runs a chosen list of tests from it, one subprocess per test and class, e.g.::
@@ -59,6 +61,17 @@ class TestGraphDDPInstalled(TestTorchDDPControl):
         import graphddp
 
         graphddp.install()
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+
+class TestGraphDDPRebound(TestTorchDDPControl):
+    """The same tests, each rank with ``torch.nn.parallel.DistributedDataParallel`` rebound to ``graphddp.DDP``."""
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        import graphddp
+
+        torch.nn.parallel.DistributedDataParallel = graphddp.DDP
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
