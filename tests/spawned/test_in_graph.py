@@ -73,7 +73,7 @@ def train(rank: int, world: int, inner: str, reduction: str, accumulate: int, dd
     return [*record, reductions]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_in_graph_matches_pytorch_ddp_and_calls_no_hook(world: int) -> None:
     params = len(list(MLP().parameters()))
     for *steps, reductions in run_on_ranks(train, world, "aot_eager", "auto", 1, {}):
