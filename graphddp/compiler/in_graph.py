@@ -65,7 +65,9 @@ class BucketAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        some = next(g for g in grads if g is not None)
+        some = next((g for g in grads if g is not None), None)
+        if some is None:  # no gradient for the whole bucket: the same graph on every rank, so no rank sends it
+            return (None, None, None, *grads)
         pieces = [
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)

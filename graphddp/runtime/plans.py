@@ -313,7 +313,9 @@ class PlanKeeper:
             raise RuntimeError(
                 f"[rank {self.rank}] graphddp.DDP: the ranks are out of step: this rank's last synchronised backward "
                 f"(after its training forward #{agreement.step}) was matched with another rank's at a different "
-                "forward. A rank skipped a backward, ran one under no_sync() alone, or ran out of data without "
+                "forward. The common cause: a forward with gradients enabled on one rank only (an evaluation or "
+                "logging forward on rank 0): run it through ddp.module under torch.no_grad(), which no rank counts. "
+                "Otherwise a rank skipped a backward, ran one under no_sync() alone, or ran out of data without "
                 "ddp.join(); every rank must run the same sequence of training forwards and backwards "
                 "(Note [Plan agreement] in graphddp/runtime/plans.py)."
             )

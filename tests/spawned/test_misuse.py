@@ -394,7 +394,7 @@ CATALOGUE: dict[str, Misuse] = {
         what: Misuse(asymmetric, (what,), pattern, asymmetric=True)
         for what, pattern in [
             ("rank_raises_in_forward", "ValueError: bad batch on rank 1|RuntimeError: .*(Timed out|timed out|Connection|closed)"),
-            ("rank_skips_a_backward", "RuntimeError: .*the ranks are out of step"),
+            ("rank_skips_a_backward", "RuntimeError: .*the ranks are out of step.*run it through ddp.module under torch.no_grad"),
             ("no_sync_on_one_rank", "RuntimeError: .*the ranks are out of step"),
             ("uneven_inputs_without_join", "RuntimeError"),
             ("hook_raises_on_one_rank", "ZeroDivisionError|RuntimeError"),
