@@ -240,7 +240,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any) -> Any:
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if synchronise and not self.reducer.compile_target.gate.open:  # open: the graphs reduce, no Reducer
+        if synchronise and not self.reducer.compile_target.gate.reduced_in_graph():  # else: the graphs reduced
             self.reducer.prepare_for_backward(output)
         self._forward_done(synchronise)
         return output

@@ -9,7 +9,10 @@ step after them runs split, so the Reducer averages the whole accumulated gradie
 Reducer's hooks are off, so no Python runs per gradient. A graph that cannot reduce in-graph, run while it is
 open (a new graph, compiled mid-forward), closes it for the rest of the forward: the hooks are back and the
 Reducer prepares as usual; a graph that already reduced in this forward is then averaged twice, which leaves the
-same average on every rank.
+same average on every rank. A forward that ran no compiled graph at all (the module called eagerly, Dynamo's
+fallback to eager code) closes it at its end, before backward. Not detected: a parameter also used, with a
+gradient, by eager code between two graphs (an op Dynamo cannot trace) while the graphs reduce in-graph; that
+part of its gradient would not be averaged — ``reduction="split"`` for such a model.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class InGraphGate:
         self._covered: tuple[frozenset[frozenset[str]], bool] = (frozenset(), False)  # (agreed sets, they cover all)
         self.in_graph_forwards = 0
         """Runs of a compiled graph that reduced in-graph (the benchmark and tests read it)."""
+        self._runs_before = 0  # in_graph_forwards when this forward began
 
     def begin_forward(self, *, grad_enabled: bool, synchronising: bool, needs_hooks: bool) -> None:
         """At the start of every DDP forward, after the plan switch (a forward without gradients changes
@@ -49,6 +53,17 @@ class InGraphGate:
         covered = self._covered[1]
         self._set(synchronising and covered and not needs_hooks and not self._local_sum and not self._plans.proposing)
         self._local_sum = not synchronising
+        self._runs_before = self.in_graph_forwards
+
+    def reduced_in_graph(self) -> bool:
+        """At the end of a synchronising forward: did its graphs reduce in-graph? If the gate was open but no
+        compiled graph ran (the module called eagerly, or Dynamo fell back to eager code, e.g. past its recompile
+        limit), it closes now, before backward: the hooks are back and the Reducer prepares, so nothing goes
+        unreduced."""
+        if self.open and self.in_graph_forwards == self._runs_before:
+            logger.info("[rank %d] graphddp: this forward ran no compiled graph; the Reducer reduces its gradients", self._rank)
+            self._set(False)
+        return self.open
 
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by each compiled graph as it runs: reduce in-graph (True), or run split (False)?"""

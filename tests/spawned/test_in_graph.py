@@ -215,3 +215,30 @@ def test_in_graph_under_compiled_autograd() -> None:
 def test_in_graph_with_inductor_matches_pytorch_ddp(world: int) -> None:
     for *steps, reductions in run_on_ranks(train, world, "inductor", "auto", 1, {}):
         assert reductions == {"in_graph (traceable)"} and steps[1:] == [(True, 0)] * 4, steps
+
+
+def eager_in_between(rank: int, world: int) -> list[bool]:
+    """Compiled steps reducing in-graph, then a step through the DDP module called eagerly (what Dynamo's fallback
+    past its recompile limit does too): the Reducer takes that step, with PyTorch's DDP's gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    reduced_in_graph = []
+    for step in range(5):
+        x, y = batch(step, 0, rank)
+        runs = ddp.reducer.compile_target.gate.in_graph_forwards
+        for module in (ddp if step == 3 else compiled, ref):
+            F.mse_loss(module(x), y).backward()
+        reduced_in_graph.append(ddp.reducer.compile_target.gate.in_graph_forwards > runs)
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        ddp.zero_grad(), ref.zero_grad()
+    return reduced_in_graph
+
+
+def test_a_forward_that_runs_no_compiled_graph_is_reduced_by_the_reducer() -> None:
+    for reduced_in_graph in run_on_ranks(eager_in_between, 2):
+        assert reduced_in_graph == [False, True, True, False, True]
