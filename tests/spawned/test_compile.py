@@ -267,6 +267,7 @@ def check_expectations(results: list[dict[str, Any]], expect: Expect) -> None:
     assert_launch_before_next_segment_backward(first["events"], segments, first["completes_in"])
 
 
+@pytest.mark.slow  # a compiled GPT on 3 ranks; the default suite stays under 10 minutes
 def test_world_size_three() -> None:
     results = run_on_ranks(check_case, 3, "gpt_tied_weights", timeout=300)
     check_expectations(results, CASES["gpt_tied_weights"][1])
