@@ -19,7 +19,10 @@ forward (it asks ``graphddp.compiler.compile_target.running()``), the backend
    segment with the inner backend (AOTAutograd for ``"aot_eager"``/``"inductor"``), propagating fake tensors
    from one segment to the next (``graphddp.compiler.graph_pipeline``, which ``graphddp inspect`` runs too);
 5. returns the stitched module: during backward each segment is its own autograd node, so bucket k's
-   all-reduce starts before the segment in front of it runs its backward.
+   all-reduce starts before the segment in front of it runs its backward;
+6. where the graph can be traced (``graphddp.passes.choose_reduction``), also compiles the whole graph with each
+   bucket's all-reduce inside its backward, and returns a ``ReductionSwitch`` that runs that variant once every
+   rank agreed on the plan and the strategy (Note [In-graph reduction] in ``graphddp/compiler/in_graph.py``).
 
 Unlike PyTorch's DDPOptimizer, the graph split and the Reducer use the same plan, higher-order ops (activation
 checkpointing) are split like any node, and any pair of caps works.
@@ -221,8 +224,7 @@ def registered_backend(
 ) -> Callable[..., Any]:
     """The backend named ``"graphddp"`` (entry point ``torch_dynamo_backends``):
     ``torch.compile(model, backend="graphddp", options={"inner": "inductor", "debug_dir": ..., "reduction": ...})``;
-    the other
-    options and ``mode`` configure the inner compiler (for Inductor: its config and modes)."""
+    the other options and ``mode`` configure the inner compiler (for Inductor: its config and modes)."""
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     debug_dir = options.pop("debug_dir", None)
