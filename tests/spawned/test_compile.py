@@ -201,7 +201,14 @@ def assert_launch_before_next_segment_backward(
         assert seq[("launch", k)] < seq[("segment_backward", backward_order[last + 1])], (k, events)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+GPT_REPEATS = ("cap_quarter_mb_first_cap_default", "fullgraph_via_graphddp_compile", "plain_torch_compile_aot_eager",
+               "named_backend_graphddp")
+"""The GPT cases beside ``gpt_tied_weights`` (other ways to compile it, other caps): the slow suite runs them."""
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in GPT_REPEATS else []) for n in sorted(CASES)]
+)
 def test_compiled_matches_eager_and_torch_ddp(name: str) -> None:
     results = run_on_ranks(check_case, 2, name, timeout=300)
     check_expectations(results, CASES[name][1])
