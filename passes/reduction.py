@@ -68,7 +68,8 @@ def choose_reduction(requested: str, blockers: Sequence[str]) -> ReductionChoice
 
 # -- waits as late as the graph allows -------------------------------------------------------------------------
 _VIEW_OPS = {"view", "_unsafe_view", "slice", "reshape", "alias", "as_strided", "detach", "split", "split_with_sizes",
-             "narrow", "t", "permute", "expand", "getitem"}
+             "narrow", "t", "permute", "expand"}
+"""ATen ops whose result is a view of their input (``operator.getitem`` of a split's outputs counts too)."""
 
 
 def _is_wait(node: fx.Node) -> bool:

@@ -113,10 +113,6 @@ class GradientHooks:
         self.handles: list[Any] = []
         self.attach()
 
-    @property
-    def attached(self) -> bool:
-        return bool(self.handles) or not self._params
-
     def attach(self) -> None:
         if not self.handles:
             me = self._countdown

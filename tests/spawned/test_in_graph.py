@@ -108,14 +108,19 @@ def test_split_when_asked_or_when_a_feature_needs_the_reducer() -> None:
         assert reason.startswith("split (in-graph cannot serve: the inner compiler") and "not AOTAutograd-based" in reason
 
 
-def register_late(rank: int, world: int, feature: str) -> list[bool]:
-    """A comm hook or step_in_backward set after the graph was compiled for in-graph reduction: the Reducer takes
-    over at the next forward (its hooks back on), with PyTorch's DDP's gradients and weights."""
+def fresh_pair() -> tuple[graphddp.DDP, torch.nn.parallel.DistributedDataParallel]:
+    """graphddp's DDP and PyTorch's around the same initial MLP, Dynamo's caches cleared (ranks are pooled)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MLP()
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ddp = graphddp.DDP(model, **CAPS)
+    return graphddp.DDP(model, **CAPS), ref
+
+
+def register_late(rank: int, world: int, feature: str) -> list[bool]:
+    """A comm hook or step_in_backward set after the graph was compiled for in-graph reduction: the Reducer takes
+    over at the next forward (its hooks back on), with PyTorch's DDP's gradients and weights."""
+    ddp, ref = fresh_pair()
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
     opened = []
@@ -158,11 +163,7 @@ def hooked(rank: int, world: int, hook_name: str) -> tuple[list[str], int]:
     """A comm hook registered before compiling, on both DDPs: PyTorch's built-in ones are traced into the graph."""
     from training import make_hook
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP()
-    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ddp = graphddp.DDP(model, **CAPS)
+    ddp, ref = fresh_pair()
     for module in (ddp, ref):
         module.register_comm_hook(*(make_hook(hook_name) if hook_name != "users" else (None, users_allreduce)))
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
@@ -188,11 +189,7 @@ def test_builtin_comm_hooks_are_traced_and_others_keep_the_split(hook_name: str)
 
 
 def compiled_autograd_steps(rank: int, world: int) -> None:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP()
-    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ddp = graphddp.DDP(model, **CAPS)
+    ddp, ref = fresh_pair()
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     from torch._dynamo import compiled_autograd
 
@@ -220,11 +217,7 @@ def test_in_graph_with_inductor_matches_pytorch_ddp(world: int) -> None:
 def eager_in_between(rank: int, world: int) -> list[bool]:
     """Compiled steps reducing in-graph, then a step through the DDP module called eagerly (what Dynamo's fallback
     past its recompile limit does too): the Reducer takes that step, with PyTorch's DDP's gradients."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP()
-    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ddp = graphddp.DDP(model, **CAPS)
+    ddp, ref = fresh_pair()
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     reduced_in_graph = []
     for step in range(5):
