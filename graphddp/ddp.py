@@ -23,7 +23,7 @@ from .compiler.backend import GraphDDPBackend, inner_compiler
 from .options import AUTO, BucketOptions, DDPOptions, device_of, from_torch_arguments, trainable_parameters
 from .passes import BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply, sparse_gradient_params
 from .runtime.auto_caps import AutoCaps
-from .runtime.comm import broadcast_coalesced, collective_device, comm_for, verify_same_params
+from .runtime.comm import broadcast_coalesced, collective_device, verify_same_params
 from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
 from .runtime.optimizer_overlap import StepPerBucket
 from .runtime.reducer import Reducer
@@ -180,7 +180,6 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             collective_device=self._collective_device,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view,
             usage=self.options.usage_policy(),
-            comm=comm_for(self.device),
             active_ranks=active_ranks,
             sparse_embedding_grads=self.options.sparse_embedding_grads,
             skip_unused=self.skip_all_reduce_unused_params,

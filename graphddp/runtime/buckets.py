@@ -34,6 +34,12 @@ class FlatBucket:
         self.params = params
         self.param_indices = param_indices
         self.buffer, self.views = self._storage(spec)
+        self.whole = [i for i, p in zip(param_indices, spec.params) if not p.part]
+        """The parameters whose whole gradient is here (the others' slots hold a part of a tied weight's)."""
+        self.plain = len(self.whole) == len(params) and all(p.dtype == spec.dtype for p in params)
+        """Every slot a whole gradient in the bucket's dtype, none with parts elsewhere (``BucketSlots`` says):
+        ``views`` and ``params`` pair up, and a scaled copy is a copy and one scaling of the buffer (Note [Lean
+        bucket path] in ``graphddp.runtime.reductions``)."""
         self._ready = [False] * len(params)
         self._pending = len(params)
         self.in_flight: Any = None
@@ -98,6 +104,10 @@ class SparseGradBucket(FlatBucket):
     gradient, put there when it is ready (``grad_layout.SparseGrads``) and replaced by the reduced tensor (a
     sparse all-reduce returns a tensor of its own size), as PyTorch's Reducer does with sparse gradients."""
 
+    def __init__(self, spec: Bucket, params: list[torch.nn.Parameter], param_indices: list[int]) -> None:
+        super().__init__(spec, params, param_indices)
+        self.plain = False  # its buffer is the gradient tensor itself, put there whole
+
     @staticmethod
     def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
         (param,) = spec.params
@@ -161,6 +171,8 @@ class BucketSlots:
                     self.parts_of.setdefault(i, []).append((bucket.index, slot))
                 else:
                     self.slot[i] = (bucket.index, slot)
+        for i in self.parts_of:  # its parts are added in at write-back: the per-parameter path
+            self.buckets[self.slot[i][0]].plain = False
         # Per parameter, its slice and its parts' slices, looked up once (the write-back runs every iteration).
         self._views = [self.view(where) for where in self.slot]
         self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]
@@ -186,6 +198,9 @@ class BucketSlots:
     # -- into the buckets ------------------------------------------------------------------------------------
     def gather(self, bucket: FlatBucket, scale: float | None) -> None:
         """A complete bucket's gradients into its buffer, in one call (parts are in their slots already)."""
+        if bucket.plain:
+            self.layout[bucket.param_indices[0]].gather(bucket, scale)
+            return
         slots = [slot for slot, spec in enumerate(bucket.spec.params) if not spec.part]
         if slots:
             params = [bucket.params[slot] for slot in slots]
@@ -231,6 +246,8 @@ class BucketSlots:
         ``mark_part(where)`` for a part: no contribution from that use here); returns those parameters."""
         missing = []
         for bucket in self.buckets:
+            if bucket.complete:
+                continue
             for slot in bucket.missing_slots():
                 if bucket.spec.params[slot].part:
                     mark_part((bucket.index, slot))
@@ -244,8 +261,11 @@ class BucketSlots:
         """Bucket ``bucket``'s reduced result in, and the averages of its parameters that ``write`` selects into
         their ``.grad`` in one call; returns its parameters (not its parts: those are added to their weight's)."""
         bucket.take(reduced)
-        whole = [i for i, spec in zip(bucket.param_indices, bucket.spec.params) if not spec.part]
-        self.write_back_many([i for i in whole if write[i]])
+        whole = bucket.whole
+        if bucket.plain and all(map(write.__getitem__, whole)):  # the usual case: no Python frame per parameter
+            self.layout[whole[0]].scatter(bucket)
+        else:
+            self.write_back_many([i for i in whole if write[i]])
         return whole
 
     def write_back_many(self, indices: list[int]) -> None:

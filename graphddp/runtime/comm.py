@@ -1,7 +1,11 @@
-"""Collectives graphddp needs around the Reducer: coalesced broadcast, the cross-rank parameter check, the
-default averaging hook, and where collectives run (a dedicated CUDA stream, or nowhere special on CPU).
+"""Collectives graphddp needs around the Reducer: coalesced broadcast, the cross-rank parameter check, and the
+default averaging hook.
 
-Everything goes through ``torch.distributed`` process groups; graphddp has no transport of its own.
+Everything goes through ``torch.distributed`` process groups; graphddp has no transport of its own. Collectives
+run on the current stream, as PyTorch's C++ Reducer issues them: on CUDA the process group orders its own stream
+after the current one when a collective is issued, and ``Work.wait()`` orders the current stream after the
+collective (no stream of graphddp's own, no ``wait_stream`` per bucket: Note [Lean bucket path] in
+``graphddp.runtime.reductions``).
 """
 
 from __future__ import annotations
@@ -147,50 +151,6 @@ def average_all_reduce(state: AverageState, buffer: torch.Tensor) -> dist.Work:
     if state.divisor != 1:
         buffer.div_(state.divisor)  # before the sum, as PyTorch does, so low precision sums do not overflow
     return dist.all_reduce(buffer, group=state.process_group, async_op=True)
-
-
-# -- where collectives run ----------------------------------------------------------------------------------
-class HostComm:
-    """Collectives issued from the calling thread; gloo's own threads overlap them with compute."""
-
-    def launch(self, fn):
-        return fn()
-
-    def wait(self, pending: Any):
-        """Wait for a future or a collective's ``Work``."""
-        return pending.wait()
-
-    def join_compute(self) -> None:
-        pass
-
-
-class CudaCommStream:
-    """Collectives on a dedicated CUDA stream, ordered against the compute stream with events.
-
-    The comm stream waits for the compute stream before a bucket is launched (its gradients are complete),
-    and the compute stream waits for the comm stream before averaged gradients are written back.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-
-    def launch(self, fn):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            return fn()
-
-    def wait(self, pending: Any):
-        """Wait for a future or a collective's ``Work``: the comm stream waits for its result."""
-        with torch.cuda.stream(self.stream):
-            return pending.wait()
-
-    def join_compute(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-
-def comm_for(device: torch.device) -> HostComm | CudaCommStream:
-    return CudaCommStream(device) if device.type == "cuda" else HostComm()
 
 
 def collective_device(group: dist.ProcessGroup, param_device: torch.device) -> torch.device:

@@ -71,10 +71,13 @@ class Countdown:
             reducer.bucket_complete(bucket)
 
 
+_REGION_FLAG = hasattr(compiled_autograd, "in_compiled_autograd_region")  # the flag is newer than torch 2.4
+
+
 @skip
 def gradient_ready(countdown_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter ``index`` (Note [Hook that only counts])."""
-    if getattr(compiled_autograd, "in_compiled_autograd_region", False):  # the flag is newer than torch 2.4
+    if _REGION_FLAG and compiled_autograd.in_compiled_autograd_region:
         return _full_path(countdown_ref, index)
     countdown = countdown_ref()
     if countdown is None or not countdown.armed:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from .buckets import SparseGradBucket
+    from .buckets import FlatBucket, SparseGradBucket
 
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -48,7 +48,16 @@ def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = No
 
 
 class PerParameter:
-    """``to_bucket_many`` / ``from_bucket_many`` as one ``to_bucket`` / ``from_bucket`` per parameter."""
+    """``to_bucket_many`` / ``from_bucket_many`` as one ``to_bucket`` / ``from_bucket`` per parameter; a plain
+    bucket's (``FlatBucket.plain``) ``gather`` / ``scatter`` through them."""
+
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        """A plain bucket's gradients, scaled, into its buffer."""
+        self.to_bucket_many(bucket.params, bucket.views, scale)
+
+    def scatter(self, bucket: FlatBucket) -> None:
+        """A plain bucket's reduced gradients into every parameter's ``.grad``."""
+        self.from_bucket_many(bucket.params, bucket.views, [()] * len(bucket.params))
 
     def to_bucket_many(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float | None = None) -> None:
         for param, view in zip(params, views):
@@ -63,6 +72,25 @@ class PerParameter:
 
 class CopiedGrads(PerParameter):
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
+
+    @as_data
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        """One ``_foreach_copy_`` and one ``mul_`` of the buffer (Note [Lean bucket path]); a parameter without a
+        gradient (unused here: zeros) takes the per-parameter path."""
+        try:
+            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        except TypeError:  # a None among the gradients, found before anything was copied
+            self.to_bucket_many(bucket.params, bucket.views, scale)
+            return
+        if scale is not None:
+            bucket.buffer.mul_(scale)  # equal dtypes: the rounding of torch.mul(grad, scale, out=view)
+
+    @as_data
+    def scatter(self, bucket: FlatBucket) -> None:
+        try:
+            torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+        except TypeError:  # a parameter without .grad: the per-parameter path makes one
+            super().scatter(bucket)
 
     @as_data
     def to_bucket_many(self, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float | None = None) -> None:
@@ -111,6 +139,34 @@ class CopiedGrads(PerParameter):
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned; nothing points into the old buffers."""
 
+    def with_comm_hook(self) -> CopiedGrads:
+        """The layout once a comm hook is registered (it reduces whatever is in the bucket)."""
+        return CopiedGrads()
+
+
+class LocalGrads(CopiedGrads):
+    """One rank and graphddp's averaging (``reductions.local_average``): the average of a gradient is itself, so a
+    plain bucket's gradients stay in ``.grad`` and its buffer is never used; a bucket of another dtype
+    (``mixed_precision``'s ``reduce_dtype``) still rounds its gradients through that dtype, as PyTorch's does."""
+
+    to_bucket_many = PerParameter.to_bucket_many  # each: a copy only into a bucket of another dtype
+    from_bucket_many = PerParameter.from_bucket_many
+
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        assert scale is None, "one rank: nothing to scale by"
+
+    def scatter(self, bucket: FlatBucket) -> None:
+        pass
+
+    def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
+        if view.dtype != param.dtype:
+            super().to_bucket(param, view, scale)
+
+    def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
+        assert not parts, "one rank plans no parts"
+        if view.dtype != param.dtype:
+            super().from_bucket(param, view, parts)
+
 
 class BucketViewGrads(PerParameter):
     """``gradient_as_bucket_view=True``: ``param.grad`` *is* the bucket slice, so no gradient-sized copy lives
@@ -142,6 +198,9 @@ class BucketViewGrads(PerParameter):
             new_view.copy_(param.grad)
             param.grad = new_view
 
+    def with_comm_hook(self) -> BucketViewGrads:
+        return self
+
 
 class SparseGrads(PerParameter):
     """A ``torch.sparse`` gradient (``nn.Embedding(sparse=True)``): its bucket (``buckets.SparseGradBucket``)
@@ -160,3 +219,12 @@ class SparseGrads(PerParameter):
 
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned: the gradient is its own tensor, nothing to move."""
+
+
+def dense_layout(*, as_bucket_view: bool, local: bool) -> CopiedGrads | BucketViewGrads:
+    """How a dense ``.grad`` relates to its bucket: a view with ``gradient_as_bucket_view``; left where autograd put
+    it where the reduction is the identity (``local``: one rank and graphddp's averaging, ``LocalReduction``); else
+    copied in and out."""
+    if as_bucket_view:
+        return BucketViewGrads()
+    return LocalGrads() if local else CopiedGrads()

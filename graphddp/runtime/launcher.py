@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .buckets import FlatBucket
-from .profiling import labelled
+from .profiling import labelled, profiling
 from .reductions import InFlight
 
 
@@ -74,16 +74,19 @@ class Launcher:
 
     def launch_ready(self) -> bool:
         """Launch every complete bucket the order allows; True once all are launched."""
-        buckets = self.buckets
-        while (
-            self._next < len(buckets)
-            and buckets[self._next].complete
-            and self.policy.may_launch(buckets[self._next - 1] if self._next else None)
-        ):
+        buckets, eager = self.buckets, not self.policy.chains
+        while self._next < len(buckets):
             bucket = buckets[self._next]
+            if not bucket.complete or not (eager or self.policy.may_launch(buckets[self._next - 1] if self._next else None)):
+                break
             bucket.start(self._launch(bucket, bucket.buffer))
             self._next += 1
         return self._next == len(buckets)
+
+    @property
+    def committing(self) -> bool:
+        """The last launched bucket still has a collective to issue (``flush`` would wait for its first one)."""
+        return self._open is not None and self._open[1].pending_commit
 
     def flush(self) -> None:
         """Issue the last launched bucket's remaining collective now (before a collective of the Reducer's own)."""
@@ -95,9 +98,13 @@ class Launcher:
         for bucket in self.buckets:
             if not bucket.started:
                 self.launch_ready()
-            self._commit_open()
+            if self._open is not None and self._open[0] <= bucket.index:  # not sooner: the buckets before it are
+                self._commit_open()  # written back meanwhile (a row-sparse table's mask waits for them all on gloo)
             assert bucket.in_flight is not None, f"bucket {bucket.index} was never launched"
-            with labelled(f"graphddp: wait for bucket {bucket.index}"):
+            if profiling():
+                with labelled(f"graphddp: wait for bucket {bucket.index}"):
+                    reduced = bucket.in_flight.wait()
+            else:
                 reduced = bucket.in_flight.wait()
             yield bucket, reduced
 
@@ -111,12 +118,18 @@ class Launcher:
             in_flight.wait()
 
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
-        self._commit_open()  # the previous bucket's last collective goes first, on every rank
-        self.events.record("launch", bucket.index)
-        with labelled(f"graphddp: all-reduce bucket {bucket.index}"):
-            in_flight = self.reductions[bucket.index].start(bucket, buffer, bucket.index == len(self.buckets) - 1)
-        self._open = (bucket.index, in_flight)
-        self._watch(bucket.index, in_flight)
+        if self._open is not None:
+            self._commit_open()  # the previous bucket's last collective goes first, on every rank
+        is_last = bucket.index == len(self.buckets) - 1
+        if self.events.recording or profiling():  # else a check each (Note [Lean bucket path])
+            self.events.record("launch", bucket.index)
+            with labelled(f"graphddp: all-reduce bucket {bucket.index}"):
+                in_flight = self.reductions[bucket.index].start(bucket, buffer, is_last)
+            self._watch(bucket.index, in_flight)
+        else:
+            in_flight = self.reductions[bucket.index].start(bucket, buffer, is_last)
+        if in_flight.pending_commit or self.events.recording:
+            self._open = (bucket.index, in_flight)
         return in_flight
 
     def _commit_open(self) -> None:

@@ -36,12 +36,17 @@ SUPPORTED = (
 class NoStep:
     """No optimizer registered: the training loop steps it."""
 
+    steps = False
+    """Whether ``bucket_final`` does anything (the Reducer skips the call when not)."""
+
     def bucket_final(self, params: Sequence[torch.nn.Parameter]) -> None:
         pass
 
 
 class StepPerBucket:
     """``step_in_backward(optimizer)``: step each bucket's parameters once their averages are in ``.grad``."""
+
+    steps = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, trainable: Sequence[torch.nn.Parameter]) -> None:
         if not isinstance(optimizer, SUPPORTED):

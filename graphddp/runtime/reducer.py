@@ -52,16 +52,15 @@ import torch.distributed as dist
 from ..passes import BucketCaps, BucketPlan, GraphSplit
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
-from .comm import CudaCommStream, HostComm
 from .countdown import Countdown
-from .grad_layout import BucketViewGrads, CopiedGrads
+from .grad_layout import dense_layout
 from .iteration import Iteration
 from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
 from .placement import Placement
 from .plans import PlanKeeper, planned_specs
-from .reductions import CommHook, bucket_reductions, dense_reduction
+from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
 from .skipping import SkipNeverUsed, SkipNothing
 from .target import ReducerTarget
 from .trace import Events, NullEvents
@@ -81,7 +80,6 @@ class Reducer:
         collective_device: torch.device,
         gradient_as_bucket_view: bool = False,
         usage: UsagePolicy | None = None,
-        comm: HostComm | CudaCommStream | None = None,
         active_ranks: ActiveRanks | None = None,
         sparse_embedding_grads: bool = True,
         skip_unused: bool = False,
@@ -93,14 +91,13 @@ class Reducer:
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
         self._group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self._layout = BucketViewGrads() if gradient_as_bucket_view else CopiedGrads()
-        self._comm = comm if comm is not None else HostComm()
         self.usage = GradientUsage(self._names, usage if usage is not None else ExpectAllUsed(), group=process_group,
                                    device=collective_device, rank=self.rank, world_size=self.world_size)
         self._active = active_ranks if active_ranks is not None else ActiveRanks(self.world_size)
         self._events: Events = NullEvents()
         self._skip = SkipNeverUsed(self.usage) if skip_unused else SkipNothing()  # skip_all_reduce_unused_params
         self._hook = CommHook.averaging(process_group)  # the Reducer scales while copying into the bucket
+        self._layout = dense_layout(as_bucket_view=gradient_as_bucket_view, local=local_average(self.world_size, self._hook))
         self._policy: EagerLaunch | ChainedLaunch = EagerLaunch()
         self._after_bucket: NoStep | StepPerBucket = NoStep()
         self.plans = PlanKeeper(
@@ -130,14 +127,15 @@ class Reducer:
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
 
     def _make_launcher(self) -> Launcher:
-        dense = dense_reduction(self._hook, self._comm, self.rank)
+        dense = dense_reduction(self._hook, self._group, self.rank)
         each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, group=self._group)
         return Launcher(self.buckets, self._skip.reductions(self.buckets, each, dense), self._policy, self._events)
 
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook = CommHook(state, hook, custom=True)
         self._policy = launch_policy(hook)
-        self._launcher = self._make_launcher()  # a hook reduces dense buckets, as PyTorch hands them over
+        self._layout = self._layout.with_comm_hook()  # a hook gets every gradient in its bucket, on one rank too
+        self.adopt(self.plans.current)  # a hook reduces dense buckets, as PyTorch hands them over
         self.plans.comm_hook_registered()
 
     def set_after_bucket(self, after: NoStep | StepPerBucket) -> None:
@@ -245,8 +243,8 @@ class Reducer:
         assert iteration is not None
         self._slots.gather(bucket, iteration.prescale)
         if self._launcher.launch_ready():
-            if not self._policy.chains:  # else a hook's chained collectives may still come: count after the waits
-                iteration.count_usage(self._launcher, self.usage)
+            if not (self._policy.chains or self._launcher.committing):  # else count after the waits: a hook's
+                iteration.count_usage(self._launcher, self.usage)  # chained collectives, rows after their mask
             iteration.ending.all_launched(self._finalize)
 
     def _finalize(self) -> None:
@@ -262,7 +260,6 @@ class Reducer:
             later = []  # buckets with a parameter not used here: final only once the usage count is in
             for bucket, reduced in self._launcher.reduced_in_order():
                 self._events.record("wait", bucket.index)
-                self._comm.join_compute()  # on CUDA: the compute stream waits for the collective's result
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
                 whole = self._slots.take_reduced(bucket, reduced, write=used_here)
                 self._events.record("written", bucket.index)
@@ -273,7 +270,6 @@ class Reducer:
             iteration.count_usage(self._launcher, self.usage)  # ChainedLaunch: only now, after every bucket
             counts = self.usage.counts(iteration.usage)
             self._skip.reduce_late(self._slots, counts, self._events)
-            self._comm.join_compute()
             self._slots.write_back_used_elsewhere(used_here, counts)  # the rest, once the ranks' usage is known
             for k, whole in later:
                 self._bucket_final(k, whole)
@@ -287,7 +283,7 @@ class Reducer:
 
     def _bucket_final(self, k: int, whole: list[int]) -> None:
         """Bucket ``k``'s parameters have their final ``.grad``: the optimizer may step them."""
-        if whole:
+        if whole and self._after_bucket.steps:
             self._after_bucket.bucket_final([self._params[i] for i in whole])
             self._events.record("stepped", k)
 
@@ -297,7 +293,6 @@ class Reducer:
         self.plans.start_agreement(joined=True)
         self._launcher.shadow()
         self._skip.reduce_late(self._slots, self.usage.shadow(), self._events, joined=True)
-        self._comm.join_compute()
 
     # -- introspection ---------------------------------------------------------------------------------------
     @property

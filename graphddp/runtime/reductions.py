@@ -28,6 +28,25 @@ in two steps, both issued from the thread that runs backward:
 The outcome depends only on the all-reduced mask, so every rank takes the same branch. A table that went dense
 ``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying until the plan
 changes; the Reducer then also drops its parts from the plan.
+
+Note [Lean bucket path]
+~~~~~~~~~~~~~~~~~~~~~~~
+What a plain dense bucket costs per iteration, the path of nearly every bucket (PyTorch's C++ Reducer runs the same
+steps in C++; here each Python call is time a launch-bound backward waits for):
+
+* into the bucket: one ``_foreach_copy_`` of its gradients and, for graphddp's averaging, one ``mul_`` of the
+  whole buffer by ``1/world`` (``grad_layout.CopiedGrads.gather``: the same rounding as a scaled copy, as the
+  dtypes are equal; a bucket of another dtype, parts or gradients missing take the per-parameter path);
+* the collective: ``ProcessGroup.allreduce`` called directly (``torch.distributed.all_reduce`` checks its arguments
+  in Python every call: ten calls per bucket), on the *current* stream, waited through its ``Work``: no future, no
+  callback, no stream of graphddp's own (on CUDA the process group orders its stream after the current one when
+  the collective is issued, and ``Work.wait()`` orders the current stream after the collective, as for PyTorch's
+  Reducer); nothing left to ``commit``, so the launcher keeps no record of it;
+* back into ``.grad``: one ``_foreach_copy_`` per bucket (``CopiedGrads.scatter``).
+
+Events, profiler ranges and the optimizer step per bucket cost a check each when nobody asked for them. On one
+rank with graphddp's averaging there is nothing to average (``LocalReduction``): no copy, no collective, ``.grad``
+is the gradient autograd produced.
 """
 
 from __future__ import annotations
@@ -41,13 +60,15 @@ import torch.distributed as dist
 
 from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
-from .comm import AverageState, CudaCommStream, HostComm, average_all_reduce, average_allreduce_hook
+from .comm import AverageState, average_allreduce_hook
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
 
 
 class InFlight(Protocol):
+    pending_commit: bool
+    """``commit`` has something to issue, or an outcome to record (else the launcher keeps no record of it)."""
     outcome: tuple[str, str] | None
     """An event to record once committed (``("rows", "12/512")``), or None."""
     future: torch.futures.Future | None
@@ -105,41 +126,60 @@ class HookReduction:
     gave_up = False
     """Never tries rows (see ``RowSparseReduction.gave_up``)."""
 
-    def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
-        self.hook, self.comm, self.rank = hook, comm, rank
+    def __init__(self, hook: CommHook, rank: int) -> None:
+        self.hook, self.rank = hook, rank
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
-        grad_bucket = GradBucket(bucket.index, buffer, bucket.params, is_last)
-        future = self.comm.launch(lambda: self.hook.fn(self.hook.state, grad_bucket))
+        future = self.hook.fn(self.hook.state, GradBucket(bucket.index, buffer, bucket.params, is_last))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
             raise RuntimeError(  # PyTorch's type and words, with the bucket and what to return
                 f"[rank {self.rank}] graphddp: DDP communication hook's callback must return a torch.futures.Future "
                 f"object, but got {type(future).__name__} for bucket {bucket.index} (e.g. return "
                 "dist.all_reduce(..., async_op=True).get_future())."
             )
-        return DenseInFlight(future, bucket, buffer, self.comm, self.rank)
+        return DenseInFlight(future, bucket, buffer, self.rank)
 
 
 class AveragingReduction:
-    """The whole bucket through graphddp's averaging all-reduce, waited on through the collective's ``Work``."""
+    """The whole bucket through graphddp's averaging all-reduce (the Reducer scaled it while copying it in), waited
+    on through the collective's ``Work`` (Note [Lean bucket path])."""
 
     gave_up = False
     """Never tries rows (see ``RowSparseReduction.gave_up``)."""
 
-    def __init__(self, hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> None:
-        self.hook, self.comm, self.rank = hook, comm, rank
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._allreduce = group.allreduce  # what dist.all_reduce calls, after its per-call argument checks
+        self._sum = dist.AllreduceOptions()  # ReduceOp.SUM
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
-        work = self.comm.launch(lambda: average_all_reduce(self.hook.state, buffer))
-        return AveragedInFlight(work, buffer, self.comm)
+        return AveragedInFlight(self._allreduce([buffer], self._sum), buffer)
 
 
-DenseReduction = HookReduction | AveragingReduction
+class LocalReduction:
+    """One rank and graphddp's averaging: the average of one gradient is itself. No collective; the gradients stay
+    in ``.grad`` (``grad_layout.LocalGrads`` moves nothing), as ``local_average`` decides."""
+
+    gave_up = False
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> SkippedInFlight:
+        return SkippedInFlight(buffer, outcome=None)
 
 
-def dense_reduction(hook: CommHook, comm: HostComm | CudaCommStream, rank: int) -> DenseReduction:
-    """The whole bucket through ``hook``: the user's (a future), or graphddp's averaging (its ``Work``)."""
-    return (HookReduction if hook.custom else AveragingReduction)(hook, comm, rank)
+def local_average(world_size: int, hook: CommHook) -> bool:
+    """The one rule for ``LocalReduction``: one rank, graphddp's own averaging (a user's hook runs even alone, as
+    in PyTorch: it may compress, and so change the gradient)."""
+    return world_size == 1 and not hook.custom
+
+
+DenseReduction = HookReduction | AveragingReduction | LocalReduction
+
+
+def dense_reduction(hook: CommHook, group: dist.ProcessGroup, rank: int) -> DenseReduction:
+    """The whole bucket through ``hook``: the user's (a future), graphddp's averaging (its ``Work``), or nothing
+    to do on one rank."""
+    if hook.custom:
+        return HookReduction(hook, rank)
+    return LocalReduction() if local_average(group.size(), hook) else AveragingReduction(group)
 
 
 def bucket_reductions(
@@ -150,10 +190,11 @@ def bucket_reductions(
 
 
 class DenseInFlight:
+    pending_commit = False
     outcome = None
 
-    def __init__(self, future: Any, bucket: FlatBucket, buffer: torch.Tensor, comm: Any, rank: int) -> None:
-        self.future, self._bucket, self._buffer, self._comm, self._rank = future, bucket, buffer, comm, rank
+    def __init__(self, future: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> None:
+        self.future, self._bucket, self._buffer, self._rank = future, bucket, buffer, rank
 
     def commit(self) -> None:
         pass
@@ -162,16 +203,17 @@ class DenseInFlight:
         return self.future.done()
 
     def wait(self) -> torch.Tensor:
-        return checked_result(self._comm.wait(self.future), self._bucket, self._buffer, self._rank)
+        return checked_result(self.future.wait(), self._bucket, self._buffer, self._rank)
 
 
 class AveragedInFlight:
     """graphddp's averaging all-reduce of one bucket, in place in ``buffer``."""
 
+    pending_commit = False
     outcome = None
 
-    def __init__(self, work: Any, buffer: torch.Tensor, comm: Any) -> None:
-        self._work, self._buffer, self._comm = work, buffer, comm
+    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
+        self._work, self._buffer = work, buffer
         self._future: torch.futures.Future | None = None
 
     @property
@@ -188,7 +230,7 @@ class AveragedInFlight:
         return self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
-        self._comm.wait(self._work)
+        self._work.wait()
         return self._buffer
 
 
@@ -228,11 +270,14 @@ class SkippedReduction:
 
 
 class SkippedInFlight:
-    outcome = ("skipped", "")
+    """No collective: the buffer is the result (``outcome``: what the events say of it, if anything)."""
+
     future = None
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, outcome: tuple[str, str] | None = ("skipped", "")) -> None:
         self._buffer = buffer
+        self.outcome = outcome
+        self.pending_commit = outcome is not None
 
     def commit(self) -> None:
         pass
@@ -266,6 +311,8 @@ class RowSparseReduction:
 
 class RowSparseInFlight:
     """One iteration's reduction of one row-sparse bucket (``[rows, C]`` once viewed)."""
+
+    pending_commit = True
 
     def __init__(self, reduction: RowSparseReduction, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> None:
         self._reduction, self._bucket, self._buffer, self._is_last = reduction, bucket, buffer, is_last

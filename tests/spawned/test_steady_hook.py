@@ -60,3 +60,90 @@ def test_steady_backwards_take_the_full_path_once_and_match_pytorch() -> None:
             assert record[3] == ("no_sync", params)  # no DDP forward prepared it: every gradient
             # Steady: only the first hook of each backward (agreement, ending), the other gradients only count.
             assert [r for i, r in enumerate(record) if i not in (0, 3)][1:] == [("sync", 1)] * 3, record
+
+
+# -- the lean bucket path (Note [Lean bucket path] in graphddp.runtime.reductions) -----------------------------------
+def _allreduces_in_backward(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The all-reduce collectives one backward issues, as the profiler sees them (the dispatcher's op)."""
+    loss = F.mse_loss(module(x), y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    return sum(e.count for e in prof.key_averages() if e.key == "c10d::allreduce_")
+
+
+def one_rank_reductions(rank: int, world: int) -> dict[str, int]:
+    """One rank: graphddp's averaging issues no collective and leaves the gradients as PyTorch's DDP makes them;
+    a user's comm hook still runs per bucket; a ``reduce_dtype`` still rounds the gradients through it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    counts = {}
+    for name in ("default", "allreduce_hook"):
+        torch.manual_seed(0)
+        model = MLP()
+        ddp = graphddp.DDP(copy.deepcopy(model), **CAPS)
+        ref = torch.nn.parallel.DistributedDataParallel(model)
+        if name == "allreduce_hook":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        for step in range(3):
+            x, y = batch_for(Case(), step, 0, rank)
+            counts[name] = _allreduces_in_backward(ddp, x, y)
+            F.mse_loss(ref(x), y).backward()
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            for module in (ddp, ref):
+                module.zero_grad(set_to_none=True)
+        counts[f"{name} buckets"] = len(ddp.bucket_plan.buckets)
+    # fp16 compute, bf16 reduction: fp16 gradients are rounded to bf16's 8 bits, as PyTorch's DDP rounds them
+    # (PyTorch's mixed precision needs CUDA events, so the check is the rounding itself).
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(MLP(), **CAPS, mixed_precision=_MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.bfloat16))
+    x, y = batch_for(Case(), 0, 0, rank)
+    counts["mixed_precision"] = _allreduces_in_backward(ddp, x, y)
+    grads = [p.grad for p in ddp.parameters()]
+    assert all(torch.equal(g, g.bfloat16().float()) for g in grads), "gradients not rounded through bf16"
+    assert not all(torch.equal(g, g.bfloat16().float()) for g in (g.half().float() * 1.001 for g in grads))  # can fail
+    return counts
+
+
+def test_one_rank_averages_without_a_collective_unless_a_hook_asks() -> None:
+    (counts,) = run_on_ranks(one_rank_reductions, 1)
+    assert counts["default"] == 0, counts  # the average of one gradient is itself: nothing to send or copy
+    assert counts["allreduce_hook"] == counts["allreduce_hook buckets"] > 1, counts  # a hook runs, as in PyTorch
+    assert counts["mixed_precision"] == 0, counts
+
+
+def calls_of_a_steady_backward(rank: int, world: int, cap_mb: float) -> tuple[int, int]:
+    """(Python calls of one steady backward, buckets) for a model of 48 small parameters."""
+    import sys
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
+    ddp = graphddp.DDP(model, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, last_bucket_cap_mb=cap_mb, bucket_ramps=False)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        ddp(x).square().mean().backward()
+        ddp.zero_grad(set_to_none=True)
+    calls = 0
+
+    def count(frame, event, arg):  # the backward runs on this thread on CPU
+        nonlocal calls
+        calls += event == "call"
+
+    loss = ddp(x).square().mean()
+    sys.setprofile(count)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return calls, len(ddp.bucket_plan.buckets)
+
+
+def test_a_steady_backward_costs_a_few_dozen_calls_per_bucket() -> None:
+    (few, few_buckets), _ = run_on_ranks(calls_of_a_steady_backward, 2, 0.02)
+    (many, many_buckets), _ = run_on_ranks(calls_of_a_steady_backward, 2, 0.0025)
+    assert many_buckets >= few_buckets + 10, (few_buckets, many_buckets)
+    # Same parameters, same hooks: the difference is what each bucket costs (gather, launch, wait, write back):
+    # ~77 calls before the lean bucket path (Note [Lean bucket path]), ~30 with it.
+    per_bucket = (many - few) / (many_buckets - few_buckets)
+    assert per_bucket <= 40, (few, few_buckets, many, many_buckets, per_bucket)
