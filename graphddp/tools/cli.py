@@ -4,10 +4,12 @@ bucket plan and graph split, without ranks)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
 
+from .._version import __version__
 from ..options import BucketOptions
 from ..passes import REDUCTIONS
 from .bucket_args import add_bucket_arguments, bucket_options
@@ -34,9 +36,18 @@ def log_level(name: str) -> str:
     return level
 
 
+def torch_version() -> str:
+    """The installed torch's version, read from its metadata (``graphddp --version`` needs no import of it)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphddp", description="Distributed data parallel that works with torch.compile")
     parser.add_argument("--log-level", type=log_level, default="WARNING", help="logging level for graphddp (INFO shows one line per rank)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (torch {torch_version()})")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train a small GPT on 2 spawned gloo ranks with graphddp under torch.compile")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
-from graphddp.tools.cli import main
+from graphddp.tools.cli import build_parser, main
 
 
 @pytest.mark.parametrize(
@@ -137,3 +138,22 @@ def test_the_bench_times_automatic_caps_as_a_mode(capsys: pytest.CaptureFixture)
         "bench: the run's caps must be numbers of MiB (PyTorch's modes, the comm mode and the predictions plan with "
         "them), got auto for first_bucket_cap_mb; time automatic caps as a mode, e.g. --modes local,comm,graphddp-compiled@auto"
     )
+
+
+def test_version_names_graphddp_and_torch(capsys: pytest.CaptureFixture) -> None:
+    from graphddp import __version__
+
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(["--version"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"graphddp {__version__} (torch ") and torch.__version__.split("+")[0] in out, out
+
+
+def test_the_package_ships_py_typed() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    section = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    assert 'graphddp = ["py.typed"]' in section, section
+    assert (root / "graphddp" / "py.typed").is_file()
