@@ -14,6 +14,7 @@ from ..options import BucketOptions
 from ..passes import REDUCTIONS
 from .bucket_args import add_bucket_arguments, bucket_options
 from .demo import DemoOptions, run_demo
+from .launch import LOG_FORMAT
 
 
 def inner_backend(name: str) -> str:
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     if args.command == "demo":
         try:
             options = DemoOptions(
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as e:
             print(f"graphddp demo: {e}", file=sys.stderr)
             return 2
-        run_demo(options)
+        run_demo(options, log_level=args.log_level)  # the ranks log at the same level
     elif args.command == "inspect":
         return _inspect(args)
     return 0

@@ -58,8 +58,9 @@ class DemoOptions(BucketOptions):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run_demo(options: DemoOptions) -> None:
-    run_ranks(_demo_rank, options.world_size, options)
+def run_demo(options: DemoOptions, *, log_level: str | None = None) -> None:
+    """Train ``options`` on its ranks; ``log_level``: logging configured there (the CLI's ``--log-level``)."""
+    run_ranks(_demo_rank, options.world_size, options, log_level=log_level)
 
 
 def _demo_rank(options: DemoOptions) -> None:

@@ -18,6 +18,7 @@ gives each attempt a fresh store and plain env:// is safe. ``docs/reliability.md
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -49,21 +50,32 @@ def init_process_group(backend: str = "gloo", *, timeout: datetime.timedelta | N
     )
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+"""How the CLI's log lines look, in the CLI's process and in every rank it spawns."""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", log_level: str | None = None) -> None:
     """Run ``fn(*args)`` on every rank with a default process group initialised.
 
     Under torchrun this process is one rank of the job; otherwise ``world_size`` ranks are spawned here.
+    ``log_level`` (a ``logging`` level name): logging configured at that level in every rank (a spawned process
+    starts with none: the CLI's ``--log-level`` would stop at its own process).
     """
     if launched_by_torchrun():
-        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, fn, args)
+        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, log_level, fn, args)
         return
     port = free_port()
     mp.start_processes(
-        _rank_main, args=(world_size, port, backend, fn, args), nprocs=world_size, join=True, start_method="spawn"
+        _rank_main, args=(world_size, port, backend, log_level, fn, args), nprocs=world_size, join=True,
+        start_method="spawn",
     )
 
 
-def _rank_main(rank: int, world_size: int, port: int | None, backend: str, fn: Callable[..., Any], args: tuple) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int | None, backend: str, log_level: str | None, fn: Callable[..., Any], args: tuple
+) -> None:
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT)
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     init_process_group(backend)

@@ -53,3 +53,20 @@ def test_torch_logs_turns_on_graphddps_debug_log() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False)
     assert result.returncode == 0, result.stderr
     assert "bucket plan (registration, fingerprint" in result.stderr  # the plan keeper's DEBUG line (graphddp.runtime.plans)
+
+
+def write_log_level(directory: str) -> None:
+    """On a rank ``run_ranks`` spawned: the level graphddp's loggers log at, into ``directory/rank<r>``."""
+    import logging
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    Path(directory, f"rank{dist.get_rank()}").write_text(str(logging.getLogger("graphddp").getEffectiveLevel()))
+
+
+def test_the_log_level_reaches_the_ranks_the_cli_spawns(tmp_path) -> None:
+    from graphddp.tools.launch import run_ranks
+
+    run_ranks(write_log_level, 2, str(tmp_path), log_level="INFO")  # what `graphddp --log-level INFO demo` passes
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["20", "20"]  # logging.INFO on both ranks
