@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.iteration import compiled_autograd_running
 from .compile_target import PartSink
 
 
@@ -52,7 +53,9 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         accumulator = ctx.next_functions[0][0]  # the weight's AccumulateGrad (None if it needs no gradient)
         if accumulator is not None and _accumulates(accumulator) and ctx.tap.take(grad):
-            return None, None
+            # Compiled autograd traced this backward as returning a tensor and sums the weight's contributions in
+            # its graph (a None there is a TypeError in its add): zeros; eager autograd skips a None, at no cost.
+            return (torch.zeros_like(grad) if compiled_autograd_running() else None), None
         return grad, None
 
 

@@ -87,13 +87,14 @@ Ending = NotBegun | EngineCallbackEnding | AtLastLaunchEnding
 
 def backward_ending(finalize: Callable[[], None]) -> EngineCallbackEnding | AtLastLaunchEnding:
     """How the backward that is beginning now ends (see the module docstring): chosen by its first hook."""
-    if _compiled_autograd_running():
+    if compiled_autograd_running():
         return AtLastLaunchEnding()  # its engine runs no queued callback
     torch.autograd.Variable._execution_engine.queue_callback(finalize)
     return EngineCallbackEnding()
 
 
-def _compiled_autograd_running() -> bool:
+def compiled_autograd_running() -> bool:
+    """Is a compiled-autograd backward running now (this Reducer's ending; a tap's return value)?"""
     from torch._dynamo import compiled_autograd
 
     # While the compiled backward runs (our hooks, eagerly, between its pieces), only the region flag is set.
