@@ -47,7 +47,7 @@ def train_torch(rank: int, world: int) -> dict:
     return state_of(train("torch", Case(model=MODEL, steps=3), rank).ddp.module)
 
 
-@pytest.mark.parametrize(("world", "compile"), [(2, None), (3, None), (2, "torch.compile")])
+@pytest.mark.parametrize(("world", "compile"), [(2, None), pytest.param(3, None, marks=pytest.mark.slow), (2, "torch.compile")])
 def test_every_rank_chooses_the_same_caps_and_trains_as_pytorchs_ddp(world: int, compile: str | None) -> None:
     ours = run_on_ranks(train_auto, world, compile, None)  # the real calibration on this machine's loopback
     theirs = run_on_ranks(train_torch, world)

@@ -66,6 +66,7 @@ def test_dump_layout_and_content_on_two_ranks_with_a_recompile(tmp_path: Path) -
         assert any(isinstance(s["inbound_activation_bytes"], str) for s in recompiled["segments"]), "symbolic sizes"
 
 
+@pytest.mark.slow  # compiles twice; the default suite stays under 10 minutes
 def test_the_dump_does_not_change_what_is_compiled(tmp_path: Path) -> None:
     with_dump = run_on_ranks(train_with_recompile, 2, str(tmp_path), timeout=300)
     without = run_on_ranks(train_with_recompile, 2, None, timeout=300)

@@ -87,7 +87,7 @@ def outcomes(events: list[tuple[str, int | None, str | None]]) -> list[str]:
     return [kind for kind, _, _ in events if kind in ("rows", "dense")]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_compiled_tied_table_sends_its_part_early_and_its_rows_last(world: int, optim: str) -> None:
     results = run_on_ranks(check_rows, world, rows_case(optim=optim), timeout=300)
@@ -202,7 +202,7 @@ def schedule(world: int, kind: str, steps: int = 5) -> tuple[tuple[int, ...], ..
 VOCAB_FOR_WORLD = {2: 320, 3: 560}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: the slow suite (10 min)
 @pytest.mark.parametrize("model", ["gpt", "gpt_untied"])
 @pytest.mark.parametrize("kind", ["fixed", "shrink_and_grow", "last_partial"])
 def test_compiled_tables_train_when_ranks_see_different_batch_sizes(kind: str, model: str, world: int) -> None:
