@@ -41,6 +41,9 @@ class BucketOptions:
     bucket_ramps: bool = True
     """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
     (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's layout."""
+    bucket_cap_mb_list: tuple[float, ...] | None = None
+    """Every bucket's cap in MiB, in ready order, the last repeating (PyTorch's ``bucket_cap_mb_list``); when
+    given, the other caps and the ramps are not used, as PyTorch ignores ``bucket_cap_mb`` then."""
     sparse_embedding_grads: bool = True
     """Reduce embedding tables' gradients as the rows some rank touched, and, compiled, send a tied table's other
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
@@ -60,6 +63,8 @@ class BucketOptions:
     @property
     def caps(self) -> BucketCaps:
         """The caps to plan with until an automatic choice is made (the defaults stand in for ``"auto"``)."""
+        if self.bucket_cap_mb_list is not None:
+            return BucketCaps.from_list_mb(self.bucket_cap_mb_list)
         defaults = {f.name: f.default for f in dataclasses.fields(BucketOptions)}
         fixed = [defaults[f] if v == AUTO else v for f, v in self._cap_fields().items()]
         return BucketCaps.from_mb(*fixed, ramps=self.bucket_ramps)
@@ -68,7 +73,7 @@ class BucketOptions:
     def caps_search(self) -> CapsSearch | None:
         """Which caps are chosen automatically (None: none of them)."""
         fields = self._cap_fields()
-        if AUTO not in fields.values():
+        if AUTO not in fields.values() or self.bucket_cap_mb_list is not None:  # a list sets every cap
             return None
         bucket, first, last = (None if v == AUTO else float(v) for v in fields.values())
         return CapsSearch(bucket_mb=bucket, first_mb=first, last_mb=last, ramps=self.bucket_ramps)
@@ -151,7 +156,6 @@ def from_torch_arguments(
     _unsupported_arguments(
         delay_all_reduce_named_params=delay_all_reduce_named_params,
         param_to_hook_all_reduce=param_to_hook_all_reduce,
-        bucket_cap_mb_list=bucket_cap_mb_list,
     )
     if check_reduction:  # as in PyTorch: a no-op, the Reducer always completes the reduction
         warnings.warn(
@@ -167,6 +171,7 @@ def from_torch_arguments(
         first_bucket_cap_mb=first_bucket_cap_mb,
         last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps,
+        bucket_cap_mb_list=tuple(bucket_cap_mb_list) if isinstance(bucket_cap_mb_list, list) else bucket_cap_mb_list,
         sparse_embedding_grads=sparse_embedding_grads,
         broadcast_buffers=forward_sync,
         find_unused_parameters=find_unused_parameters,
@@ -207,7 +212,6 @@ def trainable_parameters(synced: list[tuple[str, nn.Parameter]], rank: int) -> l
 _UNSUPPORTED = {
     "delay_all_reduce_named_params": "delaying some parameters' all-reduce to the end of backward",
     "param_to_hook_all_reduce": "delaying some parameters' all-reduce to the end of backward",
-    "bucket_cap_mb_list": "per-bucket caps (graphddp's first/last caps and ramps: Note [Bucket ramps])",
 }
 
 

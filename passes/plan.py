@@ -17,6 +17,8 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
 * a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
   a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
   *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
+* with a cap per bucket (``BucketCaps.sequence``, PyTorch's ``bucket_cap_mb_list``) the k-th bucket of each
+  (dtype, device) in ready order is capped at the k-th entry, the last one repeating, and nothing ramps;
 * buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first;
 * every parameter's gradient is in exactly one bucket; besides, a tied embedding table may have *parts* (the
   contribution of one other use, ``ParamSpec.part``), each in a bucket no later than the table's own, and a
@@ -169,9 +171,16 @@ class BucketCaps:
     """Ramp the caps up after the first bucket and down to ``last`` at the end (Note [Bucket ramps]). False
     gives PyTorch's layout: the first bucket, then buckets of up to ``bucket`` to the end."""
 
+    sequence: tuple[int, ...] = ()
+    """Every bucket's cap, in ready order (PyTorch's ``bucket_cap_mb_list``): bucket ``k`` of each dtype/device
+    is capped at ``sequence[k]``, the last entry repeating; ``bucket``, ``first``, ``last`` and ramps are then
+    unused for cutting (``from_list_mb`` keeps them consistent). Empty: the caps above."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.ramps, bool):
             raise TypeError(f"BucketCaps.ramps must be True or False, got {self.ramps!r}")
+        if not isinstance(self.sequence, tuple) or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in self.sequence):
+            raise ValueError(f"BucketCaps.sequence must be a tuple of byte counts > 0, got {self.sequence!r}")
         for name in ("bucket", "first", "last"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -192,6 +201,19 @@ class BucketCaps:
                 raise ValueError(f"{name} must be a finite number of MiB > 0, got {value!r}")
         bucket, first, last = (max(1, int(v * MiB)) for v in values.values())
         return cls(bucket=bucket, first=first, last=last, ramps=ramps)
+
+    @classmethod
+    def from_list_mb(cls, caps_mb: Sequence[float]) -> BucketCaps:
+        """PyTorch's ``bucket_cap_mb_list``: every bucket's cap in MiB, in ready order (the last one repeats)."""
+        if isinstance(caps_mb, (str, bytes)) or not isinstance(caps_mb, Sequence) or not caps_mb:
+            raise ValueError(f"bucket_cap_mb_list must be a non-empty list of MiB, got {caps_mb!r}")
+        for value in caps_mb:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"bucket_cap_mb_list entries must be numbers of MiB, got {type(value).__name__} {value!r}")
+            if not 0 < value < float("inf"):
+                raise ValueError(f"bucket_cap_mb_list entries must be finite numbers of MiB > 0, got {value!r}")
+        sequence = tuple(max(1, int(v * MiB)) for v in caps_mb)
+        return cls(bucket=max(sequence), first=sequence[0], last=sequence[-1], ramps=False, sequence=sequence)
 
     def ramp(self, start: int) -> Iterator[int]:
         """``start``, doubling, while below ``bucket``: the caps of a ramp (Note [Bucket ramps]); none without
@@ -396,7 +418,16 @@ def plan_bucket_groups(
 
 def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list[ParamSpec], int]]:
     """One lane's buckets ``(params, cap)`` in ready order (Note [Bucket ramps]): the first bucket, then the
-    tail filled from the end, then the head ramp and the middle on what is left in between."""
+    tail filled from the end, then the head ramp and the middle on what is left in between; or, with a cap per
+    bucket (``caps.sequence``), bucket after bucket in ready order."""
+    if caps.sequence:
+        cut: list[tuple[list[ParamSpec], int]] = []
+        for cap in itertools.chain(caps.sequence, itertools.repeat(caps.sequence[-1])):
+            if not items:
+                return cut
+            n = _fitting(items, cap)
+            cut.append((_flat(items[:n]), cap))
+            items = items[n:]
     n = _fitting(items, caps.first)
     first, rest = (_flat(items[:n]), caps.first), items[n:]
     tail: list[tuple[list[ParamSpec], int]] = []

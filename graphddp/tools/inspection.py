@@ -138,6 +138,7 @@ def inspect_target(
     first_bucket_cap_mb: float | str = 1,
     last_bucket_cap_mb: float | str = 1,
     bucket_ramps: bool = True,
+    bucket_cap_mb_list: tuple[float, ...] | None = None,
     sparse_embedding_grads: bool = True,
     world_size: int = 2,
     batch: int | None = None,
@@ -148,7 +149,7 @@ def inspect_target(
 ) -> Inspection:
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
-        bucket_ramps=bucket_ramps, sparse_embedding_grads=sparse_embedding_grads,
+        bucket_ramps=bucket_ramps, bucket_cap_mb_list=bucket_cap_mb_list, sparse_embedding_grads=sparse_embedding_grads,
     )  # fmt: skip
     caps = options.caps  # with "auto": the stand-ins a run plans with until it has chosen
     if isinstance(world_size, bool) or not isinstance(world_size, int):

@@ -274,12 +274,36 @@ def test_the_constructor_takes_pytorchs_arguments_in_pytorchs_order_then_graphdd
     [
         ("delay_all_reduce_named_params", [("w", torch.nn.Parameter(torch.ones(1)))]),
         ("param_to_hook_all_reduce", torch.nn.Parameter(torch.ones(1))),
-        ("bucket_cap_mb_list", [1, 2]),
     ],
 )
 def test_arguments_graphddp_does_not_implement_say_so(argument: str, value: object) -> None:
     with pytest.raises(NotImplementedError, match=f"graphddp.DDP does not implement {argument}="):
         graphddp.DDP(MLP(), **{argument: value})
+
+
+def test_bucket_cap_mb_list_caps_each_bucket_in_ready_order_the_last_repeating() -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])  # 8 x 4224 bytes, in ready order
+    kib = 1 / 1024
+    ddp = graphddp.DDP(model, bucket_cap_mb_list=[5 * kib, 9 * kib, 13 * kib], first_bucket_cap_mb=0.5)
+    caps = [b.cap_bytes for b in ddp.bucket_plan.buckets]
+    sizes = [sum(p.nbytes for p in b.params) for b in ddp.bucket_plan.buckets]
+    assert caps == [5120, 9216, 13312, 13312], caps  # the list wins over bucket_cap_mb and first/last caps
+    assert all(size <= cap for size, cap in zip(sizes, caps)), (sizes, caps)
+    assert ddp.bucket_plan.caps.sequence == (5120, 9216, 13312)
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        ([], ValueError, "must be a non-empty list of MiB"),
+        ([1, 0], ValueError, "finite numbers of MiB > 0, got 0"),
+        ([1, "2"], TypeError, "entries must be numbers of MiB, got str"),
+        (4, ValueError, "must be a non-empty list of MiB, got 4"),
+    ],
+)
+def test_a_bad_bucket_cap_mb_list_is_refused_naming_it(value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        graphddp.DDP(MLP(), bucket_cap_mb_list=value)
 
 
 def test_a_mixed_precision_config_must_name_floating_dtypes() -> None:

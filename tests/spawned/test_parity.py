@@ -29,6 +29,8 @@ CASES = {
     "mixed_dtypes": tiny(model="mixed"),
     "ready_order_differs": tiny(model="unordered"),
     "pytorch_layout": tiny(graphddp=(("first_bucket_cap_mb", 0.001), ("bucket_ramps", False))),
+    # PyTorch's per-bucket caps, given to both (graphddp closes a bucket before its cap, PyTorch after).
+    "bucket_cap_mb_list": tiny(ddp=(("bucket_cap_mb_list", (0.001, 0.002, 0.004)),)),
     # Hooks (bf16_compress_hook refuses to run without NCCL, so it is checked on CUDA: tests/cuda_check.py).
     # PowerSGD compresses per bucket, so both implementations must cut the same buckets. PyTorch's DDP hangs
     # with PowerSGD and several buckets on gloo (tests/spawned/test_comm_hooks.py shows graphddp does not), so: one bucket.
@@ -50,7 +52,7 @@ CASES = {
 }
 
 # Cases whose result single-process training on the concatenated batch reproduces exactly.
-SINGLE_PROCESS_EQUIVALENT = {"default", "compiled_autograd", "deepcopy", "torch_save_load", "pytorch_layout", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
+SINGLE_PROCESS_EQUIVALENT = {"default", "bucket_cap_mb_list", "compiled_autograd", "deepcopy", "torch_save_load", "pytorch_layout", "gradient_as_bucket_view", "static_graph", "no_sync", "mixed_dtypes", "ready_order_differs"}
 
 
 def check_parity(rank: int, world: int, case_name: str, optim: str) -> int:
