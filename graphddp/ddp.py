@@ -24,6 +24,7 @@ from .options import AUTO, BucketOptions, DDPOptions, device_of, from_torch_argu
 from .passes import BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply, sparse_gradient_params
 from .runtime.auto_caps import AutoCaps
 from .runtime.comm import broadcast_coalesced, collective_device, verify_same_params
+from .runtime.delayed import DelayedAllReduce, named_delayed
 from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
 from .runtime.optimizer_overlap import StepPerBucket
 from .runtime.reducer import Reducer
@@ -85,8 +86,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
     ) -> None:
-        """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only. Arguments
-        graphddp does not implement raise ``NotImplementedError`` saying why (``graphddp.options``)."""
+        """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only."""
         nn.Module.__init__(self)  # not super(): in InstalledDDP (Note [Frameworks]) PyTorch's DDP comes next
         Joinable.__init__(self)
         _check_wrappable(module)
@@ -95,9 +95,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             device_mesh=device_mesh, bucket_cap_mb=bucket_cap_mb, check_reduction=check_reduction,
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision, bucket_cap_mb_list=bucket_cap_mb_list,
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce, first_bucket_cap_mb=first_bucket_cap_mb,
-            last_bucket_cap_mb=last_bucket_cap_mb, bucket_ramps=bucket_ramps,
+            first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb, bucket_ramps=bucket_ramps,
             sparse_embedding_grads=sparse_embedding_grads,
         )
         self.dim, self.batched_grad_copy, self.mixed_precision = dim, batched_grad_copy, mixed_precision  # PyTorch's
@@ -106,7 +104,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.module = module
         self.process_group, self.device_mesh = given.process_group, given.device_mesh
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # kept local
+        self._delayed_names = named_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | frozenset(self._delayed_names[0])  # kept local, or delayed (as PyTorch)
         named = trainable_parameters(self._synced_parameters(), self.rank)
         self.device, self.device_ids = device_of(module, device_ids, output_device, self.rank)
         self._make_reducer(self._first_plan(named, init_sync=init_sync, init_sync_buffers=given.init_sync_buffers))
@@ -188,11 +187,12 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._join = JoinSupport(
             self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device
         )
+        self._delayed = DelayedAllReduce.of(self.module, *self._delayed_names, group=self.process_group, rank=self.rank)
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_join", "device_mesh"):
+        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed"):
             state.pop(name, None)
         state["_plan"] = self.reducer.plan  # pure data: the copy starts on the plan in force
         return state
@@ -225,6 +225,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         refuse_torch_ddp_outside(self.rank)
         self._join.notify(self)
         self.reducer.begin_forward(torch.is_grad_enabled())
+        self._delayed.before_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
         self.reducer.compile_target.begin_forward(  # in-graph reduction this forward? (Note [In-graph reduction])
             grad_enabled=torch.is_grad_enabled(),
             synchronising=torch.is_grad_enabled() and self.require_backward_grad_sync,
@@ -265,7 +266,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         """Parameters (and buffers: by default with ``broadcast_buffers``) from ``src`` to every rank, ignored ones
         kept."""
         buffers = self.options.broadcast_buffers if buffers is None else buffers
-        state = [p.detach() for _, p in self._synced_parameters()]
+        state = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore or n in self._delayed_names[0]]
         state += [b.detach() for _, b in self._synced_buffers()] if buffers else []
         broadcast_coalesced(state, src=src, group=self.process_group)
 

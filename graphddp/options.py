@@ -142,8 +142,6 @@ def from_torch_arguments(
     gradient_as_bucket_view: bool,
     static_graph: bool,
     mixed_precision: Any,
-    delay_all_reduce_named_params: Any,
-    param_to_hook_all_reduce: Any,
     bucket_cap_mb_list: list[float] | None,
     first_bucket_cap_mb: float | str,
     last_bucket_cap_mb: float | str,
@@ -153,10 +151,6 @@ def from_torch_arguments(
     """The arguments of ``DistributedDataParallel.__init__`` (PyTorch's, then graphddp's own) as graphddp runs them.
 
     Called from ``__init__`` only: its warnings name the line that built the DDP (``stacklevel``)."""
-    _unsupported_arguments(
-        delay_all_reduce_named_params=delay_all_reduce_named_params,
-        param_to_hook_all_reduce=param_to_hook_all_reduce,
-    )
     if check_reduction:  # as in PyTorch: a no-op, the Reducer always completes the reduction
         warnings.warn(
             "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
@@ -207,22 +201,6 @@ def trainable_parameters(synced: list[tuple[str, nn.Parameter]], rank: int) -> l
             "is nothing to synchronise; do not wrap it."
         )
     return named
-
-
-_UNSUPPORTED = {
-    "delay_all_reduce_named_params": "delaying some parameters' all-reduce to the end of backward",
-    "param_to_hook_all_reduce": "delaying some parameters' all-reduce to the end of backward",
-}
-
-
-def _unsupported_arguments(**given: Any) -> None:
-    """PyTorch arguments graphddp does not implement: ``NotImplementedError`` naming the argument, if set."""
-    for name, value in given.items():
-        if value not in (None, False):
-            raise NotImplementedError(
-                f"graphddp.DDP does not implement {name}= ({_UNSUPPORTED[name]}); leave it at its default, or use "
-                "torch.nn.parallel.DistributedDataParallel for it."
-            )
 
 
 def _buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:

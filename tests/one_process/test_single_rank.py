@@ -269,16 +269,17 @@ def test_the_constructor_takes_pytorchs_arguments_in_pytorchs_order_then_graphdd
     assert all(p.kind is p.KEYWORD_ONLY for name, p in ours.items() if name not in theirs)
 
 
-@pytest.mark.parametrize(
-    "argument, value",
-    [
-        ("delay_all_reduce_named_params", [("w", torch.nn.Parameter(torch.ones(1)))]),
-        ("param_to_hook_all_reduce", torch.nn.Parameter(torch.ones(1))),
-    ],
-)
-def test_arguments_graphddp_does_not_implement_say_so(argument: str, value: object) -> None:
-    with pytest.raises(NotImplementedError, match=f"graphddp.DDP does not implement {argument}="):
-        graphddp.DDP(MLP(), **{argument: value})
+def test_delayed_all_reduce_arguments_go_together_and_name_module_parameters() -> None:
+    model = MLP()
+    fc3 = list(model.fc3.named_parameters(prefix="fc3"))
+    with pytest.raises(ValueError, match="need to be set at the same time"):  # PyTorch's words
+        graphddp.DDP(model, delay_all_reduce_named_params=fc3)
+    with pytest.raises(ValueError, match="names 'fc9.weight', which is not that parameter"):
+        graphddp.DDP(model, delay_all_reduce_named_params=[("fc9.weight", model.fc3.weight)], param_to_hook_all_reduce=model.fc1.weight)
+    with pytest.raises(ValueError, match="param_to_hook_all_reduce must be a parameter of the module"):
+        graphddp.DDP(model, delay_all_reduce_named_params=fc3, param_to_hook_all_reduce=torch.nn.Parameter(torch.ones(1)))
+    ddp = graphddp.DDP(model, delay_all_reduce_named_params=fc3, param_to_hook_all_reduce=model.fc1.weight)
+    assert {"fc3.weight", "fc3.bias"} <= ddp.parameters_to_ignore  # as PyTorch: out of the buckets
 
 
 def test_bucket_cap_mb_list_caps_each_bucket_in_ready_order_the_last_repeating() -> None:
