@@ -30,14 +30,19 @@ BANDWIDTH_BOUND_S = 0.1
 speed (the benchmark's token bucket holds 10 ms of traffic, a switch's buffers do the same): a series that stops at
 a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/cost.py``)."""
 
+CONSTRUCTION_MATMUL = 512
+"""The matmul ``compute_rates`` times at construction (512³: ~1 ms on a CPU core, near the large-matmul rate)."""
+
 _fitted: weakref.WeakKeyDictionary[dist.ProcessGroup, LinkModel] = weakref.WeakKeyDictionary()
+_rates: weakref.WeakKeyDictionary[dist.ProcessGroup, ComputeRates] = weakref.WeakKeyDictionary()
+_cpu_costs: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[float, int], float]] = weakref.WeakKeyDictionary()
 
 
 def link_of(
     group: dist.ProcessGroup | None = None,
     *,
     sizes: Sequence[int] | None = None,
-    repeats: int = 3,
+    repeats: int = 2,
     device: torch.device | None = None,
 ) -> LinkModel:
     """The link model of ``group`` (collective: every rank of it calls this), measured once and cached.
@@ -108,15 +113,19 @@ def grow_series(
 
 
 def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> ComputeRates:
-    """How fast this rank computes (a large matmul's flop rate, an elementwise op's byte rate), rank 0's
-    measurement broadcast so every rank estimates graphs alike (``graphddp.passes.graph_cost``). Collective."""
+    """How fast this rank computes (a matmul's flop rate, an elementwise op's byte rate), rank 0's measurement
+    broadcast so every rank estimates graphs alike (``graphddp.passes.graph_cost``). Collective; measured once per
+    group (a second DDP on it costs nothing)."""
     group = group if group is not None else dist.group.WORLD
+    if group in _rates:
+        return _rates[group]
     device = device or torch.device("cpu")
-    here = measure_compute_rates(device)
+    here = measure_compute_rates(device, matmul_size=CONSTRUCTION_MATMUL)
     agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s], dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
         dist.broadcast(agreed, group=group, group_src=0)
-    return ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]), python_call_s=float(agreed[2]))
+    _rates[group] = rates = ComputeRates(flops_per_s=float(agreed[0]), bytes_per_s=float(agreed[1]), python_call_s=float(agreed[2]))
+    return rates
 
 
 def measure_compute_rates(
@@ -133,7 +142,7 @@ def measure_compute_rates(
     return ComputeRates(flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s, python_call_s=python_call_seconds())
 
 
-def python_call_seconds(calls: int = 20_000) -> float:
+def python_call_seconds(calls: int = 5_000) -> float:
     """One Python call of a small method, best of 5 loops (what the Reducer's per-bucket work is counted in)."""
 
     class Probe:
@@ -150,15 +159,19 @@ def python_call_seconds(calls: int = 20_000) -> float:
 
 
 def cpu_cost_of_communication(
-    group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.4, repeats: int = 3
+    group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.1, repeats: int = 2
 ) -> float:
     """Seconds of compute each byte a CPU rank sends costs it (gloo's copies and reductions, the network
-    stack): a fixed matmul loop timed alone and while all-reduces run beside it. Rank 0's figure, broadcast.
-    Collective; CPU groups only (on a GPU, communication does not take compute's processor)."""
+    stack): a fixed matmul loop timed alone and while all-reduces run beside it, ``repeats`` windows of
+    ``window_s`` each way (construction's default: ~0.5 s; the benchmark takes longer ones). Rank 0's figure,
+    broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's processor); measured
+    once per group and window."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 2:
         return 0.0
+    if (window_s, repeats) in _cpu_costs.get(group, {}):
+        return _cpu_costs[group][(window_s, repeats)]
     link = link or link_of(group)
     # Enough bytes to keep the link busy for half the window, in 4 MiB buffers.
     per_byte = 2 * (world - 1) / world * link.seconds_per_byte
@@ -186,6 +199,7 @@ def cpu_cost_of_communication(
     cost = torch.tensor([max(0.0, min(beside) - min(alone)) / on_wire], dtype=torch.float64)
     dist.broadcast(cost, group=group, group_src=0)
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
+    _cpu_costs.setdefault(group, {})[(window_s, repeats)] = float(cost)
     return float(cost)
 
 

@@ -19,3 +19,43 @@ def test_the_link_is_calibrated_once_and_every_rank_holds_rank_0s_fit() -> None:
     assert all(cached for *_, cached in results)
     latency, per_byte, _ = results[0]
     assert latency >= 0 and per_byte >= 0 and latency + per_byte > 0, results  # timings on a loaded CPU are noisy
+
+
+def collectives_of_a_second_auto_ddp(rank: int, world: int) -> tuple[int, int]:
+    """(collectives of the first ``bucket_cap_mb="auto"`` construction's calibration, of a second one) on a group
+    of its own (the link, compute rates and communication's CPU cost are measured once per group)."""
+    import torch
+    import torch.distributed as dist
+
+    import graphddp
+
+    group = dist.new_group(list(range(world)))
+    counted = {"n": 0}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "barrier", "broadcast")}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            counted["n"] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    counts = []
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counting(fn))
+        for _ in range(2):
+            counted["n"] = 0
+            graphddp.DDP(torch.nn.Linear(8, 8), process_group=group, bucket_cap_mb="auto", init_sync=False)
+            counts.append(counted["n"])
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    dist.destroy_process_group(group)
+    return counts[0], counts[1]
+
+
+def test_a_second_auto_ddp_on_a_group_measures_nothing() -> None:
+    for first, second in run_on_ranks(collectives_of_a_second_auto_ddp, 2):
+        assert first > 10, first  # the link series, the compute rates, the CPU cost of communication
+        assert second == 0, second
