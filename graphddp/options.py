@@ -240,6 +240,12 @@ def _single_device(params: list[nn.Parameter], rank: int) -> torch.device:
             f"[rank {rank}] graphddp.DDP: the module's parameters live on several devices {devices}; "
             "graphddp.DDP supports single-device modules: one rank per device."
         )
+    if params[0].is_meta:  # PyTorch fails too (Tensor.item() on a meta tensor); silently, graphddp would not sync
+        raise RuntimeError(  # PyTorch's type
+            f"[rank {rank}] graphddp.DDP: the module's parameters are on the meta device (deferred initialisation): there is nothing to "
+            "broadcast, and parameters materialised later are new objects no hook of graphddp's would see. Materialise "
+            "them first (module.to_empty(device=...) and initialise them), then wrap the module."
+        )
     return params[0].device
 
 

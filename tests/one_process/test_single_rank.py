@@ -385,3 +385,8 @@ def test_set_static_graph_and_logging_data_as_frameworks_call_them() -> None:
         late._set_static_graph()
     logged = late._get_ddp_logging_data()
     assert logged["has_error"] == 1 and "should be called before training loop starts" in logged["error"]
+
+
+def test_a_meta_device_module_is_refused_before_anything_is_planned() -> None:
+    with pytest.raises(RuntimeError, match="on the meta device .* Materialise them first .*then wrap the module"):
+        graphddp.DDP(torch.nn.Linear(4, 4, device="meta"))
