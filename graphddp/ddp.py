@@ -27,6 +27,7 @@ from .runtime.comm import broadcast_coalesced, collective_device, verify_same_pa
 from .runtime.delayed import DelayedAllReduce, named_delayed
 from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
 from .runtime.optimizer_overlap import StepPerBucket
+from .runtime.placement import Placement
 from .runtime.reducer import Reducer
 from .runtime.torch_ddp import TorchDDP
 from .torch_compat import TorchDDPSurface, check_comm_hook, refuse_torch_ddp_outside
@@ -172,27 +173,21 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         """The Reducer for ``plan`` (local: no collective), with what it shares with this module."""
         self._collective_device = collective_device(self.process_group, self.device)
         active_ranks = ActiveRanks(self.world_size)
+        named = [(n, p) for n, p in self._synced_parameters() if p.requires_grad]
         self.reducer = Reducer(
-            [(n, p) for n, p in self._synced_parameters() if p.requires_grad],
-            plan,
-            process_group=self.process_group,
-            collective_device=self._collective_device,
-            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
-            usage=self.options.usage_policy(),
-            active_ranks=active_ranks,
-            sparse_embedding_grads=self.options.sparse_embedding_grads,
-            skip_unused=self.skip_all_reduce_unused_params,
-            auto_caps=self._auto_caps,
-        )
-        self._join = JoinSupport(
-            self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device
-        )
+            named, plan, process_group=self.process_group, collective_device=self._collective_device,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view, usage=self.options.usage_policy(),
+            active_ranks=active_ranks, sparse_embedding_grads=self.options.sparse_embedding_grads,
+            skip_unused=self.skip_all_reduce_unused_params, auto_caps=self._auto_caps,
+        )  # fmt: skip
+        self._join = JoinSupport(self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device)
         self._delayed = DelayedAllReduce.of(self.module, *self._delayed_names, group=self.process_group, rank=self.rank)
+        self._placement = Placement(self.module, named, self.parameters_to_ignore)  # checked per forward
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed"):
+        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed", "_placement"):
             state.pop(name, None)
         state["_plan"] = self.reducer.plan  # pure data: the copy starts on the plan in force
         return state
@@ -223,6 +218,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     @torch.compiler.disable  # collectives and bookkeeping: never captured
     def _pre_forward(self) -> None:
         refuse_torch_ddp_outside(self.rank)
+        self._placement.check(self.rank)  # the parameters as wrapped (graphddp.runtime.placement)
         self._join.notify(self)
         self.reducer.begin_forward(torch.is_grad_enabled())
         self._delayed.before_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)

@@ -58,7 +58,6 @@ from .iteration import Iteration
 from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
-from .placement import Placement
 from .plans import PlanKeeper, planned_specs
 from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
 from .skipping import SkipNeverUsed, SkipNothing
@@ -87,7 +86,6 @@ class Reducer:
     ) -> None:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
-        self._placement = Placement(named_params)  # as planned; begin_forward checks it holds
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
         self._group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
@@ -169,7 +167,6 @@ class Reducer:
             self._iteration = None  # its forward had no backward, or its compiled backward ended unfinished
             stale.ending.check_finished(self.rank)
         self.usage.raise_pending()
-        self._placement.check(self.rank)
         self.switch_plan(grad_enabled)
         self.plans.forward_began(grad_enabled)
 
