@@ -242,8 +242,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         return output
 
     def _forward_done(self, synchronised: bool) -> None:
-        # As in PyTorch: buffers are broadcast before a forward only if the previous one was synchronised.
-        self._sync_buffers_next_forward = synchronised
+        self.reducer.unprepared.forward_ran(grad_enabled=torch.is_grad_enabled(), synchronised=synchronised)
+        self._sync_buffers_next_forward = synchronised  # as PyTorch: buffers broadcast only after a synced forward
 
     # -- buffers and state -------------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -154,3 +155,33 @@ class Iteration:
             return False
         self.phase = phase
         return True
+
+
+class UnpreparedBackward:
+    """Gradients that reach the hooks with no synchronising DDP forward before them accumulate locally, as in
+    PyTorch's DDP. After a ``no_sync()`` forward that is the point; otherwise the training went around the wrapper
+    (``ddp.module(x)`` then ``backward()``, or a second backward of one forward) and the gradients are not
+    averaged: PyTorch says nothing, graphddp warns once per wrapper, naming the first such parameter."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._local_expected = False
+        self._warned = False
+
+    def forward_ran(self, *, grad_enabled: bool, synchronised: bool) -> None:
+        """A forward through the wrapper: one under ``no_sync()`` with gradients makes local backwards expected,
+        until the next synchronising one."""
+        if grad_enabled:
+            self._local_expected = not synchronised
+
+    def gradient(self, name: str) -> None:
+        """A gradient reached its hook outside any synchronised backward."""
+        if not (self._local_expected or self._warned):
+            self._warned = True
+            warnings.warn(
+                f"[rank {self._rank}] graphddp.DDP: the gradient of {name!r} reached graphddp's hooks with no forward "
+                "through the wrapper before it (ddp.module(...) then backward(), or a second backward of one forward): "
+                "it stays local, not averaged across ranks, as in PyTorch's DDP. Train through ddp(...); for a local "
+                "backward on purpose, run its forward under ddp.no_sync().",
+                stacklevel=2,
+            )

@@ -54,7 +54,7 @@ from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
 from .countdown import Countdown
 from .grad_layout import dense_layout
-from .iteration import Iteration
+from .iteration import Iteration, UnpreparedBackward
 from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
@@ -102,6 +102,7 @@ class Reducer:
             planned_specs(named_params, plan), plan, group=process_group, device=collective_device, auto_caps=auto_caps
         )
         self._iteration: Iteration | None = None
+        self.unprepared = UnpreparedBackward(self.rank)  # a gradient with no DDP forward before it: said once
         self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
@@ -195,7 +196,7 @@ class Reducer:
         self.usage.used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
         iteration = self._iteration
         if iteration is None:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
-            return
+            return self.unprepared.gradient(self._names[i])
         if not iteration.ending.begun:
             self._begin_backward(iteration)
         bucket, slot = self._slots.slot[i]

@@ -4,6 +4,8 @@ on silently with those gradients never averaged."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,3 +66,31 @@ def test_a_parameter_changed_after_wrapping_raises_on_every_rank_naming_it(what:
 
 def test_registering_the_same_parameter_again_changes_nothing() -> None:
     assert run_on_ranks(train_after, 2, "reassigned_itself") == ["works", "works"]
+
+
+def warnings_of_local_backwards(rank: int, world: int) -> list[list[str]]:
+    """The warnings of: a training step (none), a forward around the wrapper then backward (one), the same again
+    (none: once per wrapper), a no_sync micro-step (expected local: none)."""
+    import warnings
+
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(MLP(), **CAPS)
+    x, y = batch_for(Case(), 0, 0, rank)
+    seen = []
+    for how in ("step", "around", "around", "no_sync"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how in ("step", "no_sync"):
+                with ddp.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                    F.mse_loss(ddp(x), y).backward()
+            else:
+                F.mse_loss(ddp.module(x), y).backward()
+        seen.append([str(w.message) for w in caught if "graphddp" in str(w.message)])
+    return seen
+
+
+def test_training_around_the_wrapper_is_said_once_and_no_sync_is_not() -> None:
+    for seen in run_on_ranks(warnings_of_local_backwards, 2):
+        assert seen[0] == seen[2] == seen[3] == [], seen
+        (message,) = seen[1]
+        assert "with no forward through the wrapper" in message and "not averaged" in message, message
