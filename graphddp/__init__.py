@@ -7,7 +7,7 @@ eager path and the compile backend share (see ``graphddp.passes.plan`` and ``doc
 
 from ._version import __version__
 from .compiler.backend import backend
-from .ddp import DDP, DDPOptions, DistributedDataParallel, compile
+from .ddp import DDP, DDPOptions, DistributedDataParallel, check_replicas, compile
 from .integrations import checkpoint as _checkpoint  # noqa: F401 (takes part in every DDP construction)
 from .integrations.frameworks import install, installed, uninstall
 
@@ -17,6 +17,7 @@ __all__ = [
     "DistributedDataParallel",
     "__version__",
     "backend",
+    "check_replicas",
     "compile",
     "install",
     "installed",

@@ -22,6 +22,7 @@ from .compiler import compile_target, dynamo_hook
 from .compiler.backend import GraphDDPBackend, inner_compiler
 from .options import AUTO, BucketOptions, DDPOptions, device_of, from_torch_arguments, trainable_parameters
 from .passes import BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply, sparse_gradient_params
+from .runtime import replicas
 from .runtime.auto_caps import AutoCaps
 from .runtime.comm import broadcast_coalesced, collective_device, verify_same_params
 from .runtime.delayed import DelayedAllReduce, named_delayed
@@ -29,10 +30,11 @@ from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
 from .runtime.optimizer_overlap import StepPerBucket
 from .runtime.placement import Placement
 from .runtime.reducer import Reducer
+from .runtime.replicas import ReplicaCheck
 from .runtime.torch_ddp import TorchDDP
 from .torch_compat import TorchDDPSurface, check_comm_hook, refuse_torch_ddp_outside
 
-__all__ = ["AUTO", "DDP", "BucketOptions", "DDPOptions", "DistributedDataParallel", "compile", "on_construction"]
+__all__ = ["AUTO", "DDP", "BucketOptions", "DDPOptions", "DistributedDataParallel", "check_replicas", "compile", "on_construction"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         last_bucket_cap_mb: float | str = 1,
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
+        check_replicas_every: int = 0,
     ) -> None:
         """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only."""
         nn.Module.__init__(self)  # not super(): in InstalledDDP (Note [Frameworks]) PyTorch's DDP comes next
@@ -97,7 +100,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision, bucket_cap_mb_list=bucket_cap_mb_list,
             first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb, bucket_ramps=bucket_ramps,
-            sparse_embedding_grads=sparse_embedding_grads,
+            sparse_embedding_grads=sparse_embedding_grads, check_replicas_every=check_replicas_every,
         )
         self.dim, self.batched_grad_copy, self.mixed_precision = dim, batched_grad_copy, mixed_precision  # PyTorch's
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
@@ -156,7 +159,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             f"option buckets={o.caps} automatic={o.caps_search}",
             f"option find_unused_parameters={o.find_unused_parameters} static_graph={o.static_graph}",
             f"option forward_sync_buffers={o.broadcast_buffers} sparse_embedding_grads={o.sparse_embedding_grads}",
-            f"option skip_all_reduce_unused_params={self.skip_all_reduce_unused_params}",
+            f"option skip_all_reduce_unused_params={self.skip_all_reduce_unused_params} check_replicas_every={o.check_replicas_every}",
         ]
 
     def _calibrate_auto_caps(self) -> AutoCaps | None:
@@ -183,11 +186,12 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._join = JoinSupport(self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device)
         self._delayed = DelayedAllReduce.of(self.module, *self._delayed_names, group=self.process_group, rank=self.rank)
         self._placement = Placement(self.module, named, self.parameters_to_ignore)  # checked per forward
+        self._replicas = ReplicaCheck(self.options.check_replicas_every, named, group=self.process_group, device=self._collective_device)
 
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed", "_placement"):
+        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed", "_placement", "_replicas"):
             state.pop(name, None)
         state["_plan"] = self.reducer.plan  # pure data: the copy starts on the plan in force
         return state
@@ -220,13 +224,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         refuse_torch_ddp_outside(self.rank)
         self._placement.check(self.rank)  # the parameters as wrapped (graphddp.runtime.placement)
         self._join.notify(self)
-        self.reducer.begin_forward(torch.is_grad_enabled())
-        self._delayed.before_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
-        self.reducer.compile_target.begin_forward(  # in-graph reduction this forward? (Note [In-graph reduction])
-            grad_enabled=torch.is_grad_enabled(),
-            synchronising=torch.is_grad_enabled() and self.require_backward_grad_sync,
-            joining=self._join_config.enable,
-        )
+        grad_enabled = torch.is_grad_enabled()
+        synchronising = grad_enabled and self.require_backward_grad_sync
+        self._replicas.before_forward(synchronising)  # check_replicas_every (graphddp.runtime.replicas)
+        self.reducer.begin_forward(grad_enabled)
+        self._delayed.before_forward(synchronising)
+        # In-graph reduction this forward? (Note [In-graph reduction])
+        self.reducer.compile_target.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, joining=self._join_config.enable)
         if self._will_sync_buffers():
             src = self._join.common_rank(True) if self._join_config.enable else 0
             self._broadcast_buffers(src)
@@ -347,6 +351,12 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
 
 DDP = DistributedDataParallel
+
+
+def check_replicas(ddp: DistributedDataParallel) -> None:
+    """Raise ``graphddp.runtime.replicas.ReplicasDiffer`` on every rank if the ranks' synchronised parameters differ,
+    naming the first (collective: call it on every rank; ``check_replicas_every=N`` runs it every N steps)."""
+    replicas.check_replicas(ddp._synced_parameters(), group=ddp.process_group, device=ddp._collective_device)
 
 
 def _check_wrappable(module: nn.Module) -> None:

@@ -98,12 +98,18 @@ class DDPOptions(BucketOptions):
     """Make ``param.grad`` a view into its bucket's flat buffer, saving one gradient-sized copy."""
     static_graph: bool = False
     """Promise that the set of used parameters never changes: search once, then skip the search."""
+    check_replicas_every: int = 0
+    """Compare the parameters' values across ranks before every this many training forwards and raise, naming the
+    first that differs, when the replicas drifted apart (``graphddp.runtime.replicas``); 0: never."""
 
     def __post_init__(self) -> None:
         for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise TypeError(f"graphddp.DDP: {field} must be True or False, got {value!r}")
+        every = self.check_replicas_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"graphddp.DDP: check_replicas_every must be a whole number of forwards >= 0 (0: never), got {every!r}")
         super().__post_init__()
 
     def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
@@ -147,6 +153,7 @@ def from_torch_arguments(
     last_bucket_cap_mb: float | str,
     bucket_ramps: bool,
     sparse_embedding_grads: bool,
+    check_replicas_every: int = 0,
 ) -> TorchArguments:
     """The arguments of ``DistributedDataParallel.__init__`` (PyTorch's, then graphddp's own) as graphddp runs them.
 
@@ -171,6 +178,7 @@ def from_torch_arguments(
         find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=gradient_as_bucket_view,
         static_graph=static_graph,
+        check_replicas_every=check_replicas_every,
     )
     group, mesh = _group_of(process_group, device_mesh)
     return TorchArguments(
