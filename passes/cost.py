@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 from collections.abc import Sequence
 
 import networkx as nx
 import sympy
 
-REDUCER_CALLS_PER_BUCKET = 95
-"""Python calls the Reducer makes per bucket in a steady backward (gather, launch, wait, write-back), as
-``bench.overhead`` counts them (``docs/benchmarks.md``)."""
+REDUCER_CALLS_PER_BUCKET = 30
+"""Python calls the Reducer makes per bucket in a steady backward (gather, launch, wait, write-back) on the lean
+bucket path (Note [Lean bucket path]; 95 before it), as ``tests/spawned/test_steady_hook.py`` and
+``bench.overhead`` count them (``docs/benchmarks.md``)."""
 
 
 def allreduce_seconds() -> tuple[sympy.Expr, dict[str, sympy.Symbol]]:
@@ -94,14 +96,10 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
         raise ValueError(f"fitting a link needs at least 2 ranks, got world size {world}")
     if len({n for n, _ in samples}) < 2:
         raise ValueError("fitting a link needs all-reduces of at least two different sizes")
-    a = 2 * (world - 1)
     xs = [2 * (world - 1) / world * n for n, _ in samples]
-    ys = [t for _, t in samples]
-    # Normal equations of y = a·α + x·β over the samples (a is the same for every sample).
-    count, sx, sy = len(xs), sum(xs), sum(ys)
-    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
-    beta = (count * sxy - sx * sy) / (count * sxx - sx * sx)
-    alpha = (sy - beta * sx) / (count * a)
+    # y = a·α + x·β: a line in x whose slope is β and whose intercept is a·α (a is the same for every sample).
+    beta, intercept = statistics.linear_regression(xs, [t for _, t in samples])
+    alpha = intercept / (2 * (world - 1))
     return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=max(beta, 0.0))
 
 

@@ -13,8 +13,8 @@ there are no ranks to calibrate on.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
+import pkgutil
 import re
 from typing import Any
 
@@ -236,10 +236,11 @@ def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module
         )
     module_name, _, factory_name = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        factory = pkgutil.resolve_name(target)  # package.module:factory, as entry points name objects
+    except AttributeError:
+        raise InspectError(f"{module_name!r} has no callable {factory_name!r}") from None
     except Exception as e:
         raise InspectError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise InspectError(f"{module_name!r} has no callable {factory_name!r}")
     try:
