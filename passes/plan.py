@@ -179,6 +179,8 @@ class BucketCaps:
     def __post_init__(self) -> None:
         if not isinstance(self.ramps, bool):
             raise TypeError(f"BucketCaps.ramps must be True or False, got {self.ramps!r}")
+        if isinstance(self.sequence, list):  # as JSON gives it back
+            object.__setattr__(self, "sequence", tuple(self.sequence))
         if not isinstance(self.sequence, tuple) or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in self.sequence):
             raise ValueError(f"BucketCaps.sequence must be a tuple of byte counts > 0, got {self.sequence!r}")
         for name in ("bucket", "first", "last"):

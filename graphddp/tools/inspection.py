@@ -88,7 +88,18 @@ def predict_graph(gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_
     model]); the optimizer is not in it."""
     node_seconds = forward_seconds(gm, rates)
     inputs = dataclasses.replace(estimated_step_inputs(split, node_seconds), forward_s=sum(node_seconds.values()))
-    return predict_step(inputs, link, world_size)
+    return _numbered_as_the_split(predict_step(inputs, link, world_size), split.num_segments)
+
+
+def _numbered_as_the_split(p: Prediction, count: int) -> Prediction:
+    """The cost model numbers segments in the order backward runs them; inspect's tables number them as the split
+    does (``segment 0`` first in forward, last in backward): one numbering in all of inspect's output."""
+
+    def name(node: str) -> str:
+        kind, _, position = node.partition(" ")
+        return f"segment {count - 1 - int(position)}" if kind == "segment" else node
+
+    return dataclasses.replace(p, timeline={name(n): t for n, t in p.timeline.items()}, critical_path=tuple(map(name, p.critical_path)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +269,7 @@ def _prediction_text(p: Prediction) -> str:
     return "\n".join([
         f"predicted step (forward, backward, all-reduces; no optimizer): {p.step_s * 1e3:.1f} ms, of which "
         f"{p.exposed_s * 1e3:.1f} ms communication not hidden by backward (Note [Step cost model])",
-        "critical path (segments numbered in the order backward runs them): " + " -> ".join(p.critical_path),
+        "critical path (segments numbered as in the segment table; backward runs them last to first): " + " -> ".join(p.critical_path),
         tabulate(rows, headers=["predicted timeline", "start ms", "end ms"]),
     ])  # fmt: skip
 

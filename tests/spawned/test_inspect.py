@@ -176,6 +176,15 @@ def test_link_predicts_the_step_and_a_slower_link_exposes_more(capsys: pytest.Ca
     assert "predicted step (forward, backward, all-reduces; no optimizer)" in capsys.readouterr().out
 
 
+def test_the_prediction_numbers_segments_as_the_segment_table(capsys: pytest.CaptureFixture) -> None:
+    graph = inspect_json(capsys, "mlp", "--size", "small", "--bucket-cap-mb", "1", "--world-size", "2", "--link", "2gbit")["graphs"][0]
+    indices = sorted(s["index"] for s in graph["segments"])
+    timeline = graph["prediction"]["timeline"]
+    in_backward = sorted((start, int(node.split()[1])) for node, (start, _) in timeline.items() if node.startswith("segment"))
+    assert len(indices) > 1 and sorted(i for _, i in in_backward) == indices
+    assert [i for _, i in in_backward] == indices[::-1], in_backward  # backward runs the last segment first
+
+
 def test_a_bad_link_is_one_line_and_exit_2() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "graphddp", "inspect", "mlp", "--size", "tiny", "--link", "fast"],
@@ -217,7 +226,8 @@ def test_auto_caps_are_chosen_for_the_link_as_a_compiled_run_chooses_them(capsys
         assert len(auto["ranking"]) == len(CapsSearch().candidates())
         assert [c["predicted_s"] for c in auto["ranking"]] == sorted(c["predicted_s"] for c in auto["ranking"])
         expected = compiled_run_choice(link, 2)
-        assert graph["caps"] == dataclasses.asdict(expected.caps) and graph["fingerprint"] == expected.fingerprint
+        as_json = json.loads(json.dumps(dataclasses.asdict(expected.caps)))  # a tuple (BucketCaps.sequence) is a list
+        assert graph["caps"] == as_json and graph["fingerprint"] == expected.fingerprint
         chosen[link] = (graph["caps"], len(graph["buckets"]))
     assert chosen["1gbit"] != chosen["10gbit:1ms"], chosen  # the link decides
     # The table says which caps were chosen, as the runtime's log line writes them.

@@ -248,6 +248,7 @@ def tied_gpt_under_users_compiled_autograd(rank: int, world: int) -> list[bool]:
     return parts
 
 
+@pytest.mark.slow  # ~30 s: compiled autograd recompiles per step; the default suite stays under 10 minutes
 def test_a_tied_table_trains_under_the_users_compiled_autograd() -> None:
     for parts in run_on_ranks(tied_gpt_under_users_compiled_autograd, 2, timeout=300):
         assert parts[-1], parts  # the table's part had its own slot: the tap took it
