@@ -119,7 +119,7 @@ def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path, 
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=graphddp-bench", *where,
-        "-m", "bench.worker", str(config),
+        "-m", f"{__package__}.worker", str(config),  # bench.worker in the repository, graphddp.bench.worker installed
     ]  # fmt: skip
 
 

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inner", type=inner_backend, default=defaults.inner, help="inner compiler per segment: inductor (default), aot_eager (compiles in seconds), eager")
     add_bucket_arguments(demo, defaults, note="smaller than graphddp.DDP's defaults, so the small model gets several buckets")
 
+    commands.add_parser(
+        "bench", add_help=False, help="the benchmark: graphddp bench [matrix|overhead|scale|gpu] ARGS (--help: its own)"
+    )
+
     inspect = commands.add_parser(
         "inspect", help="show a model's bucket plan and graph split, in one process, without launching ranks"
     )
@@ -80,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)  # what follows `bench` is the benchmark's own command line
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     if args.command == "demo":
         try:
@@ -98,7 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(options, log_level=args.log_level)  # the ranks log at the same level
     elif args.command == "inspect":
         return _inspect(args)
+    elif args.command == "bench":
+        return run_bench(argv[argv.index("bench") + 1 :])
     return 0
+
+
+BENCH_TOOLS = ("matrix", "overhead", "scale", "gpu")
+"""``graphddp bench TOOL ...``: ``graphddp.bench.TOOL``'s command line; without a tool, ``graphddp.bench``'s."""
+
+
+def run_bench(argv: list[str]) -> int:
+    """The benchmark as installed (``bench/`` ships as ``graphddp.bench``), imported only when asked for."""
+    import importlib
+
+    tool = argv[0] if argv and argv[0] in BENCH_TOOLS else "__main__"
+    module = importlib.import_module(f"graphddp.bench.{tool}")
+    return int(module.main(argv[1:] if tool != "__main__" else argv) or 0)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -157,3 +157,20 @@ def test_the_package_ships_py_typed() -> None:
     section = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1].split("\n[")[0]
     assert 'graphddp = ["py.typed"]' in section, section
     assert (root / "graphddp" / "py.typed").is_file()
+
+
+def test_graphddp_bench_forwards_to_the_installed_benchmark(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "overhead", "--help"])  # graphddp.bench.overhead's own help
+    assert exit.value.code == 0 and "--world-sizes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "mlp", "--no-such-flag"])  # other commands still refuse what they do not know
+    assert exit.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_the_bench_launches_its_worker_from_the_package_it_was_imported_as() -> None:
+    import bench.run
+    import graphddp.bench.run
+
+    assert bench.run._torchrun(2, 1, 0, "127.0.0.1", "c")[-2] == "bench.worker"  # python -m bench, in the repository
+    assert graphddp.bench.run._torchrun(2, 1, 0, "127.0.0.1", "c")[-2] == "graphddp.bench.worker"  # installed
