@@ -226,6 +226,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._join.notify(self)
         grad_enabled = torch.is_grad_enabled()
         synchronising = grad_enabled and self.require_backward_grad_sync
+        if synchronising:  # PyTorch's logger samples synchronised iterations (graphddp.runtime.stats)
+            self.reducer.stats.forward_started()
         self._replicas.before_forward(synchronising)  # check_replicas_every (graphddp.runtime.replicas)
         self.reducer.begin_forward(grad_enabled)
         self._delayed.before_forward(synchronising)
@@ -240,6 +242,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any) -> Any:
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.reducer.stats.mark("forward_end")
         if synchronise and not self.reducer.compile_target.gate.reduced_in_graph():  # else: the graphs reduced
             self.reducer.prepare_for_backward(output)
         self._forward_done(synchronise)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -105,31 +106,49 @@ class TorchDDPSurface:
         self.reducer.usage.set_policy(self.options.usage_policy())
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """The subset of PyTorch's DDP logging data that frameworks read (Lightning's teardown, for one)."""
-        usage = self.reducer.usage
-        return {
+        """PyTorch's DDP logging data (frameworks read it; PyTorch's own tests check it): the construction fields,
+        the runtime statistics of the last sampled iteration (``graphddp.runtime.stats``), the plan's buckets, the
+        environment PyTorch's logger records, and the last usage error. ``prev_iteration_grad_ready_order_indices``
+        is the order graphddp last observed (it learns it while the plan is rebuilt, not every iteration)."""
+        usage, plan = self.reducer.usage, self.bucket_plan
+        trainable = [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore and p.requires_grad]
+        index = {n: i for i, (n, _) in enumerate(trainable)}
+        sizes = ", ".join(str(b.nbytes) for b in plan.buckets)
+        data: dict[str, Any] = {
             "module_name": type(self.module).__name__,
             "world_size": self.world_size,
             "rank": self.rank,
             "device_ids": ",".join(str(d) for d in self.device_ids or ()),
+            "output_device": -1 if self.device.type == "cpu" else self.device.index,  # PyTorch's -1: no output device
             "backend_name": dist.get_backend(self.process_group),
             "bucket_cap_bytes": self.bucket_bytes_cap,
             "broadcast_buffers": int(self.options.broadcast_buffers),
             "find_unused_parameters": int(self.options.find_unused_parameters),
             "gradient_as_bucket_view": int(self.options.gradient_as_bucket_view),
             "static_graph": int(self.options.static_graph),
-            "has_rebuilt_buckets": int(self.bucket_plan.source != "registration"),
-            "num_buckets": len(self.bucket_plan.buckets),
+            "dtypes": ", ".join(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for _, p in trainable})),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for _, p in trainable),
+            "num_parameter_tensors": len(trainable),
+            "bucket_sizes": sizes,
+            "has_rebuilt_buckets": int(usage.iterations > 0),  # the first backward's ready order was weighed
+            "rebuilt_bucket_sizes": sizes,
+            "rebuilt_per_bucket_param_indices": ", ".join(" ".join(str(index[n]) for n in b.names if n in index) for b in plan.buckets),
+            "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self.reducer.plans.ready_order.observed)),
+            "num_buckets": len(plan.buckets),
             "comm_hook": "custom" if self.reducer.comm_hook.custom else "graphddp average all-reduce",
-            "iteration": usage.iterations,
+            "iteration": 0,
             # As PyTorch: the set of unused parameters never changed, so static_graph=True would be safe.
             "can_set_static_graph": int(usage.iterations > 0 and len(usage.unused_sets) == 1),
             "has_error": int(self._logged_error is not None),
             "error": self._logged_error or "",
+            **_environment(self.process_group),
+            **self.reducer.stats.published,
         }
+        return data
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        """Accepted, as PyTorch's: graphddp samples nothing."""
+        """Time every ``sample_rate``-th synchronised iteration after the first ten (PyTorch's sampling)."""
+        self.reducer.stats.set_sample_rate(sample_rate)
 
     def register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """PyTorch's built-in hooks by name: ``ALLREDUCE`` (sum, then average) or ``FP16_COMPRESS``."""
@@ -152,6 +171,25 @@ class TorchDDPSurface:
         """Keep these parameters and buffers (fully qualified names) local: a DDP built on ``module`` afterwards
         neither broadcasts nor reduces them. The same call as PyTorch's DDP, which frameworks make."""
         TorchDDP._set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore)
+
+
+_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}
+"""The names PyTorch's logger gives dtypes (``caffe2::TypeMeta::name``)."""
+
+
+def _environment(group: dist.ProcessGroup) -> dict[str, Any]:
+    """What PyTorch's logger records of the environment ("N/A": unset), and the gloo group's thread count."""
+    env = {k: os.environ.get(v, "N/A") for k, v in (("master_port", "MASTER_PORT"), ("master_addr", "MASTER_ADDR"),
+           ("torch_distributed_debug", "TORCH_DISTRIBUTED_DEBUG"), ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES"))}  # fmt: skip
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        env.update(gloo_socket_ifname=os.environ.get("GLOO_SOCKET_IFNAME", "N/A"), gloo_device_transport=os.environ.get("GLOO_DEVICE_TRANSPORT", "N/A"))
+        options = getattr(group._get_backend(torch.device("cpu")), "options", None)
+        env["gloo_num_threads"] = getattr(options, "_threads", 2)
+    elif backend == "nccl":
+        names = ("NCCL_SOCKET_IFNAME", "NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG", "NCCL_NTHREADS", "NCCL_IB_TIMEOUT")
+        env.update({name.lower(): os.environ.get(name, "N/A") for name in names})
+    return env
 
 
 def _internal(name: str) -> Any:

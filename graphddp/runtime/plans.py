@@ -155,6 +155,8 @@ class ReadyOrder:
         """Seconds from the end of forward to each of ``learned``'s gradients (the end of backward for gradients
         that came in no hook)."""
         self.backward_s = 0.0
+        self.observed: list[int] = []
+        """The last order learned, kept after the plan is rebuilt (``_get_ddp_logging_data`` reports it)."""
 
     @property
     def learning(self) -> bool:
@@ -180,7 +182,7 @@ class ReadyOrder:
         if self._seen is not None:
             seen = set(self._seen)
             missing = [i for i in dict.fromkeys(in_plan_order) if i not in seen]
-            self.learned = self._seen + missing
+            self.learned = self.observed = self._seen + missing
             self.learned_times = self._times + [self.backward_s] * len(missing)
             self._seen = None
 

@@ -61,6 +61,7 @@ from .optimizer_overlap import NoStep, StepPerBucket
 from .plans import PlanKeeper, planned_specs
 from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
 from .skipping import SkipNeverUsed, SkipNothing
+from .stats import RuntimeStats
 from .target import ReducerTarget
 from .trace import Events, NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
@@ -103,6 +104,7 @@ class Reducer:
         )
         self._iteration: Iteration | None = None
         self.unprepared = UnpreparedBackward(self.rank)  # a gradient with no DDP forward before it: said once
+        self.stats = RuntimeStats()  # six instants per iteration, for _get_ddp_logging_data (graphddp.runtime.stats)
         self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
@@ -219,6 +221,7 @@ class Reducer:
     def _begin_backward(self, iteration: Iteration) -> None:
         """The first hook: the agreement, the ending, and the steady hook where nothing is asked per gradient."""
         iteration.begin_backward(self.plans, self._finalize)
+        self.stats.mark("backward_start")
         self._countdown.arm(per_gradient_work=self._events.recording or self.plans.ready_order.learning)
 
     def _mark_ready(self, i: int) -> None:
@@ -239,6 +242,7 @@ class Reducer:
         """Every slot of ``bucket`` is filled: into its buffer, and launch what the index order allows."""
         iteration = self._iteration
         assert iteration is not None
+        self.stats.mark("comm_start")
         self._slots.gather(bucket, iteration.prescale)
         if self._launcher.launch_ready():
             if not (self._policy.chains or self._launcher.committing):  # else count after the waits: a hook's
@@ -250,6 +254,7 @@ class Reducer:
         iteration = self._iteration
         assert iteration is not None
         self._countdown.disarm()
+        self.stats.mark("backward_end")
         try:
             self._events.record("finalize")
             self.plans.ready_order.compute_ended()
@@ -265,6 +270,7 @@ class Reducer:
                     self._bucket_final(bucket.index, whole)
                 else:
                     later.append((bucket.index, whole))
+            self.stats.mark("comm_end")
             iteration.count_usage(self._launcher, self.usage)  # ChainedLaunch: only now, after every bucket
             counts = self.usage.counts(iteration.usage)
             self._skip.reduce_late(self._slots, counts, self._events)

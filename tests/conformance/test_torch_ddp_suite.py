@@ -14,7 +14,7 @@ gloo-only machine (torch 2.13.0+cpu). 11 run and build a DDP; all are INCLUDED:
   test_DistributedDataParallelCPU_grad_is_view                the same, gradient_as_bucket_view=True
   test_DistributedDataParallel_requires_grad                  a module with no trainable parameter is refused
   test_ddp_create_graph                                       backward(create_graph=True), double backward
-  test_ddp_logging_data_cpu                                   _get_ddp_logging_data() fields (xfail: PyTorch's C++ Logger, below)
+  test_ddp_logging_data_cpu                                   _get_ddp_logging_data() fields, sampled runtime statistics
   test_static_graph_api_cpu                                   _set_static_graph() after training: PyTorch's error, logged
   test_accumulate_gradients_no_sync                           no_sync() accumulation equals a big batch
   test_accumulate_gradients_no_sync_grad_is_view              the same, gradient_as_bucket_view=True
@@ -30,9 +30,8 @@ EXCLUDED (one line each):
   9 tests                              unconditionally skipped by torch on Linux (skipIf(IS_LINUX)/skip with a
                                        pytorch issue link, "flaky", "failing"), e.g. test_ddp_has_finalized
 
-Known gap of the "relies on PyTorch's internals" kind (xfail, strict: it reports when it starts passing):
-  test_ddp_logging_data_cpu checks ~40 fields of PyTorch's C++ ``Logger`` (sampled runtime timings, host-side timestamps, grad-ready order,
-  rebuilt bucket indices, env vars, gloo thread count, ``bucket_sizes`` of PyTorch's bucketing).
+Known gaps of the "relies on PyTorch's internals" kind (xfail, strict: it reports when it starts passing): none now.
+``test_ddp_logging_data_cpu`` passes since graphddp samples PyTorch's runtime statistics (``graphddp.runtime.stats``).
 
 Needs ``expecttest`` (torch's test utilities import it; in the test extra). Run::
 
@@ -70,9 +69,7 @@ INCLUDED = [
     "test_grads_same_across_ranks_with_no_sync",
 ]
 
-RELIES_ON_TORCH_INTERNALS = {
-    "test_ddp_logging_data_cpu": "some 40 fields of PyTorch's C++ Logger (sampled timings, its bucket layout, env vars)",
-}
+RELIES_ON_TORCH_INTERNALS = {}  # test -> why (none now)
 
 TEST_TIMEOUT_S = 240
 """Per run (one class, one test, two ranks): torch's DDP takes 7-15 s each on 2 cores."""

@@ -376,7 +376,7 @@ def test_set_static_graph_and_logging_data_as_frameworks_call_them() -> None:
     for seed in range(2):
         step(ddp, Case(model="branchy"), seed)
     data = ddp._get_ddp_logging_data()
-    assert data["iteration"] == 2 and data["can_set_static_graph"] == 1 and data["world_size"] == 1
+    assert data["iteration"] == 1 and data["can_set_static_graph"] == 1  # published at the 2nd forward, as PyTorch and data["world_size"] == 1
     assert data["backend_name"] == "gloo" and data["module_name"] == "Branchy"
     late = graphddp.DDP(MLP())
     step(late)
@@ -390,3 +390,20 @@ def test_set_static_graph_and_logging_data_as_frameworks_call_them() -> None:
 def test_a_meta_device_module_is_refused_before_anything_is_planned() -> None:
     with pytest.raises(RuntimeError, match="on the meta device .* Materialise them first .*then wrap the module"):
         graphddp.DDP(torch.nn.Linear(4, 4, device="meta"))
+
+
+def test_logging_data_samples_runtime_statistics_as_pytorch_does() -> None:
+    ddp = graphddp.DDP(MLP())
+    ddp._set_ddp_runtime_logging_sample_rate(4)
+    seen = []
+    for _ in range(14):
+        ddp(torch.randn(4, 12)).sum().backward()
+        seen.append(ddp._get_ddp_logging_data().get("iteration"))
+    # Published at the forward of iterations 1..10 and every 4th after (12), each the previous iteration's figures.
+    assert seen == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 12, 12], seen
+    data = ddp._get_ddp_logging_data()
+    assert data["backward_compute_time"] >= data["backward_compute_comm_overlap_time"] and data["avg_forward_compute_time"] >= 1
+    assert data["backward_comm_time_end"] >= data["backward_comm_time_start"] >= data["backward_compute_time_start"]
+    assert data["dtypes"] == "float" and data["num_parameter_tensors"] == len(list(ddp.parameters()))
+    with pytest.raises(ValueError, match="sample rate should be >= 1"):
+        ddp._set_ddp_runtime_logging_sample_rate(0)

@@ -132,10 +132,12 @@ def path_problems(file: str, text: str) -> list[str]:
 
 
 def module_file(module: str) -> Path | None:
-    """The file of a graphddp module (``graphddp.passes`` lives in ``passes/``), None if there is none."""
+    """The file of a graphddp module (``graphddp.passes`` lives in ``passes/``, ``graphddp.bench`` in ``bench/``:
+    pyproject's package-dir), None if there is none."""
     parts = module.split(".")
-    base = ROOT / "passes" if parts[:2] == ["graphddp", "passes"] else ROOT / "graphddp"
-    rest = parts[2:] if parts[:2] == ["graphddp", "passes"] else parts[1:]
+    mapped = len(parts) > 1 and parts[0] == "graphddp" and parts[1] in ("passes", "bench")
+    base = ROOT / parts[1] if mapped else ROOT / "graphddp"
+    rest = parts[2:] if mapped else parts[1:]
     for candidate in (base.joinpath(*rest).with_suffix(".py"), base.joinpath(*rest, "__init__.py")):
         if rest and candidate.exists():
             return candidate
