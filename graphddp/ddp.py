@@ -32,7 +32,7 @@ from .runtime.placement import Placement
 from .runtime.reducer import Reducer
 from .runtime.replicas import ReplicaCheck
 from .runtime.torch_ddp import TorchDDP
-from .torch_compat import TorchDDPSurface, check_comm_hook, refuse_torch_ddp_outside
+from .torch_compat import TorchDDPSurface, refuse_torch_ddp_outside
 
 __all__ = ["AUTO", "DDP", "BucketOptions", "DDPOptions", "DistributedDataParallel", "check_replicas", "compile", "on_construction"]
 
@@ -297,9 +297,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
         ``powerSGD_hook.powerSGD_hook``) work unchanged.
         """
-        check_comm_hook(hook)
-        if self.reducer.comm_hook.custom:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._check_new_comm_hook(hook)  # PyTorch's checks, words and logged error (graphddp.torch_compat)
         self.reducer.set_comm_hook(state, hook)
 
     def step_in_backward(self, optimizer: torch.optim.Optimizer) -> None:

@@ -135,7 +135,7 @@ class TorchDDPSurface:
             "rebuilt_per_bucket_param_indices": ", ".join(" ".join(str(index[n]) for n in b.names if n in index) for b in plan.buckets),
             "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self.reducer.plans.ready_order.observed)),
             "num_buckets": len(plan.buckets),
-            "comm_hook": "custom" if self.reducer.comm_hook.custom else "graphddp average all-reduce",
+            "comm_hook": getattr(self.reducer.comm_hook.fn, "__qualname__", "custom") if self.reducer.comm_hook.custom else "graphddp average all-reduce",
             "iteration": 0,
             # As PyTorch: the set of unused parameters never changed, so static_graph=True would be safe.
             "can_set_static_graph": int(usage.iterations > 0 and len(usage.unused_sets) == 1),
@@ -145,6 +145,17 @@ class TorchDDPSurface:
             **self.reducer.stats.published,
         }
         return data
+
+    def _check_new_comm_hook(self, hook: Any) -> None:
+        """Before ``register_comm_hook``: PyTorch's checks with its exception types and words, each error also kept
+        for ``_get_ddp_logging_data`` (``has_error``, ``error``), as PyTorch's logger keeps it."""
+        try:
+            check_comm_hook(hook)
+            if self.reducer.comm_hook.custom:
+                raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        except (TypeError, ValueError, RuntimeError) as e:
+            self._logged_error = str(e)
+            raise
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Time every ``sample_rate``-th synchronised iteration after the first ten (PyTorch's sampling)."""
@@ -160,8 +171,7 @@ class TorchDDPSurface:
         }
         if comm_hook_type not in hooks:
             raise ValueError(f"graphddp.DDP: unknown built-in comm hook {comm_hook_type!r}")
-        if self.reducer.comm_hook.custom:
-            raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once.")
+        self._check_new_comm_hook(hooks[comm_hook_type])
         self.reducer.set_comm_hook(self.process_group, hooks[comm_hook_type])
 
     _register_builtin_comm_hook = register_builtin_comm_hook

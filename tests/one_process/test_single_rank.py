@@ -105,9 +105,13 @@ def test_register_comm_hook_validates_its_arguments() -> None:
         ddp.register_comm_hook(None, lambda bucket: bucket)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    assert ddp._get_ddp_logging_data()["has_error"] == 1  # PyTorch's logger keeps the last error too
     ddp.register_comm_hook(None, allreduce_hook)
+    assert ddp._get_ddp_logging_data()["comm_hook"] == "allreduce_hook"
     with pytest.raises(RuntimeError, match="register_comm_hook or register_builtin_comm_hook can only be called once"):
         ddp.register_comm_hook(None, allreduce_hook)
+    logged = ddp._get_ddp_logging_data()
+    assert logged["has_error"] == 1 and logged["error"] == "register_comm_hook or register_builtin_comm_hook can only be called once."
     step(ddp)  # torch's hook runs on our buckets
 
 
