@@ -82,9 +82,6 @@ class DelayedAllReduce:
             torch.autograd.Variable._execution_engine.queue_callback(work.wait)
         return grad
 
-    def remove(self) -> None:
-        self._handle.remove()
-
 
 class NoDelay:
     """No parameter delayed (the default)."""

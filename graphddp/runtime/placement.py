@@ -49,22 +49,16 @@ class Placement:
     def check(self, rank: int) -> None:
         """Raise ``RuntimeError`` naming every parameter that changed since wrapping (nothing changed: no call per
         parameter)."""
-        for params, attr, _, p, dtype, device, shape in self._entries:
+        changed = False
+        for params, attr, _, p, dtype, device, shape in self._entries:  # a loop, not any(): half the cost
             if params.get(attr) is not p or p.dtype != dtype or p.device != device or p.shape != shape:
+                changed = True
                 break
-        else:
-            if self._maybe_added:
-                self._maybe_added = False
-                if {n for n, _ in self._module.named_parameters()} <= self._known:
-                    return self._check_frozen(rank)
-            else:
-                return self._check_frozen(rank)
-        raise RuntimeError(self._describe(rank))
-
-    def _check_frozen(self, rank: int) -> None:
-        for _, _, _, p, *_ in self._frozen:
-            if p.requires_grad:
-                raise RuntimeError(self._describe(rank))
+        if self._maybe_added and not changed:  # a registration somewhere in the module: was anything new added?
+            self._maybe_added = False
+            changed = not {n for n, _ in self._module.named_parameters()} <= self._known
+        if changed or any(p.requires_grad for _, _, _, p, *_ in self._frozen):
+            raise RuntimeError(self._describe(rank))
 
     def _describe(self, rank: int) -> str:
         problems = []
