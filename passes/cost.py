@@ -36,9 +36,10 @@ import dataclasses
 import re
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import networkx as nx
-import sympy
+if TYPE_CHECKING:  # sympy and networkx load when a prediction is made, not with graphddp (issue 25)
+    import sympy
 
 REDUCER_CALLS_PER_BUCKET = 30
 """Python calls the Reducer makes per bucket in a steady backward (gather, launch, wait, write-back) on the lean
@@ -49,6 +50,8 @@ bucket path (Note [Lean bucket path]; 95 before it), as ``tests/spawned/test_ste
 def allreduce_seconds() -> tuple[sympy.Expr, dict[str, sympy.Symbol]]:
     """The ring all-reduce time as a sympy expression, and its symbols by name (``bytes``, ``world``,
     ``latency``, ``bandwidth`` in bytes per second)."""
+    import sympy
+
     n, w, alpha, bw = sympy.symbols("bytes world latency bandwidth", positive=True)
     expr = 2 * (w - 1) * alpha + 2 * (w - 1) / w * n / bw
     return expr, {"bytes": n, "world": w, "latency": alpha, "bandwidth": bw}
@@ -152,6 +155,8 @@ class Prediction:
 
 def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     """The step's DAG (Note [Step cost model]) and its longest path."""
+    import networkx as nx
+
     graph = nx.DiGraph()
     segments = list(inputs.segment_backward_s)
     on_wire = 2 * (world - 1) / world if world > 1 else 0.0  # bytes each rank sends per bucket byte

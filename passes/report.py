@@ -7,12 +7,13 @@ tabulate and writes the record as ``plan.json``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import sympy
+from typing import TYPE_CHECKING, Any
 
 from .plan import BucketPlan
-from .split import GraphSplit
+from .split import GraphSplit, is_symbolic
+
+if TYPE_CHECKING:
+    import sympy
 
 BUCKET_HEADERS = ("bucket", "bytes", "params", "segment", "extended", "parameters")
 SEGMENT_HEADERS = ("segment", "buckets", "nodes", "param bytes", "inbound activation bytes", "extended")
@@ -82,7 +83,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
 
 def _bytes(value: int | sympy.Expr) -> int | str:
     """Concrete byte counts stay numbers; symbolic ones (dynamic shapes) become their expression, e.g. ``256*s0``."""
-    if isinstance(value, sympy.Expr):
+    if is_symbolic(value):
         return int(value) if value.is_number else str(value)
     return value
 

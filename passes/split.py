@@ -28,15 +28,19 @@ no bucket's completion in practice).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
-import sympy
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from .graph_params import GraphParam
 from .plan import BucketPlan, ParamSpec
+
+if TYPE_CHECKING:  # a symbolic size means Dynamo loaded sympy already; plain sizes never need it
+    import sympy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +224,14 @@ def _inbound_bytes(nodes: list[fx.Node], partition: dict[str, int], count: int) 
         size = tensor_bytes(node.meta.get("example_value", node.meta.get("val")))
         for s in range(made + 1, max(used) + 1):
             totals[s] = totals[s] + size
-    return [sympy.simplify(t) if isinstance(t, sympy.Expr) else t for t in totals]
+    return [t.simplify() if is_symbolic(t) else t for t in totals]
+
+
+def is_symbolic(value: object) -> TypeGuard[sympy.Expr]:
+    """Is ``value`` a sympy expression (a size under dynamic shapes)? Such a value exists only once sympy is loaded,
+    so this never imports it."""
+    sympy = sys.modules.get("sympy")
+    return sympy is not None and isinstance(value, sympy.Expr)
 
 
 def tensor_bytes(value: object) -> int | sympy.Expr:

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from ..compiler.backend import GraphDDPBackend
-from ..ddp import BucketOptions, DistributedDataParallel, compile
+from ..options import BucketOptions
 from .launch import run_ranks
 from .workloads import SIZES, WORKLOADS, build_workload
 
@@ -64,6 +63,9 @@ def run_demo(options: DemoOptions, *, log_level: str | None = None) -> None:
 
 
 def _demo_rank(options: DemoOptions) -> None:
+    from ..compiler.backend import GraphDDPBackend  # on the ranks: the command line itself loads no Dynamo
+    from ..ddp import DistributedDataParallel, compile
+
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     say = print if rank == 0 else (lambda *a, **k: None)

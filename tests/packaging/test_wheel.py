@@ -69,3 +69,34 @@ def test_the_benchmark_ships_and_an_out_folder_named_bench_does_not_shadow_it(in
     assert list((work / "bench").glob("*.json")), sorted(p.name for p in (work / "bench").iterdir())
     run([str(bin_dir / "python"), "-m", "graphddp.bench", *args[:-1], "bench2"], cwd=work)  # the folder exists now
     assert list((work / "bench2").glob("*.json"))
+
+
+USER_SCRIPT = """
+import graphddp
+import torch
+from torch import nn
+
+ddp = graphddp.DDP(nn.Linear(4, 2), bucket_cap_mb=25)
+reveal_type(graphddp.DDP)
+reveal_type(ddp)
+with ddp.no_sync():
+    loss: torch.Tensor = ddp(torch.randn(3, 4)).sum()
+graphddp.install()
+"""
+
+
+def test_mypy_reads_the_installed_types(installed: tuple[Path, Path]) -> None:
+    """A user's script type-checks against the wheel: py.typed is honoured and the lazily loaded names of
+    ``graphddp`` (PEP 562) are real types to mypy, not ``Any``."""
+    bin_dir, work = installed
+    (work / "user.py").write_text(USER_SCRIPT)
+    result = subprocess.run(
+        [str(bin_dir / "python"), "-m", "mypy", "--no-incremental", "--no-error-summary", "user.py"],
+        cwd=work, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    revealed = [line.rpartition("Revealed type is ")[2] for line in result.stdout.splitlines() if "Revealed type" in line]
+    assert len(revealed) == 2, result.stdout
+    assert revealed[0].endswith('-> graphddp.ddp.DistributedDataParallel"'), revealed[0]  # the class's constructor
+    assert revealed[1] == '"graphddp.ddp.DistributedDataParallel"', revealed[1]  # an instance, not Any
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert not errors, result.stdout

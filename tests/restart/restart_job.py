@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--init", choices=["recipe", "plain"], default="recipe")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a hung worker where it is
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # Evidence for the test: each attempt marks the store it was given; a restarted attempt looks for the mark of
     # the attempt before it (there, so is everything the dead attempt's process group wrote).
