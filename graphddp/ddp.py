@@ -263,7 +263,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     def _broadcast_buffers(self, src: int) -> None:
         # Buffers may have been replaced since construction: look them up each time.
-        broadcast_coalesced([b.detach() for _, b in self._synced_buffers()], src=src, group=self.process_group)
+        buffers = [b.detach() for _, b in self._synced_buffers()]
+        self.reducer.plans.broadcast_buffers(buffers, src, counted=not self._join_config.enable)  # an out-of-step guard
 
     def _broadcast_state(self, src: int, buffers: bool | None = None) -> None:
         """Parameters (and buffers: by default with ``broadcast_buffers``) from ``src`` to every rank, ignored ones

@@ -266,11 +266,13 @@ def compiled_backward() -> Any:
     return compiled_autograd._enable(torch.compile(backend="aot_eager"))
 
 
-def train_single_process(case: Case, world: int) -> nn.Module:
-    """The reference: one process, each step on the concatenation of every rank's batch."""
+def train_single_process(case: Case, world: int, *, skip_steps: tuple[int, ...] = ()) -> nn.Module:
+    """The reference: one process, each step on the concatenation of every rank's batch (none at ``skip_steps``)."""
     model = build_model(case.model, vocab=case.vocab).to(case.device)
     opt = make_optimizer(model.parameters(), case)
     for step in range(case.steps):
+        if step in skip_steps:
+            continue
         for micro in range(case.accumulate):
             batches = [batch_for(case, step, micro, r) for r in range(world)]
             batch = tuple(torch.cat(parts) for parts in zip(*batches))

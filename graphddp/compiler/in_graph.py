@@ -199,5 +199,7 @@ class ReductionSwitch:
     def __call__(self, *args: Any) -> Any:
         target = self._target()
         if target is not None and target.reduces_in_graph(self.params, self.in_graph is not None):
-            return self.in_graph(*args)  # type: ignore[misc]
+            outputs = self.in_graph(*args)  # type: ignore[misc]
+            target.watch_backward(outputs)  # Note [Abandoned backward]: no hook of the Reducer sees this backward
+            return outputs
         return self.split(*args)

@@ -19,11 +19,48 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from .countdown import GradientHooks
+from .iteration import compiled_autograd_running
 from .plans import PlanKeeper
 
 logger = logging.getLogger(__name__)
+
+
+class BackwardWatch:
+    """Did the last in-graph backward reach its end? (Note [Abandoned backward] in ``graphddp.runtime.iteration``.)
+
+    With the gate open no hook of the Reducer runs, so nothing else sees a backward that raised. Each in-graph
+    graph's outputs get a tensor hook (one per graph and forward): the first to fire marks the backward begun and
+    queues an engine callback that marks it ended; an exception inside backward drops the callback."""
+
+    def __init__(self) -> None:
+        self._begun = False
+
+    def watch(self, outputs: Any) -> None:
+        """``outputs`` of an in-graph graph run: the first one that requires grad carries the hook."""
+        for value in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(self._began)
+                return
+
+    def _began(self, grad: torch.Tensor) -> None:
+        if compiled_autograd_running():  # its engine runs no queued callback: nothing to watch there
+            return
+        if not self._begun:
+            self._begun = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self._begun = False
+
+    def abandoned(self) -> bool:
+        """A backward began and never ended since the last call (read once per forward)."""
+        begun, self._begun = self._begun, False
+        return begun
 
 
 class InGraphGate:
@@ -40,11 +77,22 @@ class InGraphGate:
         self.in_graph_forwards = 0
         """Runs of a compiled graph that reduced in-graph (the benchmark and tests read it)."""
         self._runs_before = 0  # in_graph_forwards when this forward began
+        self.watch = BackwardWatch()
+        """Sees an in-graph backward that raised (the compiled graphs' switch hands it their outputs)."""
 
     def begin_forward(self, *, grad_enabled: bool, synchronising: bool, needs_hooks: bool) -> None:
         """At the start of every DDP forward, after the plan switch (a forward without gradients changes
         nothing: it has no backward). ``needs_hooks``: a rank has joined, or a feature set after compiling (a
         comm hook, ``step_in_backward``) needs the Reducer."""
+        if self.watch.abandoned():
+            logger.warning(
+                "[rank %d] graphddp.DDP: the previous backward stopped before its end (an exception inside it) while "
+                "its gradients were reduced inside the compiled graph. No other rank can be told without a "
+                "collective of graphddp's own: if they finished that backward and stepped, the replicas differ now. "
+                "Skip a batch on every rank together, or compile with graphddp.backend(..., reduction='split'), "
+                "under which every rank raises (Note [Abandoned backward] in graphddp/runtime/iteration.py); "
+                "check_replicas_every=N finds replicas that differ.", self._rank,
+            )
         if not grad_enabled:
             return
         agreed = self._plans.agreed_in_graph

@@ -15,12 +15,42 @@ had no backward: nothing is in flight).
 
 How the backward ends is a property of the backward, not a step of the iteration: the steps (``Phase``) are the
 iteration's own collectives, each issued once, in order.
+
+Note [Abandoned backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A training loop that catches an error raised inside ``backward()`` (out of memory, most often) and skips the
+batch leaves an iteration whose backward began (its first hook ran: the agreement all-reduce and perhaps some
+buckets went out) but whose engine callback never ran. If the other ranks finished that backward, they issued
+the rest of its buckets and wait for this rank's matching collectives; this rank's next collective of any other
+size would abort gloo ("Received data size doesn't match", SIGABRT, no Python exception). So the next forward
+*drains* it (``Iteration.drain``): every bucket it did not launch is launched on zeros (never on the bucket's
+own buffer, which may be ``.grad``), in index order, each awaited as a joined rank's shadow does, then the usage
+count (every parameter counted as used here: no rank reports a gradient this one merely dropped) and the late
+reductions where the policy takes them; nothing is written into ``.grad``. The collectives of
+every rank stay matched, whichever ranks abandoned and wherever.
+
+The gradients cannot stay consistent: the ranks that finished averaged against this rank's zeros and (most likely)
+stepped, this rank did not. So the draining rank says so in its next plan agreement (``PlanAgreement``: one more
+entry, 1 for a rank that abandoned its last backward), and at the forward after that every rank reads the same
+sum: between 0 and the number of counting ranks, every rank raises the same error; equal to it, every rank
+dropped the same backward (a skip all ranks agreed on) and training goes on. One iteration late, but every rank
+and never silent. A backward abandoned before its first hook issued nothing and cannot be told from a forward
+that no backward followed (the other ranks' collectives go unmatched: gloo aborts); under compiled autograd the
+iteration's ending is ``AtLastLaunchEnding`` and the next forward raises on the abandoning rank, as before.
+
+Gradients reduced inside the compiled graph (Note [In-graph reduction]) run no hook of the Reducer and no
+agreement: a tensor hook on the graphs' outputs (``BackwardWatch`` in ``graphddp.runtime.in_graph``) sees the
+abandoned backward and the abandoning rank warns, naming the fix, but the other ranks cannot be told without a
+collective of graphddp's own per iteration, which that path exists to avoid. A loop that skips failed batches on
+one rank compiles with ``reduction="split"``, where this Note holds whole. (An exception inside the compiled
+backward itself, between two of its collectives, leaves them unmatched either way.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,6 +63,8 @@ if TYPE_CHECKING:
     from .launcher import Launcher
     from .plans import PlanKeeper
     from .unused import GradientUsage
+
+logger = logging.getLogger(__name__)
 
 
 class NotBegun:
@@ -148,6 +180,25 @@ class Iteration:
         if self._advance(Phase.COUNTING_USAGE):
             launcher.flush()
             self.usage = usage.start_count()
+
+    def abandoned_mid_way(self) -> bool:
+        """Seen by the next forward: this iteration's backward began and its engine callback never ran, so it
+        raised (Note [Abandoned backward])."""
+        return isinstance(self.ending, EngineCallbackEnding)
+
+    def drain(self, launcher: Launcher, usage: GradientUsage, late: Callable[[list[int]], None], rank: int) -> None:
+        """Issue and await every collective this abandoned iteration left unissued, on zeros, where the other
+        ranks' backward issues them; keep nothing (Note [Abandoned backward])."""
+        launcher.drain()
+        counts = usage.stand_in(self.usage)
+        late(counts)  # skipped buckets some rank used after all
+        logger.warning(
+            "[rank %d] graphddp.DDP: the previous backward stopped before its end (an exception inside it); the "
+            "collectives it left were issued on zeros so every rank's stay matched, and none of its gradients was "
+            "kept. Unless every rank dropped that backward, the next forward raises on every rank "
+            "(Note [Abandoned backward] in graphddp/runtime/iteration.py).",
+            rank,
+        )
 
     def _advance(self, phase: Phase) -> bool:
         """Enter ``phase`` unless the iteration is there or past it: True once, to whoever issues its collective."""

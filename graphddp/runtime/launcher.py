@@ -117,6 +117,19 @@ class Launcher:
             self._commit_open()
             in_flight.wait()
 
+    def drain(self) -> None:
+        """An abandoned backward's rest (Note [Abandoned backward] in ``graphddp.runtime.iteration``): the buckets
+        it launched are awaited, the others launched on zeros and awaited, in index order, one after the other
+        (the collectives the other ranks' backward issues, under either launch policy); nothing is kept."""
+        for bucket in self.buckets:
+            if bucket.index >= self._next:
+                bucket.start(self._launch(bucket, torch.zeros_like(bucket.buffer)))
+                self._next += 1
+            if self._open is not None and self._open[0] <= bucket.index:
+                self._commit_open()
+            assert bucket.in_flight is not None
+            bucket.in_flight.wait()
+
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
         if self._open is not None:
             self._commit_open()  # the previous bucket's last collective goes first, on every rank

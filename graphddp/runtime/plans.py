@@ -54,7 +54,7 @@ from tabulate import tabulate
 
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 from .auto_caps import AutoCaps
-from .comm import all_gather_bytes
+from .comm import all_gather_bytes, broadcast_coalesced
 from .profiling import trace_artifact
 
 logger = logging.getLogger(__name__)
@@ -124,22 +124,40 @@ class PlanAgreement:
     the rank's count of training forwards (``step``; None for a joined rank, which does not count), so ranks that
     fell out of step (Note [Plan agreement]) are found."""
 
-    def __init__(self, tokens: tuple[int, int], step: int | None, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.tokens, self.step = tokens, step
+    def __init__(
+        self, tokens: tuple[int, int], step: int | None, group: dist.ProcessGroup, device: torch.device, *,
+        abandoned: bool = False, buffers_out_of_step: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        self.tokens, self.step, self.abandoned = tokens, step, abandoned
         self._ranks = dist.get_world_size(group)
-        counted = (step, step * step, 1) if step is not None else (0, 0, 0)  # [step, step², ranks counting]
+        # [step, step², ranks counting, ranks that abandoned their last backward (Note [Abandoned backward]),
+        #  ranks that received buffers broadcast from another forward than theirs]
+        counted = (step, step * step, 1, int(abandoned), 0) if step is not None else (0,) * 5
         self._sums = torch.tensor([*agreement_entries(tokens), *counted], dtype=torch.int64, device=device)
+        if buffers_out_of_step is not None and step is not None:
+            self._sums[-1:] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
         self._work = dist.all_reduce(self._sums, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
         self._work.wait()
         sums = self._sums.tolist()
-        return agreed(self.tokens, sums[:-3], self._ranks)
+        return agreed(self.tokens, sums[:-5], self._ranks)
 
     def out_of_step(self) -> bool:
         """Some counting rank was at another training forward than this one (read after ``verdict``)."""
-        step_sum, square_sum, counting = self._sums.tolist()[-3:]
+        step_sum, square_sum, counting, _, _ = self._sums.tolist()[-5:]
         return self.step is not None and (step_sum != counting * self.step or square_sum != counting * self.step**2)
+
+    def buffers_from_another_forward(self) -> int:
+        """Ranks that received the module's buffers broadcast from another forward than theirs (read after
+        ``verdict``)."""
+        return self._sums.tolist()[-1]
+
+    def abandoned_by_some(self) -> tuple[int, int] | None:
+        """(ranks that abandoned their last backward, ranks counting) when some but not all did (read after
+        ``verdict``), else None."""
+        counting, abandoned, _ = self._sums.tolist()[-3:]
+        return (abandoned, counting) if 0 < abandoned < counting else None
 
 
 class ReadyOrder:
@@ -219,6 +237,9 @@ class PlanKeeper:
         self._auto_caps = auto_caps
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._agreement: PlanAgreement | None = None
+        self._abandoned = False  # drained an abandoned backward since the last agreement (Note [Abandoned backward])
+        self._buffers_out_of_step: torch.Tensor | None = None  # 1: buffers came from another forward (on the device)
+        self._buffers_warned = False
         self.agreed_in_graph: frozenset[frozenset[str]] = frozenset()
         """Parameter sets of the agreed graphs that reduce in-graph (``graphddp.runtime.in_graph``)."""
         self.training_forwards = 0
@@ -272,7 +293,32 @@ class PlanKeeper:
         all-reduce, async."""
         if self.world_size > 1:
             step = None if joined else self.training_forwards
-            self._agreement = PlanAgreement(self.graph_plans.tokens(), step, self._group, self._device)
+            abandoned, self._abandoned = self._abandoned and not joined, False
+            buffers, self._buffers_out_of_step = self._buffers_out_of_step, None
+            self._agreement = PlanAgreement(
+                self.graph_plans.tokens(), step, self._group, self._device, abandoned=abandoned, buffers_out_of_step=buffers
+            )
+
+    def broadcast_buffers(self, buffers: Sequence[torch.Tensor], src: int, *, counted: bool) -> None:
+        """The module's buffers from ``src``, with ``src``'s count of training forwards beside them (coalesced with
+        the int64 buffers, e.g. BatchNorm's ``num_batches_tracked``). A rank whose count differs received them
+        from a forward it did not run at the same point (an evaluation forward through the wrapper on some ranks
+        only): its next agreement says so and every rank warns, once. Not an error: after a backward the
+        collectives still match and the buffers are rank 0's, as in PyTorch's DDP. Not ``counted`` under ``join``,
+        where ranks that joined legitimately stopped counting."""
+        step = torch.tensor([self.training_forwards], dtype=torch.int64, device=self._device)
+        broadcast_coalesced([*buffers, step], src=src, group=self._group)
+        if counted:  # compared on the device, read with the agreement's verdict (no host sync per forward)
+            differs = (step != self.training_forwards).to(torch.int64)
+            previous = self._buffers_out_of_step
+            self._buffers_out_of_step = differs if previous is None else torch.maximum(previous, differs)
+
+    def backward_abandoned(self, in_plan_order: Sequence[int]) -> None:
+        """This rank drained an abandoned backward (Note [Abandoned backward]): its next agreement says so, and it
+        ends as the other ranks' did for the ready order (a first backward's rebuild is a broadcast at the next
+        forward, on every rank)."""
+        self._abandoned = True
+        self.ready_order.backward_ended(in_plan_order)
 
     # -- switching -----------------------------------------------------------------------------------------------
     def next_plan(self, *, grad_enabled: bool, allows_unused: bool, gone_dense: Sequence[str]) -> BucketPlan | None:
@@ -320,6 +366,25 @@ class PlanKeeper:
                 "Otherwise a rank skipped a backward, ran one under no_sync() alone, or ran out of data without "
                 "ddp.join(); every rank must run the same sequence of training forwards and backwards "
                 "(Note [Plan agreement] in graphddp/runtime/plans.py)."
+            )
+        if agreement.buffers_from_another_forward() and not self._buffers_warned:
+            self._buffers_warned = True  # once per wrapper: a periodic log on rank 0 would repeat it every time
+            logger.warning(
+                "[rank %d] graphddp.DDP: some rank received the module's buffers broadcast from another forward than "
+                "its own: a forward through the wrapper ran on some ranks only (an evaluation or log on rank 0 via "
+                "ddp(x), even under torch.no_grad(): after a training forward it broadcasts the buffers). Run it as "
+                "ddp.module(x): between a forward and its backward the same call aborts the job, in PyTorch's DDP too.",
+                self.rank,
+            )
+        if (some := agreement.abandoned_by_some()) is not None:
+            here = " (this rank among them)" if agreement.abandoned else ""
+            raise RuntimeError(
+                f"[rank {self.rank}] graphddp.DDP: {some[0]} of {some[1]} ranks{here} abandoned the backward of "
+                f"training forward #{agreement.step - 1} mid-way (an error raised inside backward, such as out of "
+                "memory, caught and the batch skipped) while the other ranks finished it and averaged their "
+                "gradients with zeros: if they stepped, the replicas differ now. Skip a batch on every rank "
+                "together (all-reduce a flag saying some rank failed, then every rank skips), or restart from a "
+                "checkpoint (Note [Abandoned backward] in graphddp/runtime/iteration.py)."
             )
         return verdict
 

@@ -72,19 +72,11 @@ class Reducer:
     [Reducer]). The compile backend sees it as its ``compile_target`` (``graphddp.runtime.target``)."""
 
     def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        plan: BucketPlan,
-        *,
-        process_group: dist.ProcessGroup,
-        collective_device: torch.device,
-        gradient_as_bucket_view: bool = False,
-        usage: UsagePolicy | None = None,
-        active_ranks: ActiveRanks | None = None,
-        sparse_embedding_grads: bool = True,
-        skip_unused: bool = False,
+        self, named_params: list[tuple[str, torch.nn.Parameter]], plan: BucketPlan, *, process_group: dist.ProcessGroup,
+        collective_device: torch.device, gradient_as_bucket_view: bool = False, usage: UsagePolicy | None = None,
+        active_ranks: ActiveRanks | None = None, sparse_embedding_grads: bool = True, skip_unused: bool = False,
         auto_caps: AutoCaps | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
@@ -166,7 +158,12 @@ class Reducer:
         """Step 1 of Note [Reducer], on every rank alike."""
         self._countdown.disarm()  # hooks take the full path until a backward's first hook has begun it
         stale = self._iteration
-        if stale is not None and stale.ending.dropped_by_next_forward:
+        if stale is not None and stale.abandoned_mid_way():  # Note [Abandoned backward]: drained, nothing kept
+            self._iteration = None
+            stale.drain(self._launcher, self.usage, lambda c: self._skip.reduce_late(self._slots, c, self._events, joined=True), self.rank)
+            self.plans.backward_abandoned([i for b in self.buckets for i in b.param_indices])
+            self._active.clear()
+        elif stale is not None and stale.ending.dropped_by_next_forward:
             self._iteration = None  # its forward had no backward, or its compiled backward ended unfinished
             stale.ending.check_finished(self.rank)
         self.usage.raise_pending()

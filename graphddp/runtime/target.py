@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,10 @@ class ReducerTarget:
         wire = in_graph_wire(self._traced_hook, self._group)
         assert wire is not False, "in_graph_blockers refuses this hook"
         return wire
+
+    def watch_backward(self, outputs: Any) -> None:
+        """An in-graph graph ran: watch its backward for an exception (Note [Abandoned backward])."""
+        self.gate.watch.watch(outputs)
 
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by each compiled graph as it runs (``graphddp.compiler.in_graph.ReductionSwitch``)."""

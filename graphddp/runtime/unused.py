@@ -205,6 +205,19 @@ class GradientUsage:
             return counts.tolist()
         return [0] * len(self._names)
 
+    def stand_in(self, issued: UsageCount | None) -> list[int]:
+        """An abandoned backward's part in the usage all-reduce (Note [Abandoned backward]): awaited if ``issued``,
+        else every parameter counted as used here, so no rank reports a missing gradient that this rank merely
+        dropped. Returns the counts, and forgets this rank's usage (its gradients were dropped)."""
+        self.used[:] = [False] * len(self._names)
+        if issued is not None:
+            return issued.wait()
+        if self._world_size > 1 and self.policy.reduces_usage():
+            counts = torch.ones(len(self._names), dtype=torch.int64, device=self._device)
+            dist.all_reduce(counts, group=self._group)
+            return counts.tolist()
+        return [1] * len(self._names)
+
     def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> None:
         """End of a synchronised backward: tell the policy, forget this rank's usage, and keep the error for the
         next forward (``raise_pending``) if a parameter missed its gradient where the policy forbids it (the same

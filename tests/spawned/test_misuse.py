@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import MLP, Branchy
+from models import MLP, Branchy, WithBatchNorm
 from ranks import run_on_ranks, run_with_faults
 from torch import nn
 
@@ -317,6 +317,29 @@ def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
             None, lambda state, bucket: allreduce(state, bucket).then(lambda f: f.value()[: -1 if rank == 1 else None])
         )
         step(ddp, rank)
+    elif what == "backward_abandoned_on_one_rank":  # "catch out of memory, skip the batch", after buckets went out
+
+        def out_of_memory(_param: torch.Tensor) -> None:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+        handle = ddp.module.fc2.weight.register_post_accumulate_grad_hook(out_of_memory) if rank == 1 else None
+        try:
+            step(ddp, rank)
+        except torch.OutOfMemoryError:
+            assert handle is not None
+            handle.remove()
+        for _ in range(3):
+            step(ddp, rank)
+    elif what == "eval_forward_through_the_wrapper_on_one_rank":  # a log on rank 0 via ddp(x): buffers broadcast
+        torch.manual_seed(0)
+        ddp = DDP(impl, WithBatchNorm(), bucket_cap_mb=0.002)
+        step(ddp, rank)
+        step(ddp, rank)  # past the first iteration's bucket rebuild, as a periodic log would be
+        if rank == 0:
+            with torch.no_grad():
+                ddp(data(rank)[0])
+        for _ in range(3):
+            step(ddp, rank)
     elif what == "dtype_changed_on_one_rank":
         if rank == 1:
             ddp.module.double()
@@ -400,6 +423,8 @@ CATALOGUE: dict[str, Misuse] = {
             ("hook_raises_on_one_rank", "ZeroDivisionError|RuntimeError"),
             ("hook_wrong_shape_on_one_rank", "ValueError: the communication hook returned|RuntimeError"),
             ("dtype_changed_on_one_rank", "RuntimeError"),
+            ("backward_abandoned_on_one_rank", "RuntimeError: .*1 of 2 ranks.*abandoned the backward"),
+            ("eval_forward_through_the_wrapper_on_one_rank", "works"),
         ]
     },
 }
@@ -410,6 +435,8 @@ TORCH: dict[str, str] = {
     'autograd_grad_instead_of_backward': 'works',
     'backward_twice_freed_graph': 'raises RuntimeError',
     'backward_twice_retain_graph': 'works',
+    'backward_abandoned_on_one_rank': 'fails: some rank only sees a timeout or a lost peer',
+    'eval_forward_through_the_wrapper_on_one_rank': 'works',
     'batch_sizes_differ': 'works',
     'broadcast_buffers_false': 'works',
     'bucket_cap_not_a_number': 'raises ValueError',

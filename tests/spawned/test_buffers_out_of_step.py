@@ -1,0 +1,56 @@
+"""A forward through the wrapper on some ranks only (issue 26, item 7): after a training forward it broadcasts the
+module's buffers (BatchNorm's), which the other ranks receive at another forward. The count of training forwards
+travels with the buffers; every rank warns once (Note [Plan agreement]); an evaluation on every rank alike, the
+documented ``ddp.module(x)`` on one rank, and plain training warn nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import WithBatchNorm
+from ranks import run_on_ranks
+
+import graphddp
+
+
+class Recorded(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def train_with_a_log(rank: int, world: int, how: str) -> list[str]:
+    """Six steps of a BatchNorm model; after step 2 an evaluation forward ``how``; the warnings this rank logged."""
+    recorded = Recorded()
+    logging.getLogger("graphddp").addHandler(recorded)
+    try:
+        torch.manual_seed(0)
+        ddp = graphddp.DDP(WithBatchNorm(), bucket_cap_mb=0.002)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(6):
+            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+            F.mse_loss(ddp(x), y).backward()
+            if step == 2 and how != "none" and (how == "every rank" or rank == 0):
+                ddp.eval()
+                with torch.no_grad():
+                    (ddp.module if how == "module on rank 0" else ddp)(x)
+                ddp.train()
+    finally:
+        logging.getLogger("graphddp").removeHandler(recorded)
+    return [m for m in recorded.messages if "buffers broadcast from another forward" in m]
+
+
+def test_a_forward_through_the_wrapper_on_one_rank_is_named_on_every_rank_once() -> None:
+    for rank, warned in enumerate(run_on_ranks(train_with_a_log, 2, "wrapper on rank 0", timeout=120)):
+        assert len(warned) == 1 and "ddp.module(x)" in warned[0], (rank, warned)
+
+
+@pytest.mark.parametrize("how", ["every rank", "module on rank 0", "none"])
+def test_forwards_every_rank_runs_alike_warn_nothing(how: str) -> None:
+    assert run_on_ranks(train_with_a_log, 2, how, timeout=120) == [[], []]
