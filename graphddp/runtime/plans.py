@@ -19,8 +19,12 @@ backward in flight:
   for "none"), each with its square, to **one small all-reduce on the main group, of its own**: not folded into
   the unused-parameter search, so it runs whatever ``find_unused_parameters`` and ``static_graph`` say. The sums
   equal ``n * token`` and ``n * token**2`` exactly when every rank contributed the same token (equality in
-  Cauchy-Schwarz). At the next forward every rank adopts the proposal, or, when the tokens disagree, every rank
-  gathers the plans and raises the same error naming the first differing bucket (with
+  Cauchy-Schwarz). At the next forward every rank adopts the proposal. When the tokens disagree, every rank
+  gathers the proposals: if they hold the same parameters in other orders (data-dependent control flow: each
+  rank captured another graph), every rank adopts rank 0's and reduces split (each graph keeps its own cut, its
+  hooks fill the agreed buckets, some perhaps later; each rank's in-graph variant would all-reduce its own
+  buckets, so none runs); otherwise (other parameters, or parts of tied tables, which name one rank's graph
+  nodes) every rank raises the same error naming the first differing bucket (with
   ``find_unused_parameters=True``, where ranks may legitimately capture different branches, it warns and keeps
   the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other.
   The same all-reduce carries each rank's count of training forwards (forwards with gradients enabled), so ranks
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import time
 from collections.abc import Sequence
 
@@ -326,7 +331,8 @@ class PlanKeeper:
         agreement failed (every rank gathers the plans) and for the ready-order rebuild (a broadcast)."""
         verdict = self._read_agreement()
         if verdict is False:
-            self._plans_differ(allows_unused)
+            if (plan := self._plans_differ(allows_unused)) is not None:
+                return plan
         elif verdict:
             self.agreed_in_graph = self.graph_plans.in_graph_sets()
             plan = self.graph_plans.take()
@@ -414,17 +420,32 @@ class PlanKeeper:
         )
         return plan
 
-    def _plans_differ(self, allows_unused: bool) -> None:
-        """Every rank gathers every rank's proposal (a collective) and raises, or warns, naming the first
-        differing bucket."""
+    def _plans_differ(self, allows_unused: bool) -> BucketPlan | None:
+        """The ranks proposed different plans. Every rank gathers every rank's proposal (a collective). Proposals of
+        the same parameters in other orders (data-dependent control flow): rank 0's serves every rank, each graph
+        keeps its own split and its gradients reach the Reducer's buckets by their hooks (in plan order, some
+        perhaps later), reduced split, never in-graph. Otherwise every rank raises naming the first differing
+        bucket (with ``find_unused_parameters``, where branches legitimately differ, it warns and keeps the plan)."""
         proposed = self.graph_plans.take()
         rows = proposed.describe() if proposed is not None else []
-        payload = "\n".join(f"{a}\t{b}" for a, b in rows).encode()
-        everyone = [
-            [tuple(line.split("\t", 1)) for line in b.decode().split("\n") if line]
-            for b in all_gather_bytes(payload, group=self._group)
-        ]
-        index, entries = first_difference_across(everyone, ("", "<no such bucket>")) or (0, [("", "")] * len(everyone))
+        # What a proposal holds (parameters and shapes, in any order); parts are tied to one rank's graph nodes.
+        holds = sorted(f"{p.label}{list(p.shape)}" for b in proposed.buckets for p in b.params) if proposed else None
+        mine = (rows, holds, bool(proposed and proposed.parts), proposed if self.rank == 0 else None)
+        everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine), group=self._group)]
+        if all(h is not None and h == everyone[0][1] and not parts for _, h, parts, _ in everyone):
+            plan = everyone[0][3]
+            assert plan is not None and plan.coverage_problem(p.name for p in self.specs) is None
+            self.agreed_in_graph = frozenset()  # each rank's in-graph variant all-reduces its own buckets
+            self.ready_order.forget()
+            logger.info(
+                "[rank %d] graphddp: the ranks compiled the same parameters in different orders; every rank adopts "
+                "rank 0's bucket plan (%d buckets, fingerprint %s) and reduces split (Note [Plan agreement])",
+                self.rank, len(plan.buckets), plan.fingerprint,
+            )
+            return plan
+        index, entries = first_difference_across([r for r, *_ in everyone], ("", "<no such bucket>")) or (
+            0, [("", "")] * len(everyone)
+        )  # fmt: skip
         differing = [r for r, e in enumerate(entries) if e != entries[0]]
         message = (
             f"[rank {self.rank}] graphddp: the ranks compiled different bucket plans. First difference at bucket "
@@ -434,9 +455,10 @@ class PlanKeeper:
         )
         if not allows_unused:
             raise RuntimeError(
-                message + " Every rank must capture the same graphs (same code path, same graph breaks), or "
-                "pass find_unused_parameters=True when ranks take different branches."
+                message + " Every rank must capture graphs of the same parameters (same code path, same graph "
+                "breaks), or pass find_unused_parameters=True when ranks take different branches."
             )
         # With find_unused_parameters / static_graph, rank-dependent branches legitimately capture different
         # graphs: keep the current plan, which every rank shares.
         logger.warning("%s Ranks take different branches (find_unused_parameters=True): the current plan stays.", message)
+        return None

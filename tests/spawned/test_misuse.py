@@ -4,7 +4,8 @@ Each entry is a scenario run on two gloo ranks, first with graphddp and (slow ma
 graphddp it must either work with PyTorch's semantics or raise a clear error on *every* rank within the process
 group's timeout; ``graphddp`` says which (``works``, or the error's type and words). ``torch`` records what
 PyTorch's DDP does on the same scenario, checked by the slow test: ``works``, ``raises <Type>`` (every rank),
-or ``fails`` (some rank raises, crashes or times out; the others do not finish cleanly).
+``fails`` (some rank raises, crashes or times out; the others do not finish cleanly), or ``silent: the replicas
+differ`` (a scenario that returns its wrapper has its parameters compared across ranks afterwards).
 
 Scenarios in which every rank does the same run one after the other in one set of pooled ranks (a barrier after
 each keeps the group in step). Scenarios in which one rank does something else (``asymmetric``) leave collectives
@@ -285,6 +286,35 @@ def training_misuse(rank: int, world: int, impl: str, what: str) -> None:
         raise ValueError(what)
 
 
+# -- the module changed under the wrapper (issue 26): an error, or the replicas compared ---------------------------
+def changed_under_the_wrapper(rank: int, world: int, impl: str, what: str) -> nn.Module:
+    """Three SGD steps with a change after the first; the wrapper, whose replicas ``_attempt`` compares."""
+    torch.manual_seed(0)
+    if what == "meta_device_model":  # deferred initialisation, wrapped before materialising
+        with torch.device("meta"):
+            return DDP(impl, MLP())
+    model = MLP()
+    model.fc1.bias.requires_grad_(False)
+    ddp = DDP(impl, model, bucket_cap_mb=0.002)
+    for i in range(3):
+        step(ddp, rank)
+        torch.optim.SGD([p for p in ddp.module.parameters() if p.requires_grad], lr=0.1).step()  # the new ones too
+        ddp.zero_grad()
+        if i == 0 and what == "state_loaded_with_assign":
+            ddp.module.load_state_dict({k: v.clone() for k, v in ddp.module.state_dict().items()}, assign=True)
+        elif i == 0 and what == "layer_unfrozen_after_wrapping":
+            ddp.module.fc1.bias.requires_grad_(True)
+    return ddp
+
+
+def replicas_agree(module: nn.Module) -> bool:
+    """Every rank holds the same parameters (a collective)."""
+    mine = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(other, everyone[0]) for other in everyone)
+
+
 # -- one rank does something else ------------------------------------------------------------------------------
 def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
     torch.manual_seed(0)
@@ -370,6 +400,9 @@ CATALOGUE: dict[str, Misuse] = {
         for o in ("bucket_cap_mb", "find_unused_parameters", "static_graph")
     },
     "sparse_on_one_rank_only": Misuse(sparse_differs, (), MISMATCH),
+    "meta_device_model": Misuse(changed_under_the_wrapper, ("meta_device_model",), "RuntimeError: .*on the meta device"),
+    "state_loaded_with_assign": Misuse(changed_under_the_wrapper, ("state_loaded_with_assign",), "RuntimeError: .*was replaced by another tensor"),
+    "layer_unfrozen_after_wrapping": Misuse(changed_under_the_wrapper, ("layer_unfrozen_after_wrapping",), "RuntimeError: .*was frozen when wrapped"),
     "not_a_module": Misuse(construct, ("not_a_module",), "TypeError: wraps an nn.Module"),
     "no_trainable_parameters": Misuse(construct, ("no_trainable_parameters",), "RuntimeError: no parameter that requires a gradient"),
     "frozen_model": Misuse(construct, ("frozen_model",), "RuntimeError: no parameter that requires a gradient"),
@@ -438,6 +471,9 @@ TORCH: dict[str, str] = {
     'backward_abandoned_on_one_rank': 'fails: some rank only sees a timeout or a lost peer',
     'eval_forward_through_the_wrapper_on_one_rank': 'works',
     'batch_sizes_differ': 'works',
+    'layer_unfrozen_after_wrapping': 'silent: the replicas differ',
+    'meta_device_model': 'raises RuntimeError',
+    'state_loaded_with_assign': 'silent: the replicas differ',
     'broadcast_buffers_false': 'works',
     'bucket_cap_not_a_number': 'raises ValueError',
     'builtin_hook_after_a_hook': 'raises RuntimeError',
@@ -503,11 +539,16 @@ TORCH: dict[str, str] = {
 }
 
 
+SILENT = "silent: the replicas differ"
+
+
 def _attempt(rank: int, world: int, impl: str, name: str) -> str:
     """One scenario on this rank: ``works`` or ``<Type>: <message>``."""
     entry = CATALOGUE[name]
     try:
-        entry.scenario(rank, world, impl, *entry.args)
+        result = entry.scenario(rank, world, impl, *entry.args)
+        if isinstance(result, nn.Module) and not replicas_agree(result):
+            return SILENT  # trained on, and the ranks hold different weights now
         return "works"
     except Exception as error:  # noqa: BLE001 (the outcome is what the catalogue records)
         return f"{type(error).__name__}: {error}"
@@ -566,6 +607,8 @@ def torch_category(outcomes: dict[int, tuple[bool, Any]]) -> str:
     values = [outcomes.get(r, (False, None)) for r in (0, 1)]
     if all(ok and v == "works" for ok, v in values):
         return "works"
+    if all(ok and v == SILENT for ok, v in values):
+        return SILENT
     kinds = {v.split(":", 1)[0] for ok, v in values if ok and v != "works"}
     clean = all(ok and v != "works" and not TRANSPORT.search(v) for ok, v in values)
     if clean and len(kinds) == 1:
