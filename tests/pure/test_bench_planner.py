@@ -83,7 +83,7 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
     s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"]}
     assert matrix.testbed_limit(s) == pytest.approx(0.35 + 0.1)
-    result = matrix.cell("mlp", "1gbit", s, swept=None)
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
     assert result["ratios"]["graphddp-compiled / limit"] == pytest.approx(0.5 / 0.45)
     assert result["met"] == {"graphddp-eager / torch-eager": False, "graphddp-compiled / limit": False}
     # 0.97 × torch-eager's 0.40 s is under the 0.45 s limit: no schedule meets that target in this cell.
@@ -96,6 +96,17 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     swept = {"modes": {"graphddp-compiled@4": {"median_s": 1.0}, "graphddp-compiled@25": {"median_s": 0.9}, "graphddp-compiled@auto": {"median_s": 0.92}}}
     result = matrix.cell("mlp", "1gbit", s, swept=swept)
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
+
+
+def test_a_cell_with_more_ranks_than_cpus_is_marked_and_compared_with_no_target() -> None:
+    """Issue 27, item 5: 3 ranks on a 2-CPU machine measure the scheduler; the figures stay, the targets do not."""
+    s = summary()
+    s["options"]["world_size"] = 3
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert result["oversubscribed"] and result["met"] == {} and result["ratios"]
+    text = matrix.report([result], command="c")
+    assert "mlp ‡" in text and "Targets missed: none" in text and "‡ not compared (more ranks than CPUs" in text
+    assert not matrix.cell("mlp", "1gbit", s, swept=None, cpus=4)["oversubscribed"]
 
 
 def test_scale_projection_slows_with_ranks() -> None:
