@@ -38,7 +38,16 @@ from .plan import (
     plan_buckets,
 )
 from .plan_graph import plan_graph
-from .reduction import REDUCTIONS, ReductionChoice, check_reduction, choose_reduction, plan_blockers, sink_waits
+from .reduction import (
+    REDUCTIONS,
+    ReductionChoice,
+    check_reduction,
+    choose_reduction,
+    launch_collectives_early,
+    plan_blockers,
+    schedule_reductions,
+    sink_waits,
+)
 from .row_sparse import (
     ROW_SPARSE_MAX_DENSITY,
     RowSparseParam,
@@ -84,6 +93,7 @@ __all__ = [
     "find_graph_params",
     "fit_link",
     "forward_seconds",
+    "launch_collectives_early",
     "first_difference_across",
     "misplaced_parts",
     "place_taps",
@@ -98,6 +108,7 @@ __all__ = [
     "row_sparse_params",
     "rows_apply",
     "segment_backward_seconds",
+    "schedule_reductions",
     "sink_waits",
     "sparse_gradient_params",
     "split_at_buckets",

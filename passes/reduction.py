@@ -111,3 +111,73 @@ def sink_waits(graph: fx.Graph) -> int:
         moved += 1
     graph.lint()
     return moved
+
+
+# -- collectives as early as the graph allows ------------------------------------------------------------------
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "name", lambda: "")() if node.op == "call_function" else ""
+
+
+def _is_collective(node: fx.Node) -> bool:
+    name = _op_name(node)
+    return name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor"
+
+
+def _is_barrier(node: fx.Node) -> bool:
+    """A node nothing may cross: it mutates or has another side effect (a functional collective and its wait
+    have none that ordering could break: each rank issues them in the same order either way)."""
+    if node.op != "call_function" or _is_collective(node) or _is_wait(node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable) or node.is_impure()
+
+
+def launch_collectives_early(graph: fx.Graph) -> int:
+    """Each functional collective as early as its inputs allow: in a backward graph, the nodes a bucket's
+    all-reduce needs (its weight gradients, the copy into the flat buffer) run before the nodes it does not need
+    (the input gradient that only earlier layers read), so the bucket goes out before them and that compute
+    overlaps it (weight gradients first, issue 27). Collectives keep their order; every other node keeps its
+    order among the nodes it is moved with; nothing crosses a node that mutates or has a side effect.
+    ``sink_waits`` then puts each wait as late as it can go. Returns how many nodes changed place."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    sequence: list[fx.Node] = []
+    segment: list[fx.Node] = []
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr", "output") or _is_barrier(node):
+            sequence += _collectives_first(segment, order)
+            segment = []
+            sequence.append(node)
+        else:
+            segment.append(node)
+    sequence += _collectives_first(segment, order)
+    assert len(sequence) == len(nodes)
+    moved = sum(a is not b for a, b in zip(sequence, nodes))
+    if moved:
+        for before, node in zip(sequence, sequence[1:]):
+            before.append(node)  # moves ``node`` to just after ``before``
+        graph.lint()
+    return moved
+
+
+def _collectives_first(segment: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """``segment`` reordered: each collective with what it needs in the segment (in the segment's order), in the
+    order of the collectives; then the rest."""
+    inside, placed, result = set(segment), set(), []
+    for collective in (n for n in segment if _is_collective(n)):
+        needed, stack = [], [collective]
+        while stack:
+            node = stack.pop()
+            if node in placed or node not in inside:
+                continue
+            placed.add(node)
+            needed.append(node)
+            stack.extend(node.all_input_nodes)
+        result += sorted(needed, key=order.__getitem__)
+    return result + [n for n in segment if n not in placed]
+
+
+def schedule_reductions(graph: fx.Graph) -> tuple[int, int]:
+    """The in-graph backward's order (Note [In-graph reduction], step 2): each collective as early and each wait
+    as late as the graph allows. Returns (nodes moved, waits moved)."""
+    return launch_collectives_early(graph), sink_waits(graph)

@@ -16,8 +16,11 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    each parameter its slice. PyTorch's built-in ``allreduce_hook``, ``fp16_compress_hook`` and
    ``bf16_compress_hook`` are traced the same way (the last two cast the bucket before and after).
 2. AOTAutograd traces that into the compiled backward (``in_graph_compiler``: Inductor or aot_eager); in the
-   backward graph ``graphddp.passes.sink_waits`` moves each wait, with its views, to just before the first node
-   that reads the result (the graph's output, for a gradient), so the compute after the all-reduce overlaps it.
+   backward graph ``graphddp.passes.schedule_reductions`` first moves each all-reduce, with the nodes it needs,
+   ahead of the nodes it does not need (``launch_collectives_early``: a layer's weight gradients and its bucket's
+   all-reduce before the input gradient only earlier layers read, as autograd's order would have it after), then
+   moves each wait, with its views, to just before the first node that reads the result (``sink_waits``; the
+   graph's output, for a gradient), so the compute after the all-reduce overlaps it.
    Inductor fuses the copy and the division into one kernel per bucket; its peak-memory reordering, which would
    hoist the waits again, is off for these graphs.
 3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..passes import BucketPlan, GraphParam, sink_waits
+from ..passes import BucketPlan, GraphParam, schedule_reductions
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -121,11 +124,11 @@ def insert_bucket_reductions(
 
 # -- the inner compiler, made to keep waits late ---------------------------------------------------------------
 @functools.cache
-def _sink_waits_pass() -> type:
+def _scheduling_pass() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass  # Inductor only when it is used
 
-    class SinkWaits(CustomGraphPass):
-        """Inductor's post-grad hook running ``sink_waits`` (after a pass the user had set)."""
+    class ScheduleReductions(CustomGraphPass):
+        """Inductor's post-grad hook running ``schedule_reductions`` (after a pass the user had set)."""
 
         def __init__(self, before: Any = None) -> None:
             self.before = before
@@ -133,26 +136,26 @@ def _sink_waits_pass() -> type:
         def __call__(self, graph: fx.Graph) -> None:
             if self.before is not None:
                 self.before(graph)
-            sink_waits(graph)
+            schedule_reductions(graph)
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
             before = self.before.uuid() if self.before is not None and hasattr(self.before, "uuid") else None
-            return ("graphddp.sink_waits", 1, before)
+            return ("graphddp.schedule_reductions", 2, before)
 
-    return SinkWaits
+    return ScheduleReductions
 
 
 def _inductor_patches(patches: dict[str, Any]) -> dict[str, Any]:
     return {
         **patches,
-        "post_grad_custom_post_pass": _sink_waits_pass()(patches.get("post_grad_custom_post_pass")),
+        "post_grad_custom_post_pass": _scheduling_pass()(patches.get("post_grad_custom_post_pass")),
         "reorder_for_peak_memory": False,  # it hoists the waits back next to their all-reduce
     }
 
 
 def _sinking(compiler: Callable[..., Any]) -> Callable[..., Any]:
     def compile_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        sink_waits(gm.graph)
+        schedule_reductions(gm.graph)
         gm.recompile()
         return compiler(gm, example_inputs)
 

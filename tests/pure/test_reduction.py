@@ -13,7 +13,17 @@ from torch import fx, nn
 from graphddp.compiler.capture import capture_graphs, parameter_names
 from graphddp.compiler.graph_pipeline import prepare_graph
 from graphddp.compiler.in_graph import in_graph_compiler, insert_bucket_reductions
-from graphddp.passes import BucketCaps, BucketPlan, ParamSpec, choose_reduction, plan_blockers, plan_buckets, sink_waits
+from graphddp.passes import (
+    BucketCaps,
+    BucketPlan,
+    ParamSpec,
+    choose_reduction,
+    launch_collectives_early,
+    plan_blockers,
+    plan_buckets,
+    schedule_reductions,
+    sink_waits,
+)
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -48,6 +58,43 @@ def _collective_graph() -> fx.Graph:
     later = graph.call_function(torch.ops.aten.mm.default, (w, w))
     graph.output((view, later))
     return graph
+
+
+def _linear_backward(mutation: bool = False) -> fx.Graph:
+    """A linear layer's backward as autograd orders it: the input gradient first, then the weight gradient and its
+    bucket's all-reduce; with ``mutation``, an in-place op on the incoming gradient between the two."""
+    graph = fx.Graph()
+    x, w, grad_out = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("grad_out")
+    grad_in = graph.call_function(torch.ops.aten.mm.default, (grad_out, w))  # [B, IN]: only earlier layers need it
+    if mutation:
+        graph.call_function(torch.ops.aten.add_.Tensor, (x, 1))
+    grad_w = graph.call_function(torch.ops.aten.mm.default, (graph.call_function(torch.ops.aten.t.default, (grad_out,)), x))
+    flat = graph.call_function(torch.ops.aten.view.default, (grad_w, [-1]))
+    reduced = graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (flat, "sum", "0")),))
+    graph.output((grad_in, reduced))
+    return graph
+
+
+def _order(graph: fx.Graph) -> list[str]:
+    return [str(n.target).split(".")[-2] for n in graph.nodes if n.op == "call_function"]
+
+
+def test_collectives_go_out_before_the_compute_they_do_not_need() -> None:
+    """Issue 27, item 1 (weight gradients first): the weight gradient and its all-reduce before the input gradient."""
+    graph = _linear_backward()
+    assert _order(graph) == ["mm", "t", "mm", "view", "all_reduce", "wait_tensor"]
+    assert launch_collectives_early(graph) > 0
+    assert _order(graph) == ["t", "mm", "view", "all_reduce", "mm", "wait_tensor"]
+    assert launch_collectives_early(graph) == 0  # already as early as it goes
+    graph.lint()
+    assert schedule_reductions(_linear_backward())[0] > 0
+
+
+def test_nothing_crosses_a_mutation() -> None:
+    graph = _linear_backward(mutation=True)
+    before = _order(graph)
+    launch_collectives_early(graph)
+    assert _order(graph) == before  # the weight gradient reads x after the add_: it may not move above it
 
 
 def test_sink_waits_moves_the_wait_and_its_views_behind_later_compute() -> None:
