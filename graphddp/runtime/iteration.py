@@ -5,7 +5,7 @@ The Reducer's end of backward (``_finalize``, step 4 of Note [Reducer]) must run
 gradient. The backward's first hook chooses how (``backward_ending``):
 
 * ``EngineCallbackEnding``: ``_finalize`` is queued as an autograd engine callback, which runs once the backward
-  is done (a backward that raises drops it; its iteration stays until the next ``prepare_for_backward``);
+  is done (a backward that raises drops it; the next forward drains its iteration: Note [Abandoned backward]);
 * ``AtLastLaunchEnding``: under compiled autograd, whose engine runs no queued callback, the hook that launches
   the last bucket runs ``_finalize``. So every parameter must get a gradient or be found unused: a backward that
   ends with a bucket incomplete leaves its iteration behind, and the next forward drops it and says so.

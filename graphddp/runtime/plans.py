@@ -432,9 +432,9 @@ class PlanKeeper:
         holds = sorted(f"{p.label}{list(p.shape)}" for b in proposed.buckets for p in b.params) if proposed else None
         mine = (rows, holds, bool(proposed and proposed.parts), proposed if self.rank == 0 else None)
         everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine), group=self._group)]
-        if all(h is not None and h == everyone[0][1] and not parts for _, h, parts, _ in everyone):
-            plan = everyone[0][3]
-            assert plan is not None and plan.coverage_problem(p.name for p in self.specs) is None
+        plan = everyone[0][3]  # rank 0's proposal; every rank decides from the same gathered data
+        same = all(h is not None and h == everyone[0][1] and not parts for _, h, parts, _ in everyone)
+        if same and plan is not None and plan.coverage_problem(p.name for p in self.specs) is None:
             self.agreed_in_graph = frozenset()  # each rank's in-graph variant all-reduces its own buckets
             self.ready_order.forget()
             logger.info(

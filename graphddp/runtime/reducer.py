@@ -44,6 +44,7 @@ launcher. The Reducer does not care where its plan came from: ``adopt(plan)`` in
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -160,7 +161,8 @@ class Reducer:
         stale = self._iteration
         if stale is not None and stale.abandoned_mid_way():  # Note [Abandoned backward]: drained, nothing kept
             self._iteration = None
-            stale.drain(self._launcher, self.usage, lambda c: self._skip.reduce_late(self._slots, c, self._events, joined=True), self.rank)
+            late = functools.partial(self._skip.reduce_late, self._slots, events=self._events, joined=True)
+            stale.drain(self._launcher, self.usage, late, self.rank)
             self.plans.backward_abandoned([i for b in self.buckets for i in b.param_indices])
             self._active.clear()
         elif stale is not None and stale.ending.dropped_by_next_forward:

@@ -66,7 +66,9 @@ def skip_failed_batches(
     return what, state, warnings.messages
 
 
-@pytest.mark.parametrize(("world", "compile"), [(2, None), (3, None), (2, "graphddp.compile")])
+@pytest.mark.parametrize(
+    ("world", "compile"), [(2, None), pytest.param(3, None, marks=pytest.mark.slow), (2, "graphddp.compile")]
+)
 def test_one_rank_abandoning_a_backward_raises_the_same_error_on_every_rank(world: int, compile: str | None) -> None:
     """Compiled: with the split strategy (the Reducer's hooks see the backward)."""
     outcomes = run_with_faults(
@@ -83,7 +85,7 @@ def test_one_rank_abandoning_a_backward_raises_the_same_error_on_every_rank(worl
         assert ("(this rank among them)" in what[3]) == (rank == 0), what[3]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_rank_abandoning_the_same_backward_trains_on_as_if_the_batch_was_skipped(world: int) -> None:
     """Each rank stops at another point (rank 1 before any bucket went out, rank 2 with all but the last sent):
     the drains still match, and every rank ends where one process that skipped step 1 ends."""

@@ -306,7 +306,7 @@ def ranks_capture_different_graphs(rank: int, world: int, compiled: bool) -> dic
     return state_of(ddp.module)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # the default suite stays under 10 min
 def test_ranks_that_compile_the_same_parameters_in_other_orders_train_as_eager(world: int) -> None:
     """Issue 26, item 6: rank 0's plan serves every rank (Note [Plan agreement]), no find_unused_parameters."""
     compiled = run_on_ranks(ranks_capture_different_graphs, world, True, timeout=120)
