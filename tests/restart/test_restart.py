@@ -134,7 +134,7 @@ def test_graphddp_job_recovers_bitwise_when_torchrun_does_not_share_its_store(
 
 def test_pytorch_ddp_job_recovers_bitwise_with_the_same_recipe(reference: dict[str, dict], tmp_path: Path) -> None:
     """One run: PyTorch's job is the control here (graphddp's run ten times above). Its second run hung twice in CI
-    at the restarted attempt (and never in 27 runs here, idle or with both cores busy); on a hang the test now
+    at the restarted attempt (and never in 18 runs of its killed job here, 12 idle and 6 with both cores busy); on a hang the test now
     prints every worker's stacks (``stop_job``), which is what a diagnosis needs."""
     run, stderr = torchrun(tmp_path, "killed", "--impl", "torch", "--kill-at", str(KILL_AT), "--init", "recipe")
     assert "graphddp" not in run["impl"]
