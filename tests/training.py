@@ -12,6 +12,8 @@ import contextlib
 import copy
 import dataclasses
 import io
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -291,3 +293,24 @@ def assert_same_on_all_ranks(state: dict[str, torch.Tensor]) -> None:
     dist.all_gather_object(gathered, {k: v.cpu() for k, v in state.items()})
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
+
+
+class _Messages(logging.Handler):
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def graphddp_warnings() -> Iterator[list[str]]:
+    """The messages graphddp logs at WARNING or above on this rank while the block runs."""
+    messages: list[str] = []
+    handler = _Messages(messages)
+    logging.getLogger("graphddp").addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger("graphddp").removeHandler(handler)

@@ -8,25 +8,15 @@ their peers dropped). When every rank abandons the same backward, training goes 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
 from ranks import run_with_faults
-from training import Case, batch_for, loss_for, make_optimizer, state_of, train_single_process, wrap
+from training import Case, batch_for, graphddp_warnings, loss_for, make_optimizer, state_of, train_single_process, wrap
 
 PG_TIMEOUT_S = 20.0
 CASE = Case(model="mlp", steps=5, ddp=(("bucket_cap_mb", 0.002),), graphddp=(("first_bucket_cap_mb", 0.002),))
 """Small caps: mlp's three layers in several buckets, so some are sent before fc1's gradients are ready."""
-
-
-class Recorded(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def skip_failed_batches(
@@ -36,34 +26,33 @@ def skip_failed_batches(
     named there is final (fc2.weight: fc3's bucket sent, fc1's not), catches it and skips the batch, as training
     loops do. What happened at each step, and the final parameters."""
     case = dataclasses.replace(CASE, compile=compile, compile_kwargs=(("reduction", reduction),) if compile else ())
-    warnings = Recorded()
-    logging.getLogger("graphddp").addHandler(warnings)
-    ddp, model = wrap("graphddp", case, rank)
-    optimizer = make_optimizer(model.parameters(), case)
+    with graphddp_warnings() as warnings:
+        ddp, model = wrap("graphddp", case, rank)
+        optimizer = make_optimizer(model.parameters(), case)
 
-    def out_of_memory(_param: torch.Tensor) -> None:
-        if step == 1:
-            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        def out_of_memory(_param: torch.Tensor) -> None:
+            if step == 1:
+                raise torch.OutOfMemoryError("simulated: CUDA out of memory")
 
-    if rank in failing:
-        ddp.module.get_parameter(failing[rank]).register_post_accumulate_grad_hook(out_of_memory)
-    what = []
-    for step in range(CASE.steps):
-        try:
-            loss = loss_for(model, CASE, batch_for(CASE, step, 0, rank), rank)
-            loss.backward()
-        except torch.OutOfMemoryError:
+        if rank in failing:
+            ddp.module.get_parameter(failing[rank]).register_post_accumulate_grad_hook(out_of_memory)
+        what = []
+        for step in range(CASE.steps):
+            try:
+                loss = loss_for(model, CASE, batch_for(CASE, step, 0, rank), rank)
+                loss.backward()
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad()
+                what.append("skipped")
+                continue
+            except RuntimeError as error:
+                what.append(f"RuntimeError: {error}")
+                break
+            optimizer.step()
             optimizer.zero_grad()
-            what.append("skipped")
-            continue
-        except RuntimeError as error:
-            what.append(f"RuntimeError: {error}")
-            break
-        optimizer.step()
-        optimizer.zero_grad()
-        what.append("stepped")
-    state = {k: v.tolist() for k, v in state_of(ddp.module).items()}  # plain data: the rank is killed after
-    return what, state, warnings.messages
+            what.append("stepped")
+        state = {k: v.tolist() for k, v in state_of(ddp.module).items()}  # plain data: the rank is killed after
+    return what, state, warnings
 
 
 @pytest.mark.parametrize(

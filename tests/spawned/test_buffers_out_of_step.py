@@ -5,31 +5,19 @@ documented ``ddp.module(x)`` on one rank, and plain training warn nothing."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
 from models import WithBatchNorm
 from ranks import run_on_ranks
+from training import graphddp_warnings
 
 import graphddp
 
 
-class Recorded(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def train_with_a_log(rank: int, world: int, how: str) -> list[str]:
     """Six steps of a BatchNorm model; after step 2 an evaluation forward ``how``; the warnings this rank logged."""
-    recorded = Recorded()
-    logging.getLogger("graphddp").addHandler(recorded)
-    try:
+    with graphddp_warnings() as warned:
         torch.manual_seed(0)
         ddp = graphddp.DDP(WithBatchNorm(), bucket_cap_mb=0.002)
         g = torch.Generator().manual_seed(rank)
@@ -41,9 +29,7 @@ def train_with_a_log(rank: int, world: int, how: str) -> list[str]:
                 with torch.no_grad():
                     (ddp.module if how == "module on rank 0" else ddp)(x)
                 ddp.train()
-    finally:
-        logging.getLogger("graphddp").removeHandler(recorded)
-    return [m for m in recorded.messages if "buffers broadcast from another forward" in m]
+    return [m for m in warned if "buffers broadcast from another forward" in m]
 
 
 def test_a_forward_through_the_wrapper_on_one_rank_is_named_on_every_rank_once() -> None:

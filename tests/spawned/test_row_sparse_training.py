@@ -5,7 +5,6 @@ DDP and against graphddp with ``sparse_embedding_grads=False``, with the order o
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
 from reduce_rows import reduce_rows
-from training import RAMPED, TINY_CAPS, Case, train
+from training import RAMPED, TINY_CAPS, Case, graphddp_warnings, train
 
 from graphddp.runtime.reductions import DENSE_STREAK_LIMIT
 
@@ -53,23 +52,10 @@ def rows_case(**fields: Any) -> Case:
     return Case(ddp=TINY_CAPS + fields.pop("ddp", ()), graphddp=RAMPED, **fields)
 
 
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def check_rows(rank: int, world: int, case: Case) -> dict[str, Any]:
     torch._dynamo.reset()
-    warnings = Warnings()
-    logging.getLogger("graphddp").addHandler(warnings)
-    try:
+    with graphddp_warnings() as warnings:
         ours = train("graphddp", case, rank)
-    finally:
-        logging.getLogger("graphddp").removeHandler(warnings)
     dense = train("graphddp", case.with_graphddp(sparse_embedding_grads=False), rank)
     theirs = train("torch", case, rank)
     tolerance = dict(case.tolerance)
@@ -80,7 +66,7 @@ def check_rows(rank: int, world: int, case: Case) -> dict[str, Any]:
     dist.all_gather_object(gathered, {n: p.detach() for n, p in ours.ddp.module.named_parameters()})
     for other in gathered[1:]:
         torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
-    return {"buckets": [b.names for b in ours.ddp.bucket_plan.buckets], "events": ours.events, "warnings": warnings.messages}
+    return {"buckets": [b.names for b in ours.ddp.bucket_plan.buckets], "events": ours.events, "warnings": warnings}
 
 
 def outcomes(events: list[tuple[str, int | None, str | None]]) -> list[str]:
