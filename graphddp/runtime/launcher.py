@@ -112,23 +112,21 @@ class Launcher:
         """A joined rank's stand-in for one backward: every bucket launched on zeros and awaited, one after the
         other (the same sequence of collectives as either launch policy)."""
         self.reset()
-        for bucket in self.buckets:
-            in_flight = self._launch(bucket, torch.zeros_like(bucket.buffer))
-            self._commit_open()
-            in_flight.wait()
+        self.drain()
 
     def drain(self) -> None:
-        """An abandoned backward's rest (Note [Abandoned backward] in ``graphddp.runtime.iteration``): the buckets
-        it launched are awaited, the others launched on zeros and awaited, in index order, one after the other
-        (the collectives the other ranks' backward issues, under either launch policy); nothing is kept."""
+        """The rest of a backward, on zeros (a joined rank's shadow: all of it; Note [Abandoned backward] in
+        ``graphddp.runtime.iteration``: what an abandoned backward left): the buckets already launched are awaited,
+        the others launched on zeros and awaited, in index order, one after the other (the same sequence of
+        collectives as either launch policy); nothing is kept."""
         for bucket in self.buckets:
-            if bucket.index >= self._next:
-                bucket.start(self._launch(bucket, torch.zeros_like(bucket.buffer)))
-                self._next += 1
+            launched = bucket.index < self._next
+            in_flight = bucket.in_flight if launched else self._launch(bucket, torch.zeros_like(bucket.buffer))
             if self._open is not None and self._open[0] <= bucket.index:
                 self._commit_open()
-            assert bucket.in_flight is not None
-            bucket.in_flight.wait()
+            assert in_flight is not None, f"bucket {bucket.index} was never launched"
+            in_flight.wait()
+        self._next = len(self.buckets)
 
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
         if self._open is not None:
