@@ -6,6 +6,7 @@ Every mode trains the same workload (same seed, data, optimizer); only how gradi
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,8 @@ from graphddp.passes import ParamSpec, plan_buckets
 MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 """The default modes. A graphddp mode also takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``),
 ``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's
-optimizer step inside backward, Note [Optimizer overlap]); ``graphddp-eager@auto+step`` combines them."""
+optimizer step inside backward, Note [Optimizer overlap]), ``graphddp-compiled+ch2`` (``channels=2``, buckets on two
+process groups in turn, Note [Channels]); ``graphddp-eager@auto+step`` combines them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,18 +36,25 @@ class ModeName:
     split: bool = False
     """``graphddp-compiled+split``: the backend's ``reduction="split"`` (Note [In-graph reduction])."""
 
+    channels: int | None = None
+    """``graphddp-compiled+ch4``: ``channels=4`` (Note [Channels]); None: the configuration's."""
+
     @classmethod
     def parse(cls, name: str) -> ModeName:
-        rest, split = (name[: -len("+split")], True) if name.endswith("+split") else (name, False)
-        rest, step = (rest[: -len("+step")], True) if rest.endswith("+step") else (rest, False)
+        rest, *variants = name.split("+")
         base, _, cap = rest.partition("@")
         if base not in MODES:
             raise ValueError(
                 f"unknown mode {name!r}; choose from {', '.join(MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, "
-                "MODE+step; graphddp-compiled also as MODE+split)"
+                "MODE+step, MODE+chK; graphddp-compiled also as MODE+split)"
             )
-        if (cap or step) and not base.startswith("graphddp"):
-            raise ValueError(f"mode {name!r}: only graphddp modes take @CAP or +step")
+        unknown = [v for v in variants if v not in ("split", "step") and not re.fullmatch(r"ch[1-9][0-9]*", v)]
+        if unknown:
+            raise ValueError(f"mode {name!r}: unknown variant +{unknown[0]} (+step, +split, +chK with K >= 1)")
+        split, step = "split" in variants, "step" in variants
+        channels = next((int(v[2:]) for v in variants if v.startswith("ch")), None)
+        if (cap or step or channels) and not base.startswith("graphddp"):
+            raise ValueError(f"mode {name!r}: only graphddp modes take @CAP, +step or +chK")
         if split and base != "graphddp-compiled":
             raise ValueError(f"mode {name!r}: only graphddp-compiled takes +split")
         if cap and cap != "auto":
@@ -53,9 +62,11 @@ class ModeName:
                 float(cap)
             except ValueError:
                 raise ValueError(f"mode {name!r}: the cap after @ must be a number of MiB or auto") from None
-        return cls(base, cap or None, step, split)
+        return cls(base, cap or None, step, split, channels)
 
     def config(self, cfg: ModeConfig) -> ModeConfig:
+        if self.channels is not None:
+            cfg = dataclasses.replace(cfg, channels=self.channels)
         if self.cap == "auto":
             return dataclasses.replace(cfg, bucket_cap_mb="auto", first_bucket_cap_mb="auto", last_bucket_cap_mb="auto")
         if self.cap is not None:

@@ -24,6 +24,7 @@ from .options import AUTO, BucketOptions, DDPOptions, device_of, from_torch_argu
 from .passes import BucketPlan, ParamSpec, embedding_tables, plan_buckets, rows_apply, sparse_gradient_params
 from .runtime import replicas
 from .runtime.auto_caps import AutoCaps
+from .runtime.channels import Channels
 from .runtime.comm import broadcast_coalesced, collective_device, verify_same_params
 from .runtime.delayed import DelayedAllReduce, named_delayed
 from .runtime.join import ActiveRanks, JoinSupport, ShadowedModule
@@ -89,6 +90,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
         check_replicas_every: int = 0,
+        channels: int = 1,
     ) -> None:
         """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only."""
         nn.Module.__init__(self)  # not super(): in InstalledDDP (Note [Frameworks]) PyTorch's DDP comes next
@@ -100,7 +102,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision, bucket_cap_mb_list=bucket_cap_mb_list,
             first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb, bucket_ramps=bucket_ramps,
-            sparse_embedding_grads=sparse_embedding_grads, check_replicas_every=check_replicas_every,
+            sparse_embedding_grads=sparse_embedding_grads, check_replicas_every=check_replicas_every, channels=channels,
         )
         self.dim, self.batched_grad_copy, self.mixed_precision = dim, batched_grad_copy, mixed_precision  # PyTorch's
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
@@ -143,24 +145,15 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 [spec(n, p, "parameter " if p.requires_grad else "parameter (requires_grad=False) ") for n, p in self._synced_parameters()]
                 + [ParamSpec.of(f"buffer {n}", b) for n, b in self._synced_buffers()],
                 group=self.process_group,
-                options=self._collective_options(),
+                options=self.options.collective_lines(skip_all_reduce_unused_params=self.skip_all_reduce_unused_params),
             )
             if self.world_size > 1:
                 self._broadcast_state(src=0, buffers=init_sync_buffers)
 
         self._precision.cast_buffers(self.module, self.parameters_to_ignore)
         self._auto_caps = self._calibrate_auto_caps()
+        self._channels = Channels.open(self.process_group, self.options.channels, owner=self)  # Note [Channels]
         return plan_buckets([spec(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration")
-
-    def _collective_options(self) -> list[str]:
-        """The options that change which collectives a rank issues: every rank must pass the same ones."""
-        o = self.options
-        return [
-            f"option buckets={o.caps} automatic={o.caps_search}",
-            f"option find_unused_parameters={o.find_unused_parameters} static_graph={o.static_graph}",
-            f"option forward_sync_buffers={o.broadcast_buffers} sparse_embedding_grads={o.sparse_embedding_grads}",
-            f"option skip_all_reduce_unused_params={self.skip_all_reduce_unused_params} check_replicas_every={o.check_replicas_every}",
-        ]
 
     def _calibrate_auto_caps(self) -> AutoCaps | None:
         """For caps left to ``"auto"``: measure the link and the ranks (collective; Note [Automatic caps])."""
@@ -181,7 +174,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             named, plan, process_group=self.process_group, collective_device=self._collective_device,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, usage=self.options.usage_policy(),
             active_ranks=active_ranks, sparse_embedding_grads=self.options.sparse_embedding_grads,
-            skip_unused=self.skip_all_reduce_unused_params, auto_caps=self._auto_caps,
+            skip_unused=self.skip_all_reduce_unused_params, auto_caps=self._auto_caps, channels=self._channels,
         )  # fmt: skip
         self._join = JoinSupport(self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device)
         self._delayed = DelayedAllReduce.of(self.module, *self._delayed_names, group=self.process_group, rank=self.rank)
@@ -191,7 +184,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     # -- pickling (torch.save, copy.deepcopy), as PyTorch's DDP: no process group, no Reducer in the state --------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed", "_placement", "_replicas"):
+        for name in ("process_group", "reducer", "_join", "device_mesh", "_delayed", "_placement", "_replicas", "_channels"):
             state.pop(name, None)
         state["_plan"] = self.reducer.plan  # pure data: the copy starts on the plan in force
         return state
@@ -200,6 +193,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         plan = state.pop("_plan")
         nn.Module.__setstate__(self, state)  # not super(): see __init__
         self.process_group, self.device_mesh = dist.group.WORLD, None  # as PyTorch: the default group
+        self._channels = Channels.single(self.process_group)  # making groups is a collective (Note [Channels])
         self._make_reducer(plan)
 
     # -- forward ---------------------------------------------------------------------------------------------

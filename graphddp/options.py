@@ -49,11 +49,19 @@ class BucketOptions:
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
     result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
     ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense."""
+    channels: int = 1
+    """Process groups the buckets are reduced on in turn (bucket i on group ``i % channels``), so up to that many
+    all-reduces are in flight at once; the groups beyond the DDP's own are made at construction, with its backend
+    and timeout, and freed with the DDP (Note [Channels] in ``graphddp.runtime.channels``)."""
 
     def __post_init__(self) -> None:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        if isinstance(self.channels, bool) or not isinstance(self.channels, int):
+            raise TypeError(f"channels must be a whole number of process groups, got {self.channels!r}")
+        if self.channels < 1:
+            raise ValueError(f"channels must be at least 1 (1: every bucket on the DDP's own group), got {self.channels}")
         for field in _CAP_FIELDS:
             value = getattr(self, field)
             if isinstance(value, str) and value != AUTO:  # a type mistake, as any other non-number
@@ -112,6 +120,16 @@ class DDPOptions(BucketOptions):
             raise ValueError(f"graphddp.DDP: check_replicas_every must be a whole number of forwards >= 0 (0: never), got {every!r}")
         super().__post_init__()
 
+    def collective_lines(self, *, skip_all_reduce_unused_params: bool) -> list[str]:
+        """The options that change which collectives a rank issues, as lines every rank must hold alike
+        (``verify_same_params``)."""
+        return [
+            f"option buckets={self.caps} automatic={self.caps_search} channels={self.channels}",
+            f"option find_unused_parameters={self.find_unused_parameters} static_graph={self.static_graph}",
+            f"option forward_sync_buffers={self.broadcast_buffers} sparse_embedding_grads={self.sparse_embedding_grads}",
+            f"option skip_all_reduce_unused_params={skip_all_reduce_unused_params} check_replicas_every={self.check_replicas_every}",
+        ]
+
     def usage_policy(self) -> ExpectAllUsed | SearchEveryIteration | StaticGraph:
         if self.static_graph:
             return StaticGraph()
@@ -154,6 +172,7 @@ def from_torch_arguments(
     bucket_ramps: bool,
     sparse_embedding_grads: bool,
     check_replicas_every: int = 0,
+    channels: int = 1,
 ) -> TorchArguments:
     """The arguments of ``DistributedDataParallel.__init__`` (PyTorch's, then graphddp's own) as graphddp runs them.
 
@@ -179,6 +198,7 @@ def from_torch_arguments(
         gradient_as_bucket_view=gradient_as_bucket_view,
         static_graph=static_graph,
         check_replicas_every=check_replicas_every,
+        channels=channels,
     )
     group, mesh = _group_of(process_group, device_mesh)
     return TorchArguments(

@@ -76,7 +76,7 @@ import torch
 
 MiB = 1024 * 1024
 
-__all__ = ["MiB", "ParamSpec", "Bucket", "BucketCaps", "BucketPlan", "plan_buckets", "plan_bucket_groups"]
+__all__ = ["MiB", "ParamSpec", "Bucket", "BucketCaps", "BucketPlan", "bucket_channel", "plan_buckets", "plan_bucket_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +470,14 @@ def _flat(items: Sequence[list[ParamSpec]]) -> list[ParamSpec]:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def bucket_channel(index: int, channels: int) -> int:
+    """The channel (process group) bucket ``index`` is reduced on when a DDP reduces on ``channels`` of them:
+    round robin in plan order, so every rank issues each group's collectives in the same order (Note [Channels]
+    in ``graphddp/runtime/channels.py``). The one rule the Reducer and the in-graph reduction both follow."""
+    assert channels >= 1, channels
+    return index % channels
 
 
 def first_difference_across(rows_per_rank: Sequence[Sequence[Any]], missing: Any) -> tuple[int, list[Any]] | None:

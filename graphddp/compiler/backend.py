@@ -179,7 +179,7 @@ class GraphDDPBackend:
             compiler = in_graph_compiler(self.inner)
             assert compiler is not None, "choose_reduction checks the inner compiler"
             reducing = insert_bucket_reductions(
-                gm, prepared.params, prepared.plan, group_name=target.group_name, divisor=target.world_size,
+                gm, prepared.params, prepared.plan, group_names=target.channel_names, divisor=target.world_size,
                 wire=target.in_graph_wire(),
             )
             in_graph = compiler(reducing, example_inputs)

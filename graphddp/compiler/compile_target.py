@@ -31,8 +31,9 @@ class CompileTarget(PartSink, Protocol):
 
     rank: int
     world_size: int
-    group_name: str
-    """The DDP's process group, as functional collectives name it (Note [In-graph reduction])."""
+    channel_names: tuple[str, ...]
+    """The groups buckets are reduced on, channel by channel (bucket i on ``bucket_channel(i, len(...))``), as
+    functional collectives name them: the DDP's own first (Note [In-graph reduction], Note [Channels])."""
 
     def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
         """The caps to plan a newly captured graph with (chosen for it, with ``bucket_cap_mb="auto"``)."""

@@ -12,7 +12,8 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    [Earliest use]). Autograd runs a node's backward once all its outputs' gradients are in, and runs the nodes it
    can in reverse creation order, so the call's backward runs right after the bucket's last gradient is complete:
    it flattens the bucket (one ``cat``), divides by the world size, and issues a functional all-reduce
-   (``_c10d_functional.all_reduce``) on the DDP's own process group, then ``wait_tensor`` and the views that hand
+   (``_c10d_functional.all_reduce``) on the bucket's channel (the DDP's own process group unless ``channels`` > 1,
+   Note [Channels] in ``graphddp/runtime/channels.py``), then ``wait_tensor`` and the views that hand
    each parameter its slice. PyTorch's built-in ``allreduce_hook``, ``fp16_compress_hook`` and
    ``bf16_compress_hook`` are traced the same way (the last two cast the bucket before and after).
 2. AOTAutograd traces that into the compiled backward (``in_graph_compiler``: Inductor or aot_eager); in the
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..passes import BucketPlan, GraphParam, schedule_reductions
+from ..passes import BucketPlan, GraphParam, bucket_channel, schedule_reductions
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -94,13 +95,13 @@ def insert_bucket_reductions(
     params: Sequence[GraphParam],
     plan: BucketPlan,
     *,
-    group_name: str,
+    group_names: Sequence[str],
     divisor: int,
     wire: torch.dtype | None = None,
 ) -> fx.GraphModule:
-    """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note), sent as
-    ``wire`` (a compressing comm hook's dtype; None: the gradients' own); ``gm`` is left as it was (the split
-    variant is cut from it)."""
+    """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note) on its channel
+    of ``group_names`` (Note [Channels]), sent as ``wire`` (a compressing comm hook's dtype; None: the gradients'
+    own); ``gm`` is left as it was (the split variant is cut from it)."""
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -112,6 +113,7 @@ def insert_bucket_reductions(
         uses = [u for p in members for u in p.uses if u.differentiable] or [u for p in members for u in p.uses]
         at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
         with graph.inserting_before(at):
+            group_name = group_names[bucket_channel(bucket.index, len(group_names))]
             call = graph.call_function(reduce_bucket, (group_name, divisor, wire, *(nodes[p.node] for p in members)))
             for k, member in enumerate(members):
                 item = graph.call_function(operator.getitem, (call, k))

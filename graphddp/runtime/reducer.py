@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ..passes import BucketCaps, BucketPlan, GraphSplit
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
+from .channels import Channels
 from .countdown import Countdown
 from .grad_layout import dense_layout
 from .iteration import Iteration, UnpreparedBackward
@@ -76,12 +77,12 @@ class Reducer:
         self, named_params: list[tuple[str, torch.nn.Parameter]], plan: BucketPlan, *, process_group: dist.ProcessGroup,
         collective_device: torch.device, gradient_as_bucket_view: bool = False, usage: UsagePolicy | None = None,
         active_ranks: ActiveRanks | None = None, sparse_embedding_grads: bool = True, skip_unused: bool = False,
-        auto_caps: AutoCaps | None = None,
+        auto_caps: AutoCaps | None = None, channels: Channels | None = None,
     ) -> None:  # fmt: skip
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
-        self._group = process_group
+        self._channels = channels if channels is not None else Channels.single(process_group)  # Note [Channels]
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.usage = GradientUsage(self._names, usage if usage is not None else ExpectAllUsed(), group=process_group,
                                    device=collective_device, rank=self.rank, world_size=self.world_size)
@@ -101,7 +102,7 @@ class Reducer:
         self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
-                                     group=process_group, countdown=self._countdown, skip=skip_unused)
+                                     channels=self._channels, countdown=self._countdown, skip=skip_unused)
         self.adopt(plan)
 
     # -- plan and comm hook ----------------------------------------------------------------------------------
@@ -121,8 +122,8 @@ class Reducer:
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
 
     def _make_launcher(self) -> Launcher:
-        dense = dense_reduction(self._hook, self._group, self.rank)
-        each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, group=self._group)
+        dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank) for b in self.buckets]
+        each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, channels=self._channels)
         return Launcher(self.buckets, self._skip.reductions(self.buckets, each, dense), self._policy, self._events)
 
     def set_comm_hook(self, state: Any, hook: Any) -> None:

@@ -17,7 +17,7 @@ an H100 (docs/gpu.md), which a backward that feeds the GPU from Python cannot hi
 in two steps, both issued from the thread that runs backward:
 
 * ``start``: which rows does this rank's gradient touch? A ``[rows]`` byte mask, max-reduced on the DDP's group
-  (graphddp makes no group of its own: every collective has the user's timeout, nothing leaks);
+  (the bucket's channel: the DDP's group unless ``channels`` > 1, Note [Channels]);
 * ``commit``: with the union known, the main group all-reduces the touched rows only, packed; or, when the union
   is over ``ROW_SPARSE_MAX_DENSITY`` of the rows, the whole bucket through the default hook. ``commit`` waits
   for the mask: for a table in the middle of backward that is one small round trip in which backward pauses; a
@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
+from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
 
 DENSE_STREAK_LIMIT = 2
@@ -183,10 +184,14 @@ def dense_reduction(hook: CommHook, group: dist.ProcessGroup, rank: int) -> Dens
 
 
 def bucket_reductions(
-    buckets: Sequence[FlatBucket], dense: DenseReduction, *, rows: bool, group: dist.ProcessGroup
+    buckets: Sequence[FlatBucket], dense: Sequence[DenseReduction], *, rows: bool, channels: Channels
 ) -> list[DenseReduction | RowSparseReduction]:
-    """One strategy per bucket: an embedding table's rows where rows apply (``rows``), else ``dense``."""
-    return [RowSparseReduction(dense, group=group) if rows and b.spec.row_sparse else dense for b in buckets]
+    """One strategy per bucket, on the bucket's channel (Note [Channels] in ``graphddp.runtime.channels``): an
+    embedding table's rows where rows apply (``rows``), else the bucket's ``dense`` reduction."""
+    return [
+        RowSparseReduction(dense[b.index], group=channels.of_bucket(b.index)) if rows and b.spec.row_sparse else dense[b.index]
+        for b in buckets
+    ]
 
 
 class DenseInFlight:

@@ -25,7 +25,7 @@ from .unused import GradientUsage
 class SkipNothing:
     """Every bucket is reduced (``skip_all_reduce_unused_params=False``)."""
 
-    def reductions(self, buckets: Sequence[FlatBucket], reductions: list[Any], dense: DenseReduction) -> list[Any]:
+    def reductions(self, buckets: Sequence[FlatBucket], reductions: list[Any], dense: Sequence[DenseReduction]) -> list[Any]:
         return reductions
 
     def outdated(self) -> bool:
@@ -43,11 +43,12 @@ class SkipNeverUsed:
         self._skipped: dict[int, SkippedReduction] = {}  # by bucket index: launched without a collective
         self._basis: frozenset[int] = frozenset()  # the never-used parameters they were chosen from
 
-    def reductions(self, buckets: Sequence[FlatBucket], reductions: list[Any], dense: DenseReduction) -> list[Any]:
-        """``reductions`` (one per bucket), with a ``SkippedReduction`` for each bucket of never-used parameters."""
+    def reductions(self, buckets: Sequence[FlatBucket], reductions: list[Any], dense: Sequence[DenseReduction]) -> list[Any]:
+        """``reductions`` (one per bucket), with a ``SkippedReduction`` for each bucket of never-used parameters (its
+        late all-reduce through the bucket's ``dense`` reduction)."""
         never_used = self._basis = self._usage.never_used
         self._skipped = {
-            b.index: SkippedReduction(dense)
+            b.index: SkippedReduction(dense[b.index])
             for b in buckets
             if not any(p.part for p in b.spec.params) and never_used.issuperset(b.param_indices)
         }

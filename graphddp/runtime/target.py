@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from ..passes import BucketCaps, BucketPlan, GraphParam, GraphSplit, ReductionChoice, rows_apply
 from .auto_caps import AutoCaps
+from .channels import Channels
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
 from .plans import PlanKeeper
@@ -57,7 +57,7 @@ class ReducerTarget:
         world_size: int,
         sparse_embedding_grads: bool,
         auto_caps: AutoCaps | None,
-        group: dist.ProcessGroup,
+        channels: Channels,
         countdown: Countdown,
         skip: bool,
     ) -> None:
@@ -67,9 +67,10 @@ class ReducerTarget:
         self.rank, self.world_size = rank, world_size
         self._rows_enabled = sparse_embedding_grads
         self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
-        self._group = group
-        self.group_name = group.group_name
-        """The DDP's process group, as functional collectives name it (in-graph reduction)."""
+        self._group = channels.groups[0]  # the DDP's own
+        self.channel_names = channels.names
+        """The groups buckets are reduced on, channel by channel, as functional collectives name them (in-graph
+        reduction; Note [Channels] in ``graphddp.runtime.channels``)."""
         hooks = GradientHooks(countdown, [p for _, p in named_params])  # the Reducer's, on or off (the gate says)
         weakref.finalize(owner, remove_all, hooks.handles)  # gone with the Reducer
         self.gate = InGraphGate(plans, hooks, [n for n, _ in named_params], rank=rank)

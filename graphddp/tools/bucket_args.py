@@ -37,8 +37,19 @@ def cap_mb(text: str) -> float | str:
     return value
 
 
+def channel_count(text: str) -> int:
+    """``--channels``: a whole number of process groups >= 1 (argparse names the flag of a bad one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of process groups >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (1: every bucket on the DDP's own group), got {text!r}")
+    return value
+
+
 def add_bucket_arguments(parser: argparse.ArgumentParser, defaults: BucketOptions, *, note: str | None = None) -> None:
-    """The caps, ``--no-bucket-ramps`` and ``--no-sparse-embedding-grads``, in a group of their own; ``defaults``
+    """The caps, ``--no-bucket-ramps``, ``--no-sparse-embedding-grads`` and ``--channels``, in a group of their own; ``defaults``
     gives each flag's default, ``note`` what the command does with them (the group's description)."""
     group = parser.add_argument_group("buckets", note)
     for flag in CAP_FLAGS:
@@ -58,6 +69,11 @@ def add_bucket_arguments(parser: argparse.ArgumentParser, defaults: BucketOption
         default=defaults.sparse_embedding_grads,
         help="every bucket all-reduced dense: no row-sparse buckets, no parts (Note [Row-sparse gradients])",
     )  # fmt: skip
+    group.add_argument(
+        "--channels", type=channel_count, default=defaults.channels, metavar="K",
+        help="process groups the buckets are reduced on in turn, up to K all-reduces in flight (Note [Channels]) "
+        "(default: %(default)s)",
+    )  # fmt: skip
 
 
 def bucket_options(args: argparse.Namespace) -> BucketOptions:
@@ -66,6 +82,7 @@ def bucket_options(args: argparse.Namespace) -> BucketOptions:
         **{_field(flag): getattr(args, _field(flag)) for flag in CAP_FLAGS},
         bucket_ramps=args.bucket_ramps,
         sparse_embedding_grads=args.sparse_embedding_grads,
+        channels=args.channels,
     )
 
 

@@ -39,6 +39,7 @@ from ..passes import (
     ParamSpec,
     Prediction,
     ReductionChoice,
+    bucket_channel,
     check_reduction,
     choose_graph_caps,
     choose_reduction,
@@ -108,6 +109,8 @@ class Inspection:
     graphs: list[GraphReport]
     plan: BucketPlan
     """The plan the Reducer would run: the graphs' plans composed (see ``graphddp.runtime.plans``)."""
+    channels: int = 1
+    """Process groups the buckets go on in turn (Note [Channels] in ``graphddp.runtime.channels``)."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -120,7 +123,11 @@ class Inspection:
                 | _choice_record(g.caps_choice)
                 for g in self.graphs
             ],
-            "buckets": [{"index": b.index, "bytes": b.nbytes, "params": list(b.names)} for b in self.plan.buckets],
+            "channels": self.channels,
+            "buckets": [
+                {"index": b.index, "bytes": b.nbytes, "params": list(b.names), "channel": bucket_channel(b.index, self.channels)}
+                for b in self.plan.buckets
+            ],
             "versions": versions(),
         }
 
@@ -139,6 +146,8 @@ class Inspection:
             if g.prediction is not None:
                 parts += [_prediction_text(g.prediction), ""]
         parts.append(f"fingerprint {self.plan.fingerprint} ({len(self.plan.buckets)} buckets in all)")
+        if self.channels > 1:
+            parts.append(f"{self.channels} channels: bucket i is reduced on process group i % {self.channels} (Note [Channels])")
         return "\n".join(parts)
 
 
@@ -157,10 +166,12 @@ def inspect_target(
     dump: str | None = None,
     link: str | None = None,
     reduction: str = "auto",
+    channels: int = 1,
 ) -> Inspection:
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps, bucket_cap_mb_list=bucket_cap_mb_list, sparse_embedding_grads=sparse_embedding_grads,
+        channels=channels,
     )  # fmt: skip
     caps = options.caps  # with "auto": the stand-ins a run plans with until it has chosen
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -207,7 +218,7 @@ def inspect_target(
     # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans),
     # with the caps in force (with "auto", the stand-ins: each graph's own plan carries its chosen caps).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
-    return Inspection(target, graphs, plan)
+    return Inspection(target, graphs, plan, channels=options.channels)
 
 
 class GraphCapsChooser:

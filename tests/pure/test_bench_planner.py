@@ -20,7 +20,7 @@ def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
     assert ModeName.parse("graphddp-eager@auto+step") == ModeName("graphddp-eager", "auto", True)
     assert ModeName.parse("graphddp-eager@auto").config(ModeConfig()).last_bucket_cap_mb == "auto"
     assert ModeName.parse("graphddp-eager@2.5").config(ModeConfig()).bucket_cap_mb == 2.5
-    with pytest.raises(ValueError, match="only graphddp modes take @CAP or \\+step"):
+    with pytest.raises(ValueError, match="only graphddp modes take @CAP, \\+step or \\+chK"):
         ModeName.parse("torch-eager@16")
     with pytest.raises(ValueError, match="the cap after @ must be a number of MiB or auto"):
         ModeName.parse("graphddp-compiled@big")
@@ -30,6 +30,13 @@ def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
     assert ModeName.parse("graphddp-compiled@4+step+split") == ModeName("graphddp-compiled", "4", True, True)
     with pytest.raises(ValueError, match="only graphddp-compiled takes \\+split"):
         ModeName.parse("graphddp-eager+split")
+    channels = ModeName.parse("graphddp-compiled+ch4+step")
+    assert channels == ModeName("graphddp-compiled", None, True, False, 4) and channels.config(ModeConfig()).channels == 4
+    assert ModeName.parse("graphddp-eager").config(ModeConfig()).channels == 1
+    with pytest.raises(ValueError, match="unknown variant \\+ch0"):
+        ModeName.parse("graphddp-eager+ch0")
+    with pytest.raises(ValueError, match="only graphddp modes take"):
+        ModeName.parse("torch-compiled+ch2")
 
 
 def summary() -> dict:

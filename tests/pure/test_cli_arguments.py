@@ -48,7 +48,7 @@ def test_inspect_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch,
 
 # -- the bucket arguments: one helper for graphddp demo, graphddp inspect and python -m bench ------------------------
 CAP_FLAGS = ("--bucket-cap-mb", "--first-bucket-cap-mb", "--last-bucket-cap-mb")
-BUCKET_FLAGS = (*CAP_FLAGS, "--no-bucket-ramps", "--no-sparse-embedding-grads")
+BUCKET_FLAGS = (*CAP_FLAGS, "--no-bucket-ramps", "--no-sparse-embedding-grads", "--channels")
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -94,8 +94,31 @@ def test_auto_and_numbers_parse_to_bucket_options(command: str) -> None:
     options = bucket_options(args)
     assert options == BucketOptions(bucket_cap_mb="auto", first_bucket_cap_mb=0.5, last_bucket_cap_mb="auto")
     assert options.caps_search is not None and options.caps_search.first_mb == 0.5
-    flags = bucket_options(parser.parse_args([*positional, "--no-bucket-ramps", "--no-sparse-embedding-grads"]))
-    assert not flags.bucket_ramps and not flags.sparse_embedding_grads
+    flags = bucket_options(parser.parse_args([*positional, "--no-bucket-ramps", "--no-sparse-embedding-grads", "--channels", "3"]))
+    assert not flags.bucket_ramps and not flags.sparse_embedding_grads and flags.channels == 3
+
+
+@pytest.mark.parametrize("command", ["demo", "inspect", "bench"])
+@pytest.mark.parametrize(("value", "message"), [("0", "must be at least 1"), ("two", "must be a whole number of process groups")])
+def test_a_bad_channel_count_is_an_argparse_error(command: str, value: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    from bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        if command == "bench":
+            bench_main(["--channels", value])
+        else:
+            main([command, *(["gpt"] if command == "inspect" else []), "--channels", value])
+    assert exit_info.value.code == 2
+    assert f"error: argument --channels: {message}" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-2, ValueError), (True, TypeError), ("2", TypeError), (1.5, TypeError)])
+def test_channels_must_be_a_whole_number_of_groups(value: object, error: type[Exception]) -> None:
+    from graphddp.ddp import BucketOptions, DDPOptions
+
+    for options in (BucketOptions, DDPOptions):
+        with pytest.raises(error, match="channels must be"):
+            options(channels=value)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("command", ["demo", "inspect", "bench"])

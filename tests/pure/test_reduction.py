@@ -120,7 +120,7 @@ def _backward_of_reducing_graph(caps: BucketCaps) -> tuple[fx.GraphModule, fx.Gr
     model = Layers()
     (captured,) = capture_graphs(model, torch.randn(5, 8))
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
-    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_name="0", divisor=2)
+    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2)
     graphs: dict[str, fx.GraphModule] = {}
 
     def keep(kind: str):
@@ -174,12 +174,29 @@ def test_inserted_reductions_are_identities_in_forward() -> None:
     x = torch.randn(5, 8)
     (captured,) = capture_graphs(model, x)
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=BucketCaps(), row_sparse=False)
-    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_name="0", divisor=2)
+    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2)
     calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
     assert len(calls) == len(prepared.plan.buckets)
     assert all(any(u.target is operator.getitem for u in c.users) for c in calls)
     with torch.no_grad():
         torch.testing.assert_close(reducing(*_real_inputs(captured, model, x))[0], model(x))
+
+
+def test_each_bucket_is_reduced_on_its_channel_in_turn() -> None:
+    # Note [Channels]: bucket i names group i % k, the rule the Reducer follows too (graphddp.passes.bucket_channel).
+    model = Layers()
+    (captured,) = capture_graphs(model, torch.randn(5, 8))
+    caps = BucketCaps(bucket=1200, first=1200, last=1200)
+    prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
+    assert len(prepared.plan.buckets) >= 4
+    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("g0", "g1", "g2"), divisor=2)
+    calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
+    by_bucket = {}
+    for call in calls:  # a call's parameters are one bucket's
+        members = {a.name for a in call.args[3:]}
+        (bucket,) = [b.index for b in prepared.plan.buckets if members <= {p.node for p in prepared.params if p.spec in b.params}]
+        by_bucket[bucket] = call.args[0]
+    assert by_bucket == {b.index: ("g0", "g1", "g2")[b.index % 3] for b in prepared.plan.buckets}
 
 
 def _real_inputs(captured, model: nn.Module, x: torch.Tensor) -> list:

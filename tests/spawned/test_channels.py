@@ -1,0 +1,198 @@
+"""``channels=k`` (Note [Channels]): buckets reduced on k process groups in turn, eager and compiled in-graph, with
+PyTorch's DDP's gradients; the groups take the DDP's timeout, ranks that ask for different counts raise, and
+nothing is left behind once the DDP is freed."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import datetime
+import gc
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import IN, MLP, OUT
+from ranks import run_on_ranks
+from training import CAPS
+
+import graphddp
+from graphddp.runtime.channels import group_timeout
+from graphddp.runtime.comm import ModelMismatchError
+
+
+@contextlib.contextmanager
+def allreduces_by_group():
+    """Every ``ProcessGroup.allreduce`` issued meanwhile (graphddp's buckets call it directly, ``dist.all_reduce``
+    through it), counted by group name; the groups seen, by name."""
+    calls: collections.Counter[str] = collections.Counter()
+    groups: dict[str, dist.ProcessGroup] = {}
+    saved = vars(dist.ProcessGroup)["allreduce"]  # pybind's method object: restored as it was, or it breaks
+    original = dist.ProcessGroup.allreduce
+
+    def counting(group, *args, **kwargs):
+        calls[group.group_name] += 1
+        groups[group.group_name] = group
+        return original(group, *args, **kwargs)
+
+    dist.ProcessGroup.allreduce = counting
+    try:
+        yield calls, groups
+    finally:
+        dist.ProcessGroup.allreduce = saved
+
+
+SMALL = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005, "last_bucket_cap_mb": 0.0005}
+"""Caps small enough that the MLP's six gradients take several buckets per channel."""
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, IN, generator=g), torch.randn(6, OUT, generator=g)
+
+
+def train_on_channels(rank: int, world: int, channels: int, compiled: bool) -> dict[str, int]:
+    """Five SGD steps of graphddp.DDP(channels=...) beside PyTorch's DDP, parameters compared after each; returns the
+    all-reduces of the last backward per channel (by position: 0 is the DDP's own group)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    stack = contextlib.ExitStack()
+    calls, groups = stack.enter_context(allreduces_by_group())  # before the DDP: its buckets bind the method
+    ddp = graphddp.DDP(model, channels=channels, **SMALL)
+    dump = tempfile.mkdtemp(prefix=f"channels-{rank}-")
+    run = torch.compile(ddp, backend=graphddp.backend("aot_eager", reduction="in_graph", debug_dir=dump)) if compiled else ddp
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ref)]
+    for step in range(5):
+        x, y = batch(step, rank)
+        calls.clear()
+        F.mse_loss(run(x), y).backward()
+        stack.close() if step == 4 else None
+        F.mse_loss(ref(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    main = dist.group.WORLD.group_name
+    assert main in groups, "the DDP's own group carries channel 0"
+    others = sorted((name for name in groups if name != main), key=lambda n: int(n) if n.isdigit() else n)
+    assert all(group_timeout(groups[n]) == group_timeout(dist.group.WORLD) for n in others)
+    if compiled:  # the all-reduces are ops of the compiled backward: count them there, by the group each names
+        calls.clear()
+        for backward in pathlib.Path(dump).rglob("in_graph.backward.py"):
+            calls.update(re.findall(r"_c10d_functional\.all_reduce\.default\([^)]*'([^']+)'\)", backward.read_text()))
+        groups.update({name: dist.distributed_c10d._resolve_process_group(name) for name in calls})
+    shutil.rmtree(dump)
+    buckets = len(ddp.bucket_plan.buckets)
+    by_channel = collections.Counter(i % channels for i in range(buckets))
+    return {"buckets": buckets, "main": calls[main], **{f"channel {k}": calls[n] for k, n in enumerate(others, 1)},
+            "expected": dict(by_channel)}  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "in_graph"])
+def test_buckets_go_round_robin_on_the_channels_with_pytorchs_gradients(compiled: bool) -> None:
+    for record in run_on_ranks(train_on_channels, 2, 3, compiled):
+        expected = record["expected"]
+        assert record["buckets"] >= 3, record  # a bucket on every channel at least
+        # Channels 1 and 2 carry their buckets' all-reduces and nothing else; the DDP's group carries bucket 0, 3, ...
+        assert record["channel 1"] == expected[1] and record["channel 2"] == expected[2], record
+        assert record["main"] >= expected[0], record
+
+
+@pytest.mark.slow
+def test_three_ranks_on_two_channels_match_pytorch() -> None:
+    for record in run_on_ranks(train_on_channels, 3, 2, False):
+        assert record["channel 1"] == record["expected"][1], record
+
+
+def resources() -> tuple[int, int, int, int]:
+    """(process groups torch.distributed knows, threads, open descriptors, Python threads) of this process."""
+    return (
+        len(dist.distributed_c10d._world.pg_map),
+        len(os.listdir("/proc/self/task")),
+        len(os.listdir("/proc/self/fd")),
+        threading.active_count(),
+    )
+
+
+def built_and_freed(rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Resources before a DDP on 4 channels, while it trains, and once it is freed."""
+    torch.manual_seed(0)
+    warm = graphddp.DDP(MLP(), **CAPS)  # what the first DDP of a process loads for good (Dynamo, hooks)
+    F.mse_loss(warm(batch(0, rank)[0]), batch(0, rank)[1]).backward()
+    del warm
+    gc.collect()
+    before = resources()
+    ddp = graphddp.DDP(MLP(), channels=4, **CAPS)
+    x, y = batch(0, rank)
+    F.mse_loss(ddp(x), y).backward()
+    during = resources()
+    del ddp
+    gc.collect()
+    return before, during, resources()
+
+
+def test_nothing_is_left_behind_once_the_ddp_is_freed() -> None:
+    for before, during, after in run_on_ranks(built_and_freed, 2):
+        assert during[0] == before[0] + 3, (before, during)  # three groups of its own
+        assert during[1] > before[1] and during[2] > before[2], (before, during)  # gloo's threads and sockets
+        assert after == before, (before, during, after)
+
+
+def different_counts(rank: int, world: int) -> str:
+    with pytest.raises(ModelMismatchError) as caught:  # before any group is made: nothing hangs
+        graphddp.DDP(MLP(), channels=2 if rank == 0 else 1)
+    return str(caught.value)
+
+
+def test_ranks_that_ask_for_different_channels_raise_on_every_rank() -> None:
+    for message in run_on_ranks(different_counts, 2):
+        assert "channels=2" in message and "channels=1" in message, message
+
+
+def on_a_group_with_its_own_timeout(rank: int, world: int) -> bool:
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=77))
+    x, y = batch(0, rank)
+    with allreduces_by_group() as (_, groups):  # before the DDP: its buckets bind the method
+        ddp = graphddp.DDP(MLP(), process_group=group, channels=2, **CAPS)
+        F.mse_loss(ddp(x), y).backward()
+    channel = [g for name, g in groups.items() if name != group.group_name]
+    assert len(channel) == 1 and group_timeout(channel[0]) == datetime.timedelta(seconds=77), groups
+    del ddp
+    gc.collect()
+    dist.destroy_process_group(group)
+    return True
+
+
+def test_the_channels_take_the_ddps_timeout() -> None:
+    assert run_on_ranks(on_a_group_with_its_own_timeout, 2) == [True, True]
+
+
+def on_part_of_the_ranks(rank: int, world: int) -> str:
+    group = dist.new_group([0, 1])
+    message = "not a member"
+    if rank in (0, 1):
+        with pytest.raises(ValueError) as caught:
+            graphddp.DDP(MLP(), process_group=group, channels=2)
+        message = str(caught.value)
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return message
+
+
+@pytest.mark.slow
+def test_a_group_of_part_of_the_ranks_is_refused_with_what_to_do() -> None:
+    messages = run_on_ranks(on_part_of_the_ranks, 3)
+    assert messages[2] == "not a member"
+    for message in messages[:2]:
+        assert "2 of the 3 ranks" in message and "channels=1" in message, message
