@@ -3,8 +3,9 @@
 
 Each run gives its workload's measured compute (``local``'s phases), where graphddp-compiled's buckets complete
 in backward (its recorded iteration) and the calibrated link. The projection keeps all of that per rank and
-lets only the ring all-reduce change with the number of ranks (Note [Step cost model]). It rests on: weak
-scaling (each rank keeps its batch), one ring all-reduce per bucket, a link whose per-rank latency and
+lets only the all-reduce change with the number of ranks (Note [Step cost model]), twice: by a ring, and by the
+faster of a ring and halving-doubling per bucket (``best``: log-latency, as gloo's halving-doubling and NCCL's
+trees). It rests on: weak scaling (each rank keeps its batch), one all-reduce per bucket, a link whose per-rank latency and
 bandwidth do not change with the number of ranks (a non-blocking switch; no congestion, no hierarchy), the
 CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers, no skew).
 """
@@ -12,6 +13,7 @@ CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers, no skew)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,13 +28,20 @@ from .predict import link_of_run, mode_inputs
 WORLDS = (2, 8, 64, 256)
 
 
-def project(summary: dict[str, Any], link: LinkModel | None = None) -> dict[int, tuple[float, float]] | None:
-    """graphddp-compiled's projected step and efficiency per world size (on ``link``, or the run's own)."""
+ALGORITHMS = ("ring", "best")
+"""The projections made: a ring all-reduce, and the faster of ring and halving-doubling per bucket."""
+
+
+def project(
+    summary: dict[str, Any], link: LinkModel | None = None, *, algorithm: str = "ring"
+) -> dict[int, tuple[float, float]] | None:
+    """graphddp-compiled's projected step and efficiency per world size (on ``link``, or the run's own), each
+    bucket all-reduced by ``algorithm`` (``graphddp.passes.ALGORITHMS``)."""
     inputs = mode_inputs(summary, "graphddp-compiled")
     link = link or link_of_run(summary)
     if inputs is None or link is None:
         return None
-    return project_scaling(inputs, link, WORLDS)
+    return project_scaling(inputs, dataclasses.replace(link, algorithm=algorithm), WORLDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     rows, curves = [], {}
     for path in args.results:
         summary = json.loads(Path(path).read_text())
-        projected = project(summary)
-        if projected is None:
-            print(f"bench.scale: {path} has no graphddp-compiled mode, local mode or calibration", file=sys.stderr)
-            return 2
-        label = f"{summary['options']['workload']}, {summary['link']}"
-        curves[label] = projected
-        rows.append([label, *(f"{step * 1e3:.0f} ms ({eff * 100:.0f}%)" for step, eff in projected.values())])
-    print(tabulate(rows, headers=["workload, link", *(f"{w} ranks" for w in WORLDS)], tablefmt="github"))
+        for algorithm in ALGORITHMS:
+            projected = project(summary, algorithm=algorithm)
+            if projected is None:
+                print(f"bench.scale: {path} has no graphddp-compiled mode, local mode or calibration", file=sys.stderr)
+                return 2
+            label = f"{summary['options']['workload']}, {summary['link']}, {algorithm}"
+            curves[label] = projected
+            rows.append([label, *(f"{step * 1e3:.0f} ms ({eff * 100:.0f}%)" for step, eff in projected.values())])
+    print(tabulate(rows, headers=["workload, link, all-reduce", *(f"{w} ranks" for w in WORLDS)], tablefmt="github"))
     plot(curves, Path(args.out))
     return 0
 
@@ -67,12 +77,13 @@ def plot(curves: dict[str, dict[int, tuple[float, float]]], path: Path) -> None:
     fig, (steps, efficiency) = plt.subplots(1, 2, figsize=(11, 4))
     for label, projected in curves.items():
         worlds = list(projected)
-        steps.plot(worlds, [projected[w][0] * 1e3 for w in worlds], marker="o", label=label)
-        efficiency.plot(worlds, [projected[w][1] * 100 for w in worlds], marker="o", label=label)
+        style = "--" if label.endswith("best") else "-"
+        steps.plot(worlds, [projected[w][0] * 1e3 for w in worlds], style, marker="o", label=label)
+        efficiency.plot(worlds, [projected[w][1] * 100 for w in worlds], style, marker="o", label=label)
     for ax in (steps, efficiency):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(WORLDS), [str(w) for w in WORLDS])
-        ax.set_xlabel("ranks (ring all-reduce, each rank keeps its batch)")
+        ax.set_xlabel("ranks (each rank keeps its batch; dashed: halving-doubling where faster)")
     steps.set_ylabel("predicted step, ms")
     efficiency.set_ylabel("scaling efficiency, % (compute alone / step)")
     efficiency.set_ylim(0, 105)

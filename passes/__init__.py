@@ -15,6 +15,7 @@ from .caps_choice import (
     step_inputs_from_split,
 )
 from .cost import (
+    ALGORITHMS,
     LinkModel,
     Prediction,
     StepInputs,
@@ -62,6 +63,7 @@ from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, 
 from .taps import place_taps, tap_parts
 
 __all__ = [
+    "ALGORITHMS",
     "REDUCTIONS",
     "ROW_SPARSE_MAX_DENSITY",
     "ReductionChoice",

@@ -14,6 +14,17 @@ link's burst: a queue (a token bucket, a switch's buffer) passes its first megab
 of sizes that all fit in it sees the burst, not the rate (``graphddp.runtime.calibration.grow_series`` grows the series
 until one all-reduce takes 0.1 s).
 
+A ring's ``2 (w - 1) α`` grows with every rank: at 256 ranks a small bucket is all latency. Libraries switch to
+a log-latency algorithm there (gloo's halving-doubling, NCCL's double binary tree, MPI's Rabenseifner):
+recursive halving reduce-scatters and recursive doubling all-gathers, ``2 log2(w)`` messages and the ring's bytes,
+
+    T_hd(n, w) = 2 log2(w') α + 2 (w' - 1) / w' · n β  (+ 2 α + 2 n β when w is not a power of two)
+
+with ``w'`` the largest power of two ≤ ``w`` (the ``w - w'`` extra ranks hand their whole vector to a partner
+first and get the result back last). ``LinkModel.algorithm`` says which one a prediction uses: ``"ring"`` (the
+2-rank matrix: gloo and NCCL both run rings there, where the two agree), ``"halving-doubling"``, or ``"best"``
+(the faster of the two per bucket, as NCCL chooses per size); ``project_scaling`` gives each.
+
 **The step** is a DAG (networkx): the backward segments run one after the other on the compute side; bucket
 ``k``'s all-reduce can start when the segment that completes it has run *and* bucket ``k - 1``'s all-reduce is
 done (one link, buckets in index order); the step ends when the last segment and the last all-reduce are done,
@@ -41,6 +52,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # sympy and networkx load when a prediction is made, not with graphddp (issue 25)
     import sympy
 
+ALGORITHMS = ("ring", "halving-doubling", "best")
+"""All-reduce algorithms the link model knows (Note [Step cost model])."""
+
 REDUCER_CALLS_PER_BUCKET = 30
 """Python calls the Reducer makes per bucket in a steady backward (gather, launch, wait, write-back) on the lean
 bucket path (Note [Lean bucket path]; 95 before it), as ``tests/spawned/test_steady_hook.py`` and
@@ -65,10 +79,14 @@ class LinkModel:
     """α: seconds per message."""
     seconds_per_byte: float
     """β: seconds per byte on the wire (1 / bandwidth)."""
+    algorithm: str = "ring"
+    """The all-reduce algorithm predicted (one of ``ALGORITHMS``; see Note [Step cost model])."""
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.seconds_per_byte < 0:
             raise ValueError(f"a link's latency and seconds per byte must be >= 0, got {self}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"a link's all-reduce algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
 
     @classmethod
     def of_rate(cls, bits_per_second: float, latency_s: float = 50e-6) -> LinkModel:
@@ -78,10 +96,18 @@ class LinkModel:
         return cls(latency_s=latency_s, seconds_per_byte=8.0 / bits_per_second)
 
     def allreduce_s(self, nbytes: int, world: int) -> float:
-        """Seconds for one ring all-reduce of ``nbytes`` over ``world`` ranks."""
+        """Seconds for one all-reduce of ``nbytes`` over ``world`` ranks by ``algorithm``."""
         if world <= 1:
             return 0.0
-        return 2 * (world - 1) * self.latency_s + 2 * (world - 1) / world * nbytes * self.seconds_per_byte
+        ring = 2 * (world - 1) * self.latency_s + 2 * (world - 1) / world * nbytes * self.seconds_per_byte
+        if self.algorithm == "ring":
+            return ring
+        power = 1 << (world.bit_length() - 1)  # w': the largest power of two <= world
+        steps = power.bit_length() - 1  # log2(w')
+        halving_doubling = 2 * steps * self.latency_s + 2 * (power - 1) / power * nbytes * self.seconds_per_byte
+        if power != world:  # the extra ranks' vectors in and results out
+            halving_doubling += 2 * self.latency_s + 2 * nbytes * self.seconds_per_byte
+        return halving_doubling if self.algorithm == "halving-doubling" else min(ring, halving_doubling)
 
 
 def rate_bits_per_second(rate: str) -> float:
@@ -201,7 +227,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
 def project_scaling(inputs: StepInputs, link: LinkModel, worlds: Sequence[int]) -> dict[int, tuple[float, float]]:
     """Weak scaling on paper: each rank keeps its batch, compute and buckets; per world size, the predicted step
     and the scaling efficiency (the step alone, with nothing to communicate, over the step at that size).
-    Assumes a ring all-reduce per bucket, a link whose α and β per rank do not change with the number of ranks
+    Assumes one all-reduce per bucket by ``link.algorithm`` (Note [Step cost model]), a link whose α and β per rank do not change with the number of ranks
     (a non-blocking switch), the CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers)."""
     alone = predict_step(inputs, link, 1).step_s
     projected = {}

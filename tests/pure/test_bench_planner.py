@@ -121,6 +121,8 @@ def test_scale_projection_slows_with_ranks() -> None:
     assert projected is not None and list(projected) == [2, 8, 64, 256]
     assert projected[2][0] == pytest.approx(0.4) and projected[256][0] > projected[2][0]
     assert 1 >= projected[2][1] > projected[256][1]
+    best = project(summary() | {"modes": {**summary()["modes"], "graphddp-compiled": summary()["modes"]["graphddp-eager"]}, "timelines": {"graphddp-compiled": summary()["timelines"]["graphddp-eager"]}, "buckets": {"graphddp-compiled": summary()["buckets"]["graphddp-eager"]}}, algorithm="best")
+    assert best is not None and best[2] == projected[2] and best[256][0] <= projected[256][0]
 
 
 def test_overlapping_collectives_get_rows_of_their_own_and_the_trace_is_chrome_format(tmp_path: Path) -> None:

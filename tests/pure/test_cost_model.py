@@ -3,6 +3,7 @@ and fit, and the step's DAG against hand-computed schedules."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -142,6 +143,33 @@ def test_scaling_on_paper_pays_the_ring_latency_per_rank_and_the_bandwidth_term_
     assert projected[2][0] == pytest.approx(0.01 + 2e-6 + 1e-3)
     assert projected[256][0] == pytest.approx(0.01 + 510e-6 + 2 * 255 / 256 * 1e-3)
     assert projected[2][1] == pytest.approx(0.01 / projected[2][0]) and projected[256][1] < projected[8][1] < projected[2][1]
+
+
+def test_halving_doubling_pays_log_latency_and_the_ring_bytes() -> None:
+    # Note [Step cost model]: 2 log2(w) messages instead of 2 (w - 1); the same bytes; extra ranks beyond a power
+    # of two cost one more exchange of the whole vector each way.
+    ring = LinkModel(latency_s=1e-4, seconds_per_byte=1e-9)
+    hd, best = (dataclasses.replace(ring, algorithm=a) for a in ("halving-doubling", "best"))
+    n = 1 << 20
+    assert hd.allreduce_s(n, 256) == pytest.approx(2 * 8 * 1e-4 + 2 * 255 / 256 * n * 1e-9)
+    assert ring.allreduce_s(n, 256) == pytest.approx(2 * 255 * 1e-4 + 2 * 255 / 256 * n * 1e-9)
+    assert hd.allreduce_s(n, 2) == pytest.approx(ring.allreduce_s(n, 2))  # two ranks: one exchange either way
+    assert hd.allreduce_s(n, 6) == pytest.approx(2 * 2 * 1e-4 + 2 * 3 / 4 * n * 1e-9 + 2 * 1e-4 + 2 * n * 1e-9)
+    for world in (2, 3, 6, 64, 256):  # best: the faster per size (a ring wins on 3 ranks and large buckets)
+        for size in (1 << 10, 1 << 26):
+            assert best.allreduce_s(size, world) == min(ring.allreduce_s(size, world), hd.allreduce_s(size, world))
+    assert ring.allreduce_s(1 << 26, 3) < hd.allreduce_s(1 << 26, 3)
+    with pytest.raises(ValueError, match="must be one of ring, halving-doubling, best"):
+        LinkModel(latency_s=0.0, seconds_per_byte=0.0, algorithm="tree")
+
+
+def test_scaling_with_a_log_latency_all_reduce_is_not_latency_bound_at_256_ranks() -> None:
+    link = LinkModel(latency_s=5e-4, seconds_per_byte=1e-9)
+    inputs = StepInputs(segment_backward_s=(0.05,) * 12, bucket_bytes=(1 << 20,) * 12, completed_by=tuple(range(12)))
+    ring = project_scaling(inputs, link, [2, 256])
+    best = project_scaling(inputs, dataclasses.replace(link, algorithm="best"), [2, 256])
+    assert best[2] == pytest.approx(ring[2])
+    assert ring[256][1] < 0.5 < best[256][1]  # 12 buckets x 510 messages x 0.5 ms against 12 x 16 x 0.5 ms
 
 
 def test_each_bucket_costs_the_reducer_its_python_so_many_small_buckets_lose_when_launch_bound() -> None:
