@@ -25,6 +25,17 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
   row-sparse gradient (``ParamSpec.row_sparse``, Note [Row-sparse gradients] in ``passes/row_sparse.py``) and a
   ``torch.sparse`` gradient (``ParamSpec.sparse_grad``) are each alone in their bucket.
 
+Note [Gradient pieces]
+~~~~~~~~~~~~~~~~~~~~~~
+A parameter larger than its bucket's cap sits alone in a bucket, and its all-reduce can start only once its whole
+gradient is computed: an MLP's 64 MiB weight gradient keeps the link idle through the whole matmul that makes it.
+Reduced in-graph (Note [In-graph reduction]), such a gradient is sent in ``Bucket.pieces``: blocks of whole rows
+of at most about the cap each, each its own all-reduce (the bucket's small gradients, a bias, with the first). ``graphddp.passes.compute_pieces_separately`` then computes
+each block by its own matmul (a row block of a weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so
+``launch_collectives_early`` sends block 1 while block 2 is computed. The blocks' gradients are the whole
+gradient's rows, up to the order of floating-point sums inside the matmul; every rank cuts the same blocks, as
+they follow from the agreed plan. The split strategy sends whole gradients (its hooks see whole ones).
+
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
 A bucket's all-reduce hides behind the backward of the layers that come after it in ready order (the earlier
@@ -259,6 +270,30 @@ class Bucket:
     def names(self) -> tuple[str, ...]:
         """Labels of its slots (``ParamSpec.label``): parameter names, marked when a part or row-sparse."""
         return tuple(p.label for p in self.params)
+
+    @property
+    def pieces(self) -> tuple[int, tuple[int, ...]] | None:
+        """How its gradients are reduced in pieces, compiled in-graph (Note [Gradient pieces]): (the position in
+        ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap, the rows of
+        each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
+        equal as rows allow; the bucket's other (small) gradients travel with the first block."""
+        big = [
+            k for k, p in enumerate(self.params)
+            if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2
+            and not (p.part or p.row_sparse or p.sparse_grad)
+        ]  # fmt: skip
+        if len(big) != 1:
+            return None
+        p = self.params[big[0]]
+        count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
+        rows, extra = divmod(p.shape[0], count)
+        return big[0], tuple(rows + (1 if k < extra else 0) for k in range(count))
+
+    @property
+    def in_graph_collectives(self) -> int:
+        """All-reduces this bucket takes when reduced in-graph: one, or one per block (Note [Gradient pieces])."""
+        pieces = self.pieces
+        return 1 if pieces is None else len(pieces[1])
 
     @property
     def row_sparse(self) -> bool:

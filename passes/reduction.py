@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from torch import fx
 
 from .plan import BucketPlan
@@ -177,7 +178,118 @@ def _collectives_first(segment: list[fx.Node], order: dict[fx.Node, int]) -> lis
     return result + [n for n in segment if n not in placed]
 
 
-def schedule_reductions(graph: fx.Graph) -> tuple[int, int]:
-    """The in-graph backward's order (Note [In-graph reduction], step 2): each collective as early and each wait
-    as late as the graph allows. Returns (nodes moved, waits moved)."""
-    return launch_collectives_early(graph), sink_waits(graph)
+# -- a big gradient computed in pieces ---------------------------------------------------------------------------
+def _aten(name: str) -> Any:
+    return getattr(torch.ops.aten, name).default if name != "slice" else torch.ops.aten.slice.Tensor
+
+
+def _transposed_input(node: fx.Node) -> fx.Node | None:
+    """X, when ``node`` is X's 2-D transpose (``t``, or ``permute`` by [1, 0])."""
+    if node.op != "call_function":
+        return None
+    if node.target is torch.ops.aten.t.default:
+        return node.args[0]  # type: ignore[return-value]
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]:  # type: ignore[arg-type]
+        return node.args[0]  # type: ignore[return-value]
+    return None
+
+
+def _slice_spec(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """(source, dim, start, end) of a unit-step ``aten.slice`` along dim 0 or 1 of a 2-D tensor, else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+        return None
+    source, dim, start, end, *step = node.args
+    if step and step[0] != 1 or dim not in (0, 1) or not isinstance(source, fx.Node):
+        return None
+    return source, dim, start, end  # type: ignore[return-value]
+
+
+def _sliced_at_the_source(graph: fx.Graph, source: fx.Node, dim: int, start: int, end: int) -> fx.Node | None:
+    """A node computing ``source[start:end]`` along ``dim`` from sliced inputs of the matmul that makes it, through
+    its transposes; None when ``source`` is no such chain (then nothing was added)."""
+    inner = _transposed_input(source)
+    if inner is not None:
+        sliced = _sliced_at_the_source(graph, inner, 1 - dim, start, end)
+        return None if sliced is None else graph.call_function(source.target, (sliced, *source.args[1:]))
+    if source.op != "call_function" or source.target is not torch.ops.aten.mm.default:
+        return None
+    a, b = source.args
+    if dim == 0:  # rows of A @ B are A's rows
+        return graph.call_function(torch.ops.aten.mm.default, (graph.call_function(_aten("slice"), (a, 0, start, end)), b))
+    return graph.call_function(torch.ops.aten.mm.default, (a, graph.call_function(_aten("slice"), (b, 1, start, end))))
+
+
+def compute_pieces_separately(graph: fx.Graph) -> int:
+    """Note [Gradient pieces] (``passes/plan.py``): each row block a piecewise bucket slices off a matmul's result
+    (through its transposes) is computed by its own matmul on the sliced operand, so a block's all-reduce needs
+    only its own block. Only where every use of that result is such a slice: nothing is computed twice. Returns
+    how many slices it rewrote."""
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        spec = _slice_spec(node)
+        if spec is not None:
+            groups.setdefault(spec[0], []).append(node)
+    rewritten = 0
+    for source, slices in groups.items():
+        if len(slices) < 2 or set(source.users) != set(slices) or not _is_matmul_chain(source):
+            continue
+        for node in slices:
+            _, dim, start, end = _slice_spec(node)  # type: ignore[misc]
+            with graph.inserting_before(node):
+                replacement = _sliced_at_the_source(graph, source, dim, start, end)
+            assert replacement is not None, "checked by _is_matmul_chain"
+            _copy_meta(replacement)
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+            rewritten += 1
+        _erase_unused(graph, source)
+    if rewritten:
+        graph.lint()
+    return rewritten
+
+
+def _is_matmul_chain(node: fx.Node) -> bool:
+    """``node`` is a matmul, or transposes of one each used once along the way."""
+    while (inner := _transposed_input(node)) is not None:
+        if len(inner.users) != 1:
+            return False
+        node = inner
+    return node.op == "call_function" and node.target is torch.ops.aten.mm.default
+
+
+def _copy_meta(node: fx.Node) -> None:
+    """Fake values for the new nodes (Inductor's lowering reads ``meta["val"]``), from their inputs' own."""
+    for arg in node.all_input_nodes:
+        if "val" not in arg.meta:
+            _copy_meta(arg)
+    values = [a.meta.get("val") for a in node.all_input_nodes]
+    if any(v is None for v in values):
+        return
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(values)
+    args = fx.node.map_arg(node.args, lambda n: n.meta["val"])
+    if mode is None:
+        node.meta["val"] = node.target(*args)  # type: ignore[operator]
+        return
+    with mode:
+        node.meta["val"] = node.target(*args)  # type: ignore[operator]
+
+
+def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and then each input of it left unused, down the chain (pure ops only)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.users or current.op != "call_function" or current.is_impure():
+            continue
+        inputs = current.all_input_nodes
+        graph.erase_node(current)
+        stack.extend(inputs)
+
+
+def schedule_reductions(graph: fx.Graph) -> tuple[int, int, int]:
+    """The in-graph backward's order (Note [In-graph reduction], step 2): big gradients computed in pieces, each
+    collective as early and each wait as late as the graph allows. Returns (slices rewritten, nodes moved, waits
+    moved)."""
+    return compute_pieces_separately(graph), launch_collectives_early(graph), sink_waits(graph)

@@ -61,9 +61,9 @@ class BucketAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, group_name: str, divisor: int, wire: torch.dtype | None, *params: torch.Tensor
+        ctx: Any, group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, *params: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group_name, ctx.divisor, ctx.wire = group_name, divisor, wire
+        ctx.group_name, ctx.divisor, ctx.wire, ctx.pieces = group_name, divisor, wire, pieces
         ctx.shapes = [p.shape for p in params]
         return tuple(p.view_as(p) for p in params)
 
@@ -71,23 +71,51 @@ class BucketAllReduce(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         some = next((g for g in grads if g is not None), None)
         if some is None:  # no gradient for the whole bucket: the same graph on every rank, so no rank sends it
-            return (None, None, None, *grads)
-        pieces = [
+            return (None, None, None, None, *grads)
+        flats = [
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)
         ]
-        flat = torch.cat(pieces)  # [bucket numel]
-        if ctx.wire is not None:  # fp16/bf16_compress_hook: cast, then average, as PyTorch's hooks do
-            flat = flat.to(ctx.wire)
-        flat = torch.ops._c10d_functional.all_reduce(flat.div_(ctx.divisor), "sum", ctx.group_name)
-        flat = torch.ops._c10d_functional.wait_tensor(flat).to(some.dtype)
+        if ctx.pieces is not None:  # one big gradient in blocks of rows (Note [Gradient pieces])
+            return (None, None, None, None, *_average_in_pieces(grads, flats, ctx))
+        flat = _average(torch.cat(flats), ctx)  # [bucket numel]
         averaged = [chunk.view(s) for chunk, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)]
-        return (None, None, None, *averaged)
+        return (None, None, None, None, *averaged)
 
 
-def reduce_bucket(group_name: str, divisor: int, wire: torch.dtype | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+Pieces = tuple[int, tuple[int, ...]] | None
+"""``graphddp.passes.Bucket.pieces``: the big gradient's position and its blocks' rows, or None."""
+
+
+def _average_in_pieces(grads: tuple[torch.Tensor | None, ...], flats: list[torch.Tensor], ctx: Any) -> list[torch.Tensor]:
+    """Each block of rows of the big gradient averaged by an all-reduce of its own, the others with the first
+    block; the averaged gradients, in ``ctx.shapes``' order."""
+    big, rows = ctx.pieces
+    whole = grads[big] if grads[big] is not None else flats[big].view(ctx.shapes[big])  # [R, ...]
+    others = [f for k, f in enumerate(flats) if k != big]
+    starts = [sum(rows[:k]) for k in range(len(rows))]
+    blocks = [whole[start : start + count].reshape(-1) for start, count in zip(starts, rows)]  # slices: no copy
+    averaged = [_average(torch.cat([blocks[0], *others]) if others else blocks[0], ctx)]
+    averaged += [_average(block, ctx) for block in blocks[1:]]
+    first, rest = averaged[0].split([blocks[0].numel(), averaged[0].numel() - blocks[0].numel()])
+    big_averaged = torch.cat([first, *averaged[1:]]).view(ctx.shapes[big])
+    small = iter(rest.split([f.numel() for f in others]))
+    return [big_averaged if k == big else next(small).view(s) for k, s in enumerate(ctx.shapes)]
+
+
+def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``flat`` averaged over the group: sent as ``ctx.wire`` if set (fp16/bf16_compress_hook: cast, then average,
+    as PyTorch's hooks do), returned in its own dtype."""
+    sent = flat.to(ctx.wire) if ctx.wire is not None else flat
+    reduced = torch.ops._c10d_functional.all_reduce(sent.div(ctx.divisor), "sum", ctx.group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced).to(flat.dtype)
+
+
+def reduce_bucket(
+    group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, *params: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
-    return BucketAllReduce.apply(group_name, divisor, wire, *params)
+    return BucketAllReduce.apply(group_name, divisor, wire, pieces, *params)
 
 
 def insert_bucket_reductions(
@@ -114,7 +142,7 @@ def insert_bucket_reductions(
         at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
         with graph.inserting_before(at):
             group_name = group_names[bucket_channel(bucket.index, len(group_names))]
-            call = graph.call_function(reduce_bucket, (group_name, divisor, wire, *(nodes[p.node] for p in members)))
+            call = graph.call_function(reduce_bucket, (group_name, divisor, wire, bucket.pieces, *(nodes[p.node] for p in members)))
             for k, member in enumerate(members):
                 item = graph.call_function(operator.getitem, (call, k))
                 nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient

@@ -4,6 +4,7 @@ wait-sinking pass, and the backward graph AOTAutograd makes of a graph with the 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from graphddp.passes import (
     BucketPlan,
     ParamSpec,
     choose_reduction,
+    compute_pieces_separately,
     launch_collectives_early,
     plan_blockers,
+    plan_bucket_groups,
     plan_buckets,
     schedule_reductions,
     sink_waits,
@@ -87,7 +90,7 @@ def test_collectives_go_out_before_the_compute_they_do_not_need() -> None:
     assert _order(graph) == ["t", "mm", "view", "all_reduce", "mm", "wait_tensor"]
     assert launch_collectives_early(graph) == 0  # already as early as it goes
     graph.lint()
-    assert schedule_reductions(_linear_backward())[0] > 0
+    assert schedule_reductions(_linear_backward())[1] > 0
 
 
 def test_nothing_crosses_a_mutation() -> None:
@@ -116,8 +119,10 @@ class Layers(nn.Module):
         return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
 
 
-def _backward_of_reducing_graph(caps: BucketCaps) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
-    model = Layers()
+def _backward_of_reducing_graph(
+    caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits
+) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
+    model = model if model is not None else Layers()
     (captured,) = capture_graphs(model, torch.randn(5, 8))
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
     reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2)
@@ -126,7 +131,7 @@ def _backward_of_reducing_graph(caps: BucketCaps) -> tuple[fx.GraphModule, fx.Gr
     def keep(kind: str):
         def compiler(gm: fx.GraphModule, example_inputs: list) -> object:
             if kind == "backward":
-                sink_waits(gm.graph)
+                schedule(gm.graph)
                 gm.recompile()
             graphs[kind] = gm
             return gm.forward
@@ -193,7 +198,7 @@ def test_each_bucket_is_reduced_on_its_channel_in_turn() -> None:
     calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
     by_bucket = {}
     for call in calls:  # a call's parameters are one bucket's
-        members = {a.name for a in call.args[3:]}
+        members = {a.name for a in call.args[4:]}
         (bucket,) = [b.index for b in prepared.plan.buckets if members <= {p.node for p in prepared.params if p.spec in b.params}]
         by_bucket[bucket] = call.args[0]
     assert by_bucket == {b.index: ("g0", "g1", "g2")[b.index % 3] for b in prepared.plan.buckets}
@@ -217,3 +222,60 @@ def test_only_aot_autograd_compilers_can_reduce_in_graph() -> None:
     assert in_graph_compiler(torch._TorchCompileWrapper("aot_eager", None, None, None)) is not None
     assert in_graph_compiler(torch._dynamo.lookup_backend("eager")) is None
     assert in_graph_compiler(lambda gm, inputs: gm.forward) is None
+
+
+# -- Note [Gradient pieces] ----------------------------------------------------------------------------------------
+def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
+    def pieces(*specs: ParamSpec, cap: int) -> object:
+        return plan_buckets(list(specs), caps=BucketCaps(bucket=cap, first=cap, last=cap)).buckets[0].pieces
+
+    big = ParamSpec.of("w", torch.zeros(64, 100))  # 25 600 bytes
+    assert pieces(big, cap=10_000) == (0, (22, 21, 21))
+    assert pieces(big, cap=30_000) is None
+    assert pieces(ParamSpec.of("w", torch.zeros(2, 10_000)), cap=4_000) == (0, (1, 1))  # no more blocks than rows
+    assert pieces(ParamSpec.of("b", torch.zeros(10_000)), cap=1000) is None  # 1-D
+    assert pieces(ParamSpec.of("e", torch.zeros(64, 100), row_sparse=True), cap=1000) is None  # its rows travel
+    # A graph plan keeps a layer's weight and bias together: the bias goes with the weight's first block.
+    graph_plan = plan_bucket_groups([[ParamSpec.of("b", torch.zeros(64)), big]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))
+    assert graph_plan.buckets[0].pieces == (1, (22, 21, 21))
+
+
+class Wide(nn.Module):
+    """A 16 KiB weight between two small ones: with 4 KiB caps it alone is sent in pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big, self.c = nn.Linear(8, 16), nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.big(torch.relu(self.a(x)))))
+
+
+def test_each_block_of_a_big_gradient_is_its_own_matmul_and_goes_out_before_the_next_is_computed() -> None:
+    caps = BucketCaps(bucket=4096, first=4096, last=4096)
+    _, backward, plan, _ = _backward_of_reducing_graph(caps, Wide(), schedule=schedule_reductions)
+    (piecewise,) = [b for b in plan.buckets if b.pieces is not None]
+    assert piecewise.names == ("big.weight", "big.bias") and piecewise.pieces == (0, (64, 64, 64, 64))
+    nodes = list(backward.graph.nodes)
+    reduces = [n for n in nodes if n.target is ALL_REDUCE]
+    assert len(reduces) == len(plan.buckets) - 1 + 4
+    sizes = [n.args[0].meta["val"].numel() for n in reduces]
+    assert sizes.count(64 * 16) == 3 and sizes.count(64 * 16 + 256) == 1  # 4 blocks of 64 x 16, the bias with one
+    # Each block is computed by a matmul of its own, and sent before the next block's matmul runs.
+    position = {n: i for i, n in enumerate(nodes)}
+    block_mms = [n for n in nodes if n.target is torch.ops.aten.mm.default and n.meta["val"].shape in ((64, 16), (16, 64))]
+    assert len(block_mms) == 4
+    block_reduces = sorted((n for n in reduces if n.args[0].meta["val"].numel() in (1024, 1280)), key=position.__getitem__)
+    for reduce, next_mm in zip(block_reduces, block_mms[1:]):
+        assert position[reduce] < position[next_mm]
+    assert not any(n.target is torch.ops.aten.mm.default and n.meta["val"].shape in ((256, 16), (16, 256)) for n in nodes)
+
+
+def test_a_slice_whose_source_is_used_elsewhere_is_left_alone() -> None:
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    product = graph.call_function(torch.ops.aten.mm.default, (a, b))
+    top = graph.call_function(torch.ops.aten.slice.Tensor, (product, 0, 0, 2))
+    rest = graph.call_function(torch.ops.aten.slice.Tensor, (product, 0, 2, 4))
+    graph.output((top, rest, product))  # the whole product is needed too: slicing the matmul would compute it twice
+    assert compute_pieces_separately(graph) == 0

@@ -1,0 +1,79 @@
+"""Note [Gradient pieces]: compiled in-graph, a weight gradient larger than its bucket's cap is computed and sent
+in blocks of rows, each its own all-reduce, with PyTorch's DDP's parameters (up to float summation order) on 2
+and 3 gloo ranks, under aot_eager and Inductor."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import re
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import run_on_ranks
+from torch import nn
+
+import graphddp
+
+CAPS = {"bucket_cap_mb": 4 / 1024, "first_bucket_cap_mb": 4 / 1024, "last_bucket_cap_mb": 4 / 1024}
+"""4 KiB caps: ``Wide``'s 16 KiB weight goes in 4 blocks of 64 rows."""
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big, self.c = nn.Linear(8, 16), nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.big(torch.relu(self.a(x)))))
+
+
+def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
+    """Five Adam steps beside PyTorch's DDP, parameters compared after each; the all-reduces in the compiled
+    backward and the buckets of the plan."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Wide()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    dump = tempfile.mkdtemp(prefix=f"pieces-{rank}-")
+    compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction="in_graph", debug_dir=dump))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ddp, ref)]
+    for step in range(5):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+        for module in (compiled, ref):
+            F.mse_loss(module(x), y).backward()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)  # averaged alike: blocks are the whole gradient's rows
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    (backward,) = pathlib.Path(dump).rglob("in_graph.backward.py")
+    reduces = len(re.findall(r"_c10d_functional\.all_reduce\.default\(", backward.read_text()))
+    records = [json.loads(p.read_text()) for p in pathlib.Path(dump).rglob("plan.json")]
+    shown = [b["in_graph_pieces"] for r in records for b in r["buckets"] if b["in_graph_pieces"]]
+    assert shown and all(s == {"param": "big.weight", "rows": [64] * 4} for s in shown), shown  # the dump says so
+    shutil.rmtree(dump)
+    pieces = [b.pieces for b in ddp.bucket_plan.buckets if b.pieces is not None]
+    return {"reduces": reduces, "buckets": len(ddp.bucket_plan.buckets), "blocks": sum(len(rows) for _, rows in pieces)}
+
+
+def check(records: list[dict[str, int]]) -> None:
+    for record in records:
+        assert record["blocks"] == 4, record  # big.weight: 16 KiB in 4 KiB blocks
+        assert record["reduces"] == record["buckets"] - 1 + record["blocks"], record
+
+
+def test_a_big_weight_gradient_goes_in_blocks_with_pytorchs_gradients() -> None:
+    check(run_on_ranks(train_in_pieces, 2, "aot_eager"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "inner"), [(3, "aot_eager"), (2, "inductor")])
+def test_blocks_on_three_ranks_and_under_inductor(world: int, inner: str) -> None:
+    check(run_on_ranks(train_in_pieces, world, inner))
