@@ -75,15 +75,18 @@ def plot(curves: dict[str, dict[int, tuple[float, float]]], path: Path) -> None:
         print("bench.scale: matplotlib is not installed; no plot")
         return
     fig, (steps, efficiency) = plt.subplots(1, 2, figsize=(11, 4))
+    colors: dict[str, str] = {}  # one colour per workload and link; the algorithm by the line's style
     for label, projected in curves.items():
         worlds = list(projected)
-        style = "--" if label.endswith("best") else "-"
-        steps.plot(worlds, [projected[w][0] * 1e3 for w in worlds], style, marker="o", label=label)
-        efficiency.plot(worlds, [projected[w][1] * 100 for w in worlds], style, marker="o", label=label)
+        cell, _, algorithm = label.rpartition(", ")
+        color = colors.setdefault(cell, f"C{len(colors) % 10}")
+        style = dict(color=color, linestyle="--" if algorithm == "best" else "-", marker="o", label=label)
+        steps.plot(worlds, [projected[w][0] * 1e3 for w in worlds], **style)
+        efficiency.plot(worlds, [projected[w][1] * 100 for w in worlds], **style)
     for ax in (steps, efficiency):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(WORLDS), [str(w) for w in WORLDS])
-        ax.set_xlabel("ranks (each rank keeps its batch; dashed: halving-doubling where faster)")
+        ax.set_xlabel("ranks (weak scaling; dashed: halving-doubling where faster)")
     steps.set_ylabel("predicted step, ms")
     efficiency.set_ylabel("scaling efficiency, % (compute alone / step)")
     efficiency.set_ylim(0, 105)

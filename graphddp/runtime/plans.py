@@ -97,11 +97,13 @@ class GraphPlans:
 
     def tokens(self) -> tuple[int, int]:
         """What this rank contributes to the agreement (see the Note); zeros when nothing is proposed. The
-        graphs' strategies are part of it: ranks must not issue different collectives."""
+        graphs' strategies and the blocks their big gradients go in (Note [Gradient pieces]) are part of it:
+        ranks must not issue different collectives."""
         if self.proposed is None:
             return (0, 0)
         strategies = ",".join(self._strategies[g] for g in self._by_graph)
-        digest = hashlib.sha1(f"{self.proposed.fingerprint}|{strategies}".encode()).hexdigest()
+        pieces = ";".join(str([b.pieces for b in plan.buckets]) for plan in self._by_graph.values())
+        digest = hashlib.sha1(f"{self.proposed.fingerprint}|{strategies}|{pieces}".encode()).hexdigest()
         return (int(digest[:5], 16) + 1, int(digest[5:10], 16) + 1)
 
     def take(self) -> BucketPlan | None:

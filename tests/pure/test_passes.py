@@ -17,6 +17,7 @@ from graphddp.passes import (
     MiB,
     ParamSpec,
     compose_plans,
+    plan_bucket_groups,
     plan_buckets,
     ready_groups,
     split_at_buckets,
@@ -180,6 +181,20 @@ def test_the_strategy_is_part_of_what_ranks_agree_on() -> None:
     in_graph.propose("g0", current, current, "in_graph")
     assert split.proposed.fingerprint == in_graph.proposed.fingerprint and split.tokens() != in_graph.tokens()
     assert split.in_graph_sets() == frozenset() and in_graph.in_graph_sets() == {frozenset("abc")}
+
+
+def test_the_blocks_of_a_big_gradient_are_part_of_what_ranks_agree_on() -> None:
+    # Note [Gradient pieces]: the same buckets under another cap cut a big weight into other blocks in-graph, so
+    # other collectives: other tokens, though the fingerprint (the buckets' content) is the same.
+    specs = [ParamSpec("w", (64, 16), torch.float32, "cpu"), ParamSpec("b", (64,), torch.float32, "cpu")]
+    tokens = []
+    for cap in (1024, 2048):
+        plan = plan_bucket_groups([specs], caps=BucketCaps(bucket=cap, first=cap, last=cap))
+        plans = GraphPlans(specs)
+        plans.propose("g0", plan, plan, "in_graph")
+        tokens.append((plan.fingerprint, plan.buckets[0].pieces, plans.tokens()))
+    (fingerprint_a, pieces_a, tokens_a), (fingerprint_b, pieces_b, tokens_b) = tokens
+    assert fingerprint_a == fingerprint_b and pieces_a != pieces_b and tokens_a != tokens_b
 
 
 
