@@ -227,7 +227,7 @@ def compute_pieces_separately(graph: fx.Graph) -> int:
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         spec = _slice_spec(node)
-        if spec is not None:
+        if spec is not None and _feeds_a_collective(node):  # a block of a bucket, not the model's own slicing
             groups.setdefault(spec[0], []).append(node)
     rewritten = 0
     for source, slices in groups.items():
@@ -248,6 +248,16 @@ def compute_pieces_separately(graph: fx.Graph) -> int:
     return rewritten
 
 
+def _feeds_a_collective(node: fx.Node, hops: int = 5) -> bool:
+    """A functional collective reads ``node`` within ``hops`` nodes (a block's flatten, cast, cat, division)."""
+    frontier = [node]
+    for _ in range(hops):
+        frontier = [user for n in frontier for user in n.users]
+        if any(_is_collective(n) for n in frontier):
+            return True
+    return False
+
+
 def _is_matmul_chain(node: fx.Node) -> bool:
     """``node`` is a matmul, or transposes of one each used once along the way."""
     while (inner := _transposed_input(node)) is not None:
@@ -259,11 +269,13 @@ def _is_matmul_chain(node: fx.Node) -> bool:
 
 def _copy_meta(node: fx.Node) -> None:
     """Fake values for the new nodes (Inductor's lowering reads ``meta["val"]``), from their inputs' own."""
+    if node.op != "call_function":
+        return
     for arg in node.all_input_nodes:
         if "val" not in arg.meta:
             _copy_meta(arg)
     values = [a.meta.get("val") for a in node.all_input_nodes]
-    if any(v is None for v in values):
+    if any(v is None for v in values):  # a graph without fake values (built by hand): nothing to copy
         return
     from torch._guards import detect_fake_mode
 

@@ -271,11 +271,22 @@ def test_each_block_of_a_big_gradient_is_its_own_matmul_and_goes_out_before_the_
     assert not any(n.target is torch.ops.aten.mm.default and n.meta["val"].shape in ((256, 16), (16, 256)) for n in nodes)
 
 
-def test_a_slice_whose_source_is_used_elsewhere_is_left_alone() -> None:
+def _sliced_product(*, whole_used: bool, sent: bool) -> fx.Graph:
+    """``a @ b`` cut into two row blocks, each all-reduced if ``sent``; the whole product an output too if
+    ``whole_used``."""
     graph = fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
     product = graph.call_function(torch.ops.aten.mm.default, (a, b))
-    top = graph.call_function(torch.ops.aten.slice.Tensor, (product, 0, 0, 2))
-    rest = graph.call_function(torch.ops.aten.slice.Tensor, (product, 0, 2, 4))
-    graph.output((top, rest, product))  # the whole product is needed too: slicing the matmul would compute it twice
-    assert compute_pieces_separately(graph) == 0
+    blocks = [graph.call_function(torch.ops.aten.slice.Tensor, (product, 0, s, s + 2)) for s in (0, 2)]
+    if sent:
+        blocks = [graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (blk, "sum", "0")),)) for blk in blocks]
+    graph.output((*blocks, product) if whole_used else tuple(blocks))
+    return graph
+
+
+def test_only_blocks_that_are_sent_and_whose_matmul_is_used_nowhere_else_are_rewritten() -> None:
+    assert compute_pieces_separately(_sliced_product(whole_used=False, sent=True)) == 2
+    # The whole product is needed too: slicing the matmul would compute it twice.
+    assert compute_pieces_separately(_sliced_product(whole_used=True, sent=True)) == 0
+    # The model's own slicing of a matmul, sent nowhere: not graphddp's to change.
+    assert compute_pieces_separately(_sliced_product(whole_used=False, sent=False)) == 0
