@@ -1,6 +1,6 @@
 """Note [Gradient pieces]: compiled in-graph, a weight gradient larger than its bucket's cap is computed and sent
-in blocks of rows, each its own all-reduce, with PyTorch's DDP's parameters (up to float summation order) on 2
-and 3 gloo ranks, under aot_eager and Inductor."""
+in blocks of rows, each its own all-reduce, with the gradients of PyTorch's DDP and of one process that sees every
+batch (up to float summation order) on 2 and 3 gloo ranks, under aot_eager and Inductor."""
 
 from __future__ import annotations
 
@@ -33,23 +33,25 @@ class Wide(nn.Module):
 
 
 def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
-    """Five Adam steps beside PyTorch's DDP, parameters compared after each; the all-reduces in the compiled
-    backward and the buckets of the plan."""
+    """Five Adam steps beside PyTorch's DDP and one process that sees every rank's batch, parameters compared
+    after each; the all-reduces in the compiled backward and the buckets of the plan."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Wide()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ref, single = nn.parallel.DistributedDataParallel(copy.deepcopy(model)), copy.deepcopy(model)
     ddp = graphddp.DDP(model, **CAPS)
     dump = tempfile.mkdtemp(prefix=f"pieces-{rank}-")
     compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction="in_graph", debug_dir=dump))
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ddp, ref)]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ddp, ref, single)]
     for step in range(5):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x, y = torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+        batches = [batch(step, r) for r in range(world)]
+        x, y = batches[rank]
         for module in (compiled, ref):
             F.mse_loss(module(x), y).backward()
-        for p, q in zip(ddp.parameters(), ref.parameters()):
+        F.mse_loss(single(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])).backward()
+        for p, q, s in zip(ddp.parameters(), ref.parameters(), single.parameters()):
             torch.testing.assert_close(p.grad, q.grad)  # averaged alike: blocks are the whole gradient's rows
+            torch.testing.assert_close(p.grad, s.grad)  # equal batches: the mean of means is the mean
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -61,6 +63,11 @@ def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
     shutil.rmtree(dump)
     pieces = [b.pieces for b in ddp.bucket_plan.buckets if b.pieces is not None]
     return {"reduces": reduces, "buckets": len(ddp.bucket_plan.buckets), "blocks": sum(len(rows) for _, rows in pieces)}
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
 
 
 def check(records: list[dict[str, int]]) -> None:
