@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("local", "torch-eager", "graphddp-eager", "torch-compiled", "graphddp-compiled")
+MODES = ("local", "torch-eager", "graphddp-eager", "torch-compiled", "graphddp-compiled", "graphddp-compiled+split")
+"""``graphddp-compiled`` reduces in-graph where it can (Note [In-graph reduction]); ``+split`` keeps the split and
+the Reducer, for the comparison."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,10 +68,13 @@ def wrapped(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     else:
         ddp = graphddp.DDP(model, device_ids=[0])
-    if mode.endswith("compiled"):
+    if "compiled" in mode:
         # PyTorch's DDP under torch.compile: Dynamo's DDPOptimizer splits at its buckets; graphddp's DDP: the
-        # graphddp backend around Inductor.
-        return ddp, torch.compile(ddp) if mode.startswith("torch") else torch.compile(ddp, backend=graphddp.backend("inductor"))
+        # graphddp backend around Inductor, in-graph where it can unless +split.
+        if mode.startswith("torch"):
+            return ddp, torch.compile(ddp)
+        reduction = "split" if mode.endswith("+split") else "auto"
+        return ddp, torch.compile(ddp, backend=graphddp.backend("inductor", reduction=reduction))
     return ddp, ddp
 
 
@@ -129,7 +134,10 @@ def run_mode(mode: str, options: GpuRun, init_file: str, out: str, results: Any)
     if mode == "graphddp-compiled":
         record["prediction"] = guarded(predict, model, x, y, ddp.reducer.caps)
     if mode.startswith("graphddp"):
+        from bench.modes import reduction_ran
+
         record["buckets"] = len(ddp.bucket_plan.buckets)
+        record["reduction"] = reduction_ran(ddp)  # eager, in_graph, or split and why
     results.put(record)
     dist.destroy_process_group()
 
@@ -251,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_line(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
     base = {r["mode"]: r for r in records}
-    ref = base.get("torch-" + record["mode"].split("-", 1)[-1]) if record["mode"].startswith("graphddp") else None
+    kind = record["mode"].split("-", 1)[-1].split("+", 1)[0]  # eager or compiled, whatever the variant
+    ref = base.get(f"torch-{kind}") if record["mode"].startswith("graphddp") else None
     ratio = f"  ×{record['step_s'] / ref['step_s']:.3f} of {ref['mode']}" if ref else ""
+    ratio += f"  [{record['reduction']}]" if "reduction" in record else ""
     return (
         f"{record['mode']:18s} step {record['step_s'] * 1e3:7.1f} ms  (fwd+bwd {record['forward_backward_s'] * 1e3:6.1f}, "
         f"optimizer {record['optimizer_s'] * 1e3:5.1f})  peak {record['peak_memory_bytes'] / 2**30:5.2f} GiB{ratio}"

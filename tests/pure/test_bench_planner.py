@@ -136,3 +136,17 @@ def test_overlapping_collectives_get_rows_of_their_own_and_the_trace_is_chrome_f
     assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == ["graphddp-eager rank 0"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {(e["name"], e["tid"], e["ts"], e["dur"]) for e in spans} == {("bucket 0", 1, 0.0, 5000.0), ("bucket 1", 2, 1000.0, 2000.0), ("bucket 2", 2, 4000.0, 2000.0)}
+
+
+def test_the_gpu_bench_compares_each_graphddp_variant_with_pytorchs_mode_of_its_kind() -> None:
+    from bench.gpu import MODES, summary_line
+
+    assert "graphddp-compiled+split" in MODES  # in-graph (the default) and the split, side by side
+    figures = {"forward_backward_s": 0.015, "optimizer_s": 0.003, "peak_memory_bytes": 2**30}
+    records = [
+        {"mode": "torch-compiled", "step_s": 0.020, **figures},
+        {"mode": "graphddp-compiled", "step_s": 0.018, "reduction": "in_graph", **figures},
+        {"mode": "graphddp-compiled+split", "step_s": 0.021, "reduction": "split (asked for)", **figures},
+    ]
+    assert summary_line(records[1], records).endswith("×0.900 of torch-compiled  [in_graph]")
+    assert summary_line(records[2], records).endswith("×1.050 of torch-compiled  [split (asked for)]")
