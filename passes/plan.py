@@ -27,14 +27,18 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
 
 Note [Gradient pieces]
 ~~~~~~~~~~~~~~~~~~~~~~
-A parameter larger than its bucket's cap sits alone in a bucket, and its all-reduce can start only once its whole
-gradient is computed: an MLP's 64 MiB weight gradient keeps the link idle through the whole matmul that makes it.
-Reduced in-graph (Note [In-graph reduction]), such a gradient is sent in ``Bucket.pieces``: blocks of whole rows
-of at most about the cap each, each its own all-reduce (the bucket's small gradients, a bias, with the first). ``graphddp.passes.compute_pieces_separately`` then computes
-each block by its own matmul (a row block of a weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so
-``launch_collectives_early`` sends block 1 while block 2 is computed. The blocks' gradients are the whole
-gradient's rows, up to the order of floating-point sums inside the matmul; every rank cuts the same blocks, as
-they follow from the agreed plan. The split strategy sends whole gradients (its hooks see whole ones).
+A parameter larger than its bucket's cap fills a bucket of its own (with its bias, in a graph plan), and the
+bucket's all-reduce can start only once the whole gradient is computed: an MLP's 64 MiB weight gradient keeps the
+link idle through the whole matmul that makes it. Reduced in-graph (Note [In-graph reduction]), such a gradient
+is sent in ``Bucket.pieces``: blocks of whole rows of at most about the cap each, each its own all-reduce (the
+bucket's small gradients, a bias, with the first). The cap is the bucket's own (``Bucket.cap_bytes``): under the
+ramps (Note [Bucket ramps]) blocks are small at the head and the tail of backward, where the ramps want small
+messages (the bench MLP's 64 MiB weights go in 16 and 32 blocks), and each block costs the link's latency once
+more. ``graphddp.passes.compute_pieces_separately`` then computes each block by its own matmul (a row block of a
+weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so ``launch_collectives_early`` sends block 1 while block 2
+is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
+the matmul; every rank cuts the same blocks, as they follow from the agreed plan. The split strategy sends whole
+gradients (its hooks see whole ones).
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
