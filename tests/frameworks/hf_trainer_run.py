@@ -71,6 +71,11 @@ def main() -> None:
         splits = [s.num_segments for s in ddp.reducer.splits] if args.impl == "graphddp" else []
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save({"state": state, "wrapper": wrapper, "splits": splits}, args.out)
+    # As PyTorch asks of every script (and plain_script.py does): leave together, with the group destroyed, not
+    # one rank exiting while the other still saves. Without it a rank aborted once in CI at exit ("terminate called
+    # without an active exception", SIGABRT) after training had finished on both ranks.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
