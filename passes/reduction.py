@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import fx
@@ -179,10 +179,6 @@ def _collectives_first(segment: list[fx.Node], order: dict[fx.Node, int]) -> lis
 
 
 # -- a big gradient computed in pieces ---------------------------------------------------------------------------
-def _aten(name: str) -> Any:
-    return getattr(torch.ops.aten, name).default if name != "slice" else torch.ops.aten.slice.Tensor
-
-
 def _transposed_input(node: fx.Node) -> fx.Node | None:
     """X, when ``node`` is X's 2-D transpose (``t``, or ``permute`` by [1, 0])."""
     if node.op != "call_function":
@@ -215,8 +211,10 @@ def _sliced_at_the_source(graph: fx.Graph, source: fx.Node, dim: int, start: int
         return None
     a, b = source.args
     if dim == 0:  # rows of A @ B are A's rows
-        return graph.call_function(torch.ops.aten.mm.default, (graph.call_function(_aten("slice"), (a, 0, start, end)), b))
-    return graph.call_function(torch.ops.aten.mm.default, (a, graph.call_function(_aten("slice"), (b, 1, start, end))))
+        rows = graph.call_function(torch.ops.aten.slice.Tensor, (a, 0, start, end))
+        return graph.call_function(torch.ops.aten.mm.default, (rows, b))
+    columns = graph.call_function(torch.ops.aten.slice.Tensor, (b, 1, start, end))  # columns of A @ B are B's
+    return graph.call_function(torch.ops.aten.mm.default, (a, columns))
 
 
 def compute_pieces_separately(graph: fx.Graph) -> int:

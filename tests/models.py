@@ -40,6 +40,18 @@ class MLP(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
+class Wide(nn.Module):
+    """A 16 KiB weight between two small ones: with 4 KiB caps it alone is sent in pieces (Note [Gradient
+    pieces]): 4 blocks of 64 rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big, self.c = nn.Linear(8, 16), nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.big(torch.relu(self.a(x)))))
+
+
 class Branchy(nn.Module):
     """``shared`` is used on some ranks only (``use_shared`` False on rank 1); ``dead`` is never used."""
 

@@ -81,9 +81,6 @@ class Channels:
                     dist.get_rank(group), count, backend, timeout)  # fmt: skip
         return cls((group, *extra))
 
-    def __len__(self) -> int:
-        return len(self.groups)
-
     def of_bucket(self, index: int) -> dist.ProcessGroup:
         """The group bucket ``index`` is reduced on."""
         return self.groups[bucket_channel(index, len(self.groups))]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed  # noqa: F401  (registers the functional collectives' ops)
+from models import Wide
 from torch import fx, nn
 
 from graphddp.compiler.capture import capture_graphs, parameter_names
@@ -238,17 +239,6 @@ def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
     # A graph plan keeps a layer's weight and bias together: the bias goes with the weight's first block.
     graph_plan = plan_bucket_groups([[ParamSpec.of("b", torch.zeros(64)), big]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))
     assert graph_plan.buckets[0].pieces == (1, (22, 21, 21))
-
-
-class Wide(nn.Module):
-    """A 16 KiB weight between two small ones: with 4 KiB caps it alone is sent in pieces."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.big, self.c = nn.Linear(8, 16), nn.Linear(16, 256), nn.Linear(256, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.big(torch.relu(self.a(x)))))
 
 
 def test_each_block_of_a_big_gradient_is_its_own_matmul_and_goes_out_before_the_next_is_computed() -> None:

@@ -14,6 +14,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Wide
 from ranks import run_on_ranks
 from torch import nn
 
@@ -21,15 +22,6 @@ import graphddp
 
 CAPS = {"bucket_cap_mb": 4 / 1024, "first_bucket_cap_mb": 4 / 1024, "last_bucket_cap_mb": 4 / 1024}
 """4 KiB caps: ``Wide``'s 16 KiB weight goes in 4 blocks of 64 rows."""
-
-
-class Wide(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.big, self.c = nn.Linear(8, 16), nn.Linear(16, 256), nn.Linear(256, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.big(torch.relu(self.a(x)))))
 
 
 def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
