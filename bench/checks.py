@@ -1,6 +1,6 @@
 """``python -m bench.checks``: what the per-forward checks of issue 26 cost alone, in one process.
 
-* the in-graph backward watch (``graphddp.runtime.in_graph.BackwardWatch``): a tensor hook on a graph's output, the
+* the in-graph backward watch (``graphddp.runtime.iteration.BackwardWatch``): a tensor hook on a graph's output, the
   hook, its engine callback (Note [Abandoned backward]), timed around a tiny forward and backward;
 * the buffer-broadcast guard (``PlanKeeper.broadcast_buffers``): one int64 count beside the buffers, coalesced
   with the int64 ones, compared and kept on the device, timed around the coalescing it joins (no collective: the
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from graphddp.runtime.in_graph import BackwardWatch
+from graphddp.runtime.iteration import BackwardWatch
 
 
 def watch_cost(repeats: int = 3000) -> tuple[float, float]:

@@ -19,48 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
-
-import torch
 
 from .countdown import GradientHooks
-from .iteration import compiled_autograd_running
+from .iteration import BackwardWatch
 from .plans import PlanKeeper
 
 logger = logging.getLogger(__name__)
-
-
-class BackwardWatch:
-    """Did the last in-graph backward reach its end? (Note [Abandoned backward] in ``graphddp.runtime.iteration``.)
-
-    With the gate open no hook of the Reducer runs, so nothing else sees a backward that raised. Each in-graph
-    graph's outputs get a tensor hook (one per graph and forward): the first to fire marks the backward begun and
-    queues an engine callback that marks it ended; an exception inside backward drops the callback."""
-
-    def __init__(self) -> None:
-        self._begun = False
-
-    def watch(self, outputs: Any) -> None:
-        """``outputs`` of an in-graph graph run: the first one that requires grad carries the hook."""
-        for value in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(self._began)
-                return
-
-    def _began(self, grad: torch.Tensor) -> None:
-        if compiled_autograd_running():  # its engine runs no queued callback: nothing to watch there
-            return
-        if not self._begun:
-            self._begun = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
-
-    def _ended(self) -> None:
-        self._begun = False
-
-    def abandoned(self) -> bool:
-        """A backward began and never ended since the last call (read once per forward)."""
-        begun, self._begun = self._begun, False
-        return begun
 
 
 class InGraphGate:

@@ -11,7 +11,7 @@ gradient. The backward's first hook chooses how (``backward_ending``):
   ends with a bucket incomplete leaves its iteration behind, and the next forward drops it and says so.
 
 Until the first hook, an iteration's ending is ``NOT_BEGUN``; the next forward drops such an iteration (its forward
-had no backward: nothing is in flight).
+had no backward: nothing is in flight), unless its backward began and raised before that hook (``BackwardWatch``).
 
 How the backward ends is a property of the backward, not a step of the iteration: the steps (``Phase``) are the
 iteration's own collectives, each issued once, in order.
@@ -34,9 +34,16 @@ stepped, this rank did not. So the draining rank says so in its next plan agreem
 entry, 1 for a rank that abandoned its last backward), and at the forward after that every rank reads the same
 sum: between 0 and the number of counting ranks, every rank raises the same error; equal to it, every rank
 dropped the same backward (a skip all ranks agreed on) and training goes on. One iteration late, but every rank
-and never silent. A backward abandoned before its first hook issued nothing and cannot be told from a forward
-that no backward followed (the other ranks' collectives go unmatched: gloo aborts); under compiled autograd the
-iteration's ending is ``AtLastLaunchEnding`` and the next forward raises on the abandoning rank, as before.
+and never silent.
+
+A backward abandoned before its first hook (out of memory in its first op) issued nothing, not even the
+agreement, and looks like a forward that no backward followed, which must issue nothing. ``BackwardWatch`` tells
+them apart: ``prepare_for_backward`` puts a tensor hook on the forward's first output that requires grad, which
+queues an engine callback when the backward reaches it; the callback never runs if the backward raised. Such an
+iteration is drained too, its agreement first. (A ``torch.autograd.grad`` through the outputs ends normally: not
+abandoned. A backward that raised before reaching that output, in the loss's own backward, is not seen.) Under
+compiled autograd the iteration's ending is ``AtLastLaunchEnding`` and the next forward raises on the abandoning
+rank, as before.
 
 Gradients reduced inside the compiled graph (Note [In-graph reduction]) run no hook of the Reducer and no
 agreement: a tensor hook on the graphs' outputs (``BackwardWatch`` in ``graphddp.runtime.in_graph``) sees the
@@ -53,11 +60,11 @@ import enum
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .unused import UsageCount
+from .unused import UsageCount, iter_tensors
 
 if TYPE_CHECKING:
     from .launcher import Launcher
@@ -134,6 +141,41 @@ def compiled_autograd_running() -> bool:
     return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
+class BackwardWatch:
+    """Did a backward through these outputs begin and not reach its end? (Note [Abandoned backward].)
+
+    A tensor hook on the first output that requires grad (one per forward): when it fires, the backward has
+    reached the outputs, and it queues an engine callback that marks the backward ended; an exception inside the
+    backward drops the callback. It tells a backward that raised before any gradient hook from a forward that no
+    backward followed, and from a ``torch.autograd.grad`` that ended normally (it reached the outputs too)."""
+
+    def __init__(self) -> None:
+        self._begun = False
+
+    def watch(self, outputs: Any) -> None:
+        """``outputs`` of a forward (nested as a forward returns them): the first tensor that requires grad
+        carries the hook; a backward that never reaches it (a loss from other outputs) is not watched."""
+        for value in iter_tensors(outputs):
+            if value.requires_grad:
+                value.register_hook(self._began)
+                return
+
+    def _began(self, grad: torch.Tensor) -> None:
+        if compiled_autograd_running():  # its engine runs no queued callback: nothing to watch there
+            return
+        if not self._begun:
+            self._begun = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self._begun = False
+
+    def abandoned(self) -> bool:
+        """A backward began and never ended since the last call (read once per forward)."""
+        begun, self._begun = self._begun, False
+        return begun
+
+
 class Phase(enum.Enum):
     """Where an iteration stands among its own collectives, each issued once, in this order. (Not the backward:
     the forward's unused parameters may launch every bucket, and so start the usage count, before any hook.)"""
@@ -161,6 +203,9 @@ class Iteration:
     """How the backward ends, once it has begun (``begin_backward``; see the module docstring)."""
     usage: UsageCount | None = None
     """The usage count in flight, where the usage policy needs one (``count_usage``)."""
+    watch: BackwardWatch = dataclasses.field(default_factory=BackwardWatch)
+    """Sees a backward that reached the forward's outputs and raised before any gradient hook (Note [Abandoned
+    backward]); armed by ``prepare_for_backward``."""
 
     def start_agreement(self, plans: PlanKeeper) -> None:
         """The iteration's first collective, before any bucket's: only once a backward begins (or a bucket of
@@ -182,13 +227,19 @@ class Iteration:
             self.usage = usage.start_count()
 
     def abandoned_mid_way(self) -> bool:
-        """Seen by the next forward: this iteration's backward began and its engine callback never ran, so it
-        raised (Note [Abandoned backward])."""
-        return isinstance(self.ending, EngineCallbackEnding)
+        """Seen by the next forward (once): this iteration's backward began and its engine callback never ran, so
+        it raised, after its first gradient hook or before it (Note [Abandoned backward])."""
+        if self.ending.begun:
+            return isinstance(self.ending, EngineCallbackEnding)
+        return self.watch.abandoned()
 
-    def drain(self, launcher: Launcher, usage: GradientUsage, late: Callable[[list[int]], None], rank: int) -> None:
+    def drain(
+        self, plans: PlanKeeper, launcher: Launcher, usage: GradientUsage, late: Callable[[list[int]], None], rank: int
+    ) -> None:
         """Issue and await every collective this abandoned iteration left unissued, on zeros, where the other
-        ranks' backward issues them; keep nothing (Note [Abandoned backward])."""
+        ranks' backward issues them, the agreement first if no hook issued it; keep nothing (Note [Abandoned
+        backward])."""
+        self.start_agreement(plans)
         launcher.drain()
         counts = usage.stand_in(self.usage)
         late(counts)  # skipped buckets some rank used after all

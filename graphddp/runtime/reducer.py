@@ -163,7 +163,7 @@ class Reducer:
         if stale is not None and stale.abandoned_mid_way():  # Note [Abandoned backward]: drained, nothing kept
             self._iteration = None
             late = functools.partial(self._skip.reduce_late, self._slots, events=self._events, joined=True)
-            stale.drain(self._launcher, self.usage, late, self.rank)
+            stale.drain(self.plans, self._launcher, self.usage, late, self.rank)
             self.plans.backward_abandoned([i for b in self.buckets for i in b.param_indices])
             self._active.clear()
         elif stale is not None and stale.ending.dropped_by_next_forward:
@@ -192,6 +192,7 @@ class Reducer:
         if iteration.local_unused:  # they may launch a bucket now: the agreement goes first
             iteration.start_agreement(self.plans)
         self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
+        iteration.watch.watch(outputs)  # a backward that raises before the first hook is drained too
 
     def on_grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (step 3 of Note [Reducer])."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,17 +28,25 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def find_tensors(obj: Any) -> list[torch.Tensor]:
-    """All tensors in a (nested) forward output: tensors, lists, tuples, dicts, dataclass-like objects."""
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a (nested) forward output, in order: tensors, lists, tuples, dicts, dataclass-like objects.
+    Lazy, so a caller that needs only the first one walks no further."""
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in find_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in find_tensors(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in find_tensors(getattr(obj, f.name))]
-    return []
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """All tensors in a (nested) forward output (``iter_tensors``)."""
+    return list(iter_tensors(obj))
 
 
 def reachable_params(outputs: Iterable[torch.Tensor], index_of: dict[int, int]) -> set[int]:

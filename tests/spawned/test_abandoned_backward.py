@@ -19,12 +19,17 @@ CASE = Case(model="mlp", steps=5, ddp=(("bucket_cap_mb", 0.002),), graphddp=(("f
 """Small caps: mlp's three layers in several buckets, so some are sent before fc1's gradients are ready."""
 
 
+BEFORE_ANY_GRADIENT = "(the model's output)"
+"""Where a rank fails: in backward, before any parameter's gradient exists (nothing was sent yet)."""
+
+
 def skip_failed_batches(
     rank: int, world: int, failing: dict[int, str], compile: str | None = None, reduction: str = "auto"
 ) -> tuple[list[str], dict[str, list], list[str]]:
     """Train 5 steps; at step 1 each rank in ``failing`` raises out of memory once the gradient of the parameter
     named there is final (fc2.weight: fc3's bucket sent, fc1's not), catches it and skips the batch, as training
-    loops do. What happened at each step, and the final parameters."""
+    loops do (or, for ``BEFORE_ANY_GRADIENT``, as soon as backward has reached the model's output). What happened
+    at each step, and the final parameters."""
     case = dataclasses.replace(CASE, compile=compile, compile_kwargs=(("reduction", reduction),) if compile else ())
     with graphddp_warnings() as warnings:
         ddp, model = wrap("graphddp", case, rank)
@@ -34,7 +39,9 @@ def skip_failed_batches(
             if step == 1:
                 raise torch.OutOfMemoryError("simulated: CUDA out of memory")
 
-        if rank in failing:
+        if failing.get(rank) == BEFORE_ANY_GRADIENT:  # runs once the gradient of the module's output exists
+            ddp.module.register_full_backward_pre_hook(lambda _module, _grad: out_of_memory(_grad[0]))
+        elif rank in failing:
             ddp.module.get_parameter(failing[rank]).register_post_accumulate_grad_hook(out_of_memory)
         what = []
         for step in range(CASE.steps):
@@ -75,13 +82,35 @@ def test_one_rank_abandoning_a_backward_raises_the_same_error_on_every_rank(worl
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_every_rank_abandoning_the_same_backward_trains_on_as_if_the_batch_was_skipped(world: int) -> None:
-    """Each rank stops at another point (rank 1 before any bucket went out, rank 2 with all but the last sent):
-    the drains still match, and every rank ends where one process that skipped step 1 ends."""
-    failing = {0: "fc2.weight", 1: "fc3.weight", 2: "fc1.bias"}
+def test_a_backward_abandoned_before_any_gradient_on_one_rank_raises_the_same_error_on_every_rank(world: int) -> None:
+    """The out-of-memory comes in the first op of backward, before any parameter's gradient hook ran, so nothing
+    was sent. A hook on the forward's output saw the backward begin, so the next forward drains it, the agreement
+    first (before: every rank raised "the ranks are out of step", naming an evaluation forward as the cause)."""
     outcomes = run_with_faults(
-        skip_failed_batches, world, {r: failing[r] for r in range(world)}, pg_timeout_s=PG_TIMEOUT_S, timeout=120
+        skip_failed_batches, world, {0: BEFORE_ANY_GRADIENT}, pg_timeout_s=PG_TIMEOUT_S, timeout=120
     )
+    assert sorted(outcomes) == list(range(world)), f"ranks {sorted(set(range(world)) - set(outcomes))} died or hung: {outcomes}"
+    for rank, (ok, value) in outcomes.items():
+        assert ok, (rank, value)
+        what = value[0]
+        assert what[:3] == (["stepped", "skipped", "stepped"] if rank == 0 else ["stepped"] * 3), (rank, what)
+        assert len(what) == 4 and what[3].startswith(f"RuntimeError: [rank {rank}] graphddp.DDP: 1 of {world} ranks"), (rank, what)
+        assert ("(this rank among them)" in what[3]) == (rank == 0), what[3]
+
+
+@pytest.mark.parametrize(
+    "failing",
+    [
+        {0: "fc2.weight", 1: BEFORE_ANY_GRADIENT},
+        pytest.param({0: "fc2.weight", 1: "fc3.weight", 2: "fc1.bias"}, marks=pytest.mark.slow),
+    ],
+    ids=["2-ranks", "3-ranks"],
+)
+def test_every_rank_abandoning_the_same_backward_trains_on_as_if_the_batch_was_skipped(failing: dict[int, str]) -> None:
+    """Each rank stops at another point (before any gradient existed, before any bucket went out, with all but
+    the last sent): the drains still match, and every rank ends where one process that skipped step 1 ends."""
+    world = len(failing)
+    outcomes = run_with_faults(skip_failed_batches, world, failing, pg_timeout_s=PG_TIMEOUT_S, timeout=120)
     assert sorted(outcomes) == list(range(world)), f"ranks {sorted(set(range(world)) - set(outcomes))} died or hung: {outcomes}"
     reference = train_single_process(CASE, world, skip_steps=(1,))
     for rank, (ok, value) in outcomes.items():

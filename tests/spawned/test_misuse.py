@@ -360,6 +360,19 @@ def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
             handle.remove()
         for _ in range(3):
             step(ddp, rank)
+    elif what == "backward_abandoned_before_any_gradient_on_one_rank":  # out of memory in backward's first op
+
+        def raise_out_of_memory(_module: nn.Module, _grad: Any) -> None:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+        handle = ddp.module.register_full_backward_pre_hook(raise_out_of_memory) if rank == 1 else None
+        try:
+            step(ddp, rank)
+        except torch.OutOfMemoryError:
+            assert handle is not None
+            handle.remove()
+        for _ in range(3):
+            step(ddp, rank)
     elif what == "eval_forward_through_the_wrapper_on_one_rank":  # a log on rank 0 via ddp(x): buffers broadcast
         torch.manual_seed(0)
         ddp = DDP(impl, WithBatchNorm(), bucket_cap_mb=0.002)
@@ -457,6 +470,7 @@ CATALOGUE: dict[str, Misuse] = {
             ("hook_wrong_shape_on_one_rank", "ValueError: the communication hook returned|RuntimeError"),
             ("dtype_changed_on_one_rank", "RuntimeError"),
             ("backward_abandoned_on_one_rank", "RuntimeError: .*1 of 2 ranks.*abandoned the backward"),
+            ("backward_abandoned_before_any_gradient_on_one_rank", "RuntimeError: .*1 of 2 ranks.*abandoned the backward"),
             ("eval_forward_through_the_wrapper_on_one_rank", "works"),
         ]
     },
@@ -469,6 +483,7 @@ TORCH: dict[str, str] = {
     'backward_twice_freed_graph': 'raises RuntimeError',
     'backward_twice_retain_graph': 'works',
     'backward_abandoned_on_one_rank': 'fails: some rank only sees a timeout or a lost peer',
+    'backward_abandoned_before_any_gradient_on_one_rank': 'fails: one rank goes on, another times out or loses its peer',
     'eval_forward_through_the_wrapper_on_one_rank': 'works',
     'batch_sizes_differ': 'works',
     'layer_unfrozen_after_wrapping': 'silent: the replicas differ',
