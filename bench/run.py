@@ -203,10 +203,24 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
         "reductions": {mode: ranks[0]["modes"][mode].get("reduction") for mode in options.modes},
     }
+    for mode, per_rank in summary["timelines"].items():
+        modes[mode]["first_send"] = first_send(per_rank[0])
     for mode, predicted in predict_modes(summary).items():
         modes[mode].update(predicted)
         modes[mode]["prediction_error"] = predicted["predicted_s"] / modes[mode]["median_s"] - 1
     return summary
+
+
+def first_send(timeline: list[list[Any]]) -> dict[str, float] | None:
+    """When the link first gets work in one recorded iteration: the first all-reduce that starts after backward
+    begins, in ms after that start and as a share of the backward (to the ``optimizer`` mark). None when the
+    timeline has no such all-reduce."""
+    marks = {kind: t for kind, bucket, _param, t in timeline if bucket is None}
+    start, end = marks.get("backward"), marks.get("optimizer")
+    launches = [t for kind, bucket, _param, t in timeline if kind == "launch" and start is not None and t >= start]
+    if start is None or end is None or end <= start or not launches:
+        return None
+    return {"ms": min(launches) - start, "share": (min(launches) - start) / (end - start)}
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -219,6 +233,9 @@ def table(summary: dict[str, Any]) -> str:
         ])  # fmt: skip
     headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB", "predicted ms", "error"]
     lines = [tabulate(rows, headers=headers), "", phase_table(summary), ""]
+    for mode, m in summary["modes"].items():
+        if m.get("first_send") is not None:
+            lines.append(f"{mode}: first all-reduce {m['first_send']['ms']:.0f} ms into backward ({m['first_send']['share']:.0%} of it)")
     for label, value in summary["ratios"].items():
         rounds = summary.get("ratio_rounds", {}).get(label, [])
         spread = f" (round by round: {min(rounds):.3f}-{max(rounds):.3f}, {len(rounds)} rounds)" if len(rounds) > 1 else ""

@@ -170,8 +170,9 @@ def calibrate(world: int) -> dict[str, float] | None:
 
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
     """One more iteration with its events recorded: a graphddp mode's from its Reducer, any other mode's that
-    communicates from ``torch.profiler`` (``profiled_timeline``); None for ``local``."""
-    if not isinstance(m.ddp, graphddp.DDP):
+    communicates, and a graphddp mode that reduces inside the compiled graph (recording the Reducer's events would
+    switch it to the split), from ``torch.profiler`` (``profiled_timeline``); None for ``local``."""
+    if not isinstance(m.ddp, graphddp.DDP) or reduction_ran(m.ddp) == "in_graph":
         return profiled_timeline(m) if m.name != "local" else None
     m.ddp.reducer.events = log = EventLog()
     batch = m.workload.make_batch(m.data)
@@ -197,21 +198,28 @@ class ProfilerMarks:
 
 
 def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]]:
-    """One iteration under ``torch.profiler``: the phase marks, and each all-reduce as gloo ran it (the
-    ``gloo:all_reduce`` range on gloo's thread, from start to end), numbered in start order as buckets."""
+    """One iteration under ``torch.profiler``: the phase marks, and each all-reduce numbered in issue order as
+    buckets: ``launch`` when it was issued (the ``c10d::allreduce_`` op, from PyTorch's C++ Reducer or from a
+    compiled graph's functional all-reduce alike), ``done`` when gloo's thread finished it (the k-th
+    ``gloo:all_reduce`` range by start). A graphddp mode that reduced in-graph has no Reducer events: its
+    ``finalize`` (the end of backward's compute, where the predictions' window ends) is its last issue, which its
+    last gradient's completion triggers."""
     batch = m.workload.make_batch(m.data)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         m.step(batch, ProfilerMarks())
         dist.barrier()
     marks = [(e.name.removeprefix("bench:"), e.time_range.start) for e in prof.events() if e.name.startswith("bench:")]
-    collectives = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "gloo:all_reduce")
+    issued = sorted(e.time_range.start for e in prof.events() if e.name == "c10d::allreduce_")
+    ran = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "gloo:all_reduce")
     if not marks:
         return []
     t0 = min(t for _, t in marks)
     events: list[tuple[str, int | None, str | None, float]] = [(kind, None, None, (t - t0) / 1e3) for kind, t in marks]
-    for k, (start, end) in enumerate(collectives):
-        events += [("launch", k, None, (start - t0) / 1e3), ("done", k, None, (end - t0) / 1e3)]
+    for k, (issue, (_start, end)) in enumerate(zip(issued, ran)):
+        events += [("launch", k, None, (issue - t0) / 1e3), ("done", k, None, (end - t0) / 1e3)]
+    if isinstance(m.ddp, graphddp.DDP) and issued:
+        events.append(("finalize", None, None, (issued[-1] - t0) / 1e3))
     return sorted(events, key=lambda e: e[3])
 
 
@@ -221,11 +229,18 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     if not isinstance(m.ddp, graphddp.DDP):
         return None
     layout = []
+    in_graph = reduction_ran(m.ddp) == "in_graph"
     for b in m.ddp.bucket_plan.buckets:
         sent = b.nbytes
         if b.row_sparse and m.rows_touched is not None:
             rows = b.params[0].shape[0]
             sent = rows + b.nbytes * min(m.rows_touched, rows) // rows
+        if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
+            big, blocks = b.pieces
+            per_row = b.params[big].nbytes // sum(blocks)
+            sizes = [b.nbytes - per_row * sum(blocks[1:]), *(per_row * r for r in blocks[1:])]  # the rest goes with block 0
+            layout += [{"bytes": n, "sent": n, "row_sparse": False} for n in sizes]
+            continue
         layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": b.row_sparse})
     return layout
 

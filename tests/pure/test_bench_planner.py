@@ -12,6 +12,7 @@ from bench import matrix
 from bench.modes import ModeConfig, ModeName
 from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, predict_modes
+from bench.run import first_send
 from bench.scale import project
 
 
@@ -150,3 +151,16 @@ def test_the_gpu_bench_compares_each_graphddp_variant_with_pytorchs_mode_of_its_
     ]
     assert summary_line(records[1], records).endswith("×0.900 of torch-compiled  [in_graph]")
     assert summary_line(records[2], records).endswith("×1.050 of torch-compiled  [split (asked for)]")
+
+
+def test_first_send_is_the_first_all_reduce_after_backward_begins() -> None:
+    """``bench.run.first_send``: the first ``launch`` at or after the ``backward`` mark, in ms after it and as a
+    share of the backward (to the ``optimizer`` mark); one before backward (a forward's unused bucket) does not
+    count, and a timeline without a launch in backward gives None."""
+    timeline = [
+        ["forward", None, None, 0.0], ["launch", 0, None, 5.0], ["backward", None, None, 100.0],
+        ["launch", 1, None, 150.0], ["launch", 2, None, 120.0], ["optimizer", None, None, 300.0],
+    ]  # fmt: skip
+    assert first_send(timeline) == pytest.approx({"ms": 20.0, "share": 0.1})
+    assert first_send([row for row in timeline if row[0] != "launch" or row[3] < 100]) is None
+    assert first_send([row for row in timeline if row[0] != "optimizer"]) is None
