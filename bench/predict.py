@@ -22,6 +22,7 @@ from graphddp.passes import (
     LinkModel,
     ParamSpec,
     StepInputs,
+    choose_channels,
     plan_buckets,
     predict_step,
     step_inputs_from_completions,
@@ -54,6 +55,9 @@ def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
         elif (inputs := mode_inputs(summary, mode)) is not None:
             p = predict_step(inputs, link, world)
             out[mode] = {"predicted_s": p.step_s, "exposed_s": p.exposed_s}
+            if base.startswith("graphddp"):  # what the planner would pick for this schedule (Note [Channels])
+                pick, steps = choose_channels(inputs, link, world)
+                out[mode]["channels_pick"] = {"channels": pick, "predicted_s": {str(k): v for k, v in steps.items()}}
     return out
 
 
@@ -81,6 +85,8 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
         )
     if inputs is None:
         return None
+    if name.base.startswith("graphddp"):  # buckets on channels in turn (Note [Channels]); PyTorch's DDP has one
+        inputs = dataclasses.replace(inputs, channels=name.channels or summary["options"].get("channels") or 1)
     if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
         total = sum(inputs.bucket_bytes)
         return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))

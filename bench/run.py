@@ -236,6 +236,10 @@ def table(summary: dict[str, Any]) -> str:
     for mode, m in summary["modes"].items():
         if m.get("first_send") is not None:
             lines.append(f"{mode}: first all-reduce {m['first_send']['ms']:.0f} ms into backward ({m['first_send']['share']:.0%} of it)")
+    for mode, m in summary["modes"].items():
+        if (pick := m.get("channels_pick")) is not None:
+            steps = ", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in pick["predicted_s"].items())
+            lines.append(f"{mode}: the model picks {pick['channels']} channel(s) for this schedule ({steps})")
     for label, value in summary["ratios"].items():
         rounds = summary.get("ratio_rounds", {}).get(label, [])
         spread = f" (round by round: {min(rounds):.3f}-{max(rounds):.3f}, {len(rounds)} rounds)" if len(rounds) > 1 else ""

@@ -38,6 +38,14 @@ added to the segment that completes it: on a launch-bound backward that is what 
 in-graph, a bucket costs no Python; the estimate keeps the Reducer's figure, an upper bound.) The longest path
 through the DAG is the predicted step time; the timeline gives each node's start and end.
 
+**Channels** (``StepInputs.channels``, Note [Channels] in ``graphddp/runtime/channels.py``): each bucket's
+all-reduce is two nodes, its latency term and its bytes on the wire. The bytes of bucket ``k`` follow those of
+bucket ``k - 1`` (one link); its latency term may start once its segment has run and its channel is free, that
+is once bucket ``k - channels`` is off the wire. With one channel that is the serial schedule above; with more,
+a bucket's latency runs under the previous bucket's bytes, which is all that several process groups can win on
+one link. ``choose_channels`` compares candidates and keeps one channel unless more pay by a margin (what an
+extra group costs the CPUs is not in the model).
+
 This module is pure: no ``torch.distributed``, no graphddp runtime module.
 """
 
@@ -97,17 +105,24 @@ class LinkModel:
 
     def allreduce_s(self, nbytes: int, world: int) -> float:
         """Seconds for one all-reduce of ``nbytes`` over ``world`` ranks by ``algorithm``."""
+        return sum(self.allreduce_parts(nbytes, world))
+
+    def allreduce_parts(self, nbytes: int, world: int) -> tuple[float, float]:
+        """One all-reduce of ``nbytes`` over ``world`` ranks by ``algorithm`` as (its latency term, its bytes
+        term) in seconds: on several channels a bucket's latency overlaps the bytes of the one before."""
         if world <= 1:
-            return 0.0
-        ring = 2 * (world - 1) * self.latency_s + 2 * (world - 1) / world * nbytes * self.seconds_per_byte
+            return 0.0, 0.0
+        ring = (2 * (world - 1) * self.latency_s, 2 * (world - 1) / world * nbytes * self.seconds_per_byte)
         if self.algorithm == "ring":
             return ring
         power = 1 << (world.bit_length() - 1)  # w': the largest power of two <= world
         steps = power.bit_length() - 1  # log2(w')
-        halving_doubling = 2 * steps * self.latency_s + 2 * (power - 1) / power * nbytes * self.seconds_per_byte
+        latency, wire = 2 * steps * self.latency_s, 2 * (power - 1) / power * nbytes * self.seconds_per_byte
         if power != world:  # the extra ranks' vectors in and results out
-            halving_doubling += 2 * self.latency_s + 2 * nbytes * self.seconds_per_byte
-        return halving_doubling if self.algorithm == "halving-doubling" else min(ring, halving_doubling)
+            latency, wire = latency + 2 * self.latency_s, wire + 2 * nbytes * self.seconds_per_byte
+        if self.algorithm == "halving-doubling" or latency + wire < sum(ring):
+            return latency, wire
+        return ring
 
 
 def rate_bits_per_second(rate: str) -> float:
@@ -154,8 +169,13 @@ class StepInputs:
     step_per_bucket_s: tuple[float, ...] = ()
     """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
     on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""
+    channels: int = 1
+    """Process groups the buckets go on in turn (Note [Channels] in ``graphddp/runtime/channels.py``): with more
+    than one, a bucket's latency term runs while the bucket before it is still on the wire."""
 
     def __post_init__(self) -> None:
+        if self.channels < 1:
+            raise ValueError(f"a step needs at least one channel, got channels={self.channels}")
         if len(self.bucket_bytes) != len(self.completed_by):
             raise ValueError("every bucket needs the segment that completes it")
         if self.step_per_bucket_s and len(self.step_per_bucket_s) != len(self.bucket_bytes):
@@ -196,18 +216,21 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     for a, b in zip(chain, chain[1:]):
         graph.add_edge(a, b)
     graph.add_edge(chain[-1], "after")
-    for k, nbytes in enumerate(inputs.bucket_bytes):
-        node = f"bucket {k}"
-        durations[node] = link.allreduce_s(nbytes, world)
+    for k, nbytes in enumerate(inputs.bucket_bytes):  # bucket k: its latency term ("bucket k"), then its bytes
+        node, wire = f"bucket {k}", f"bucket {k} on the wire"
+        durations[node], durations[wire] = link.allreduce_parts(nbytes, world)
         graph.add_edge(f"segment {inputs.completed_by[k]}", node)
+        graph.add_edge(node, wire)
         if k:
-            graph.add_edge(f"bucket {k - 1}", node)
-        graph.add_edge(node, "after")
+            graph.add_edge(f"bucket {k - 1} on the wire", wire)  # one link: bytes go one bucket after another
+        if k >= inputs.channels:  # its channel is free once the bucket before on it is done (1: the previous one)
+            graph.add_edge(f"bucket {k - inputs.channels} on the wire", node)
+        graph.add_edge(wire, "after")
     for k, seconds in enumerate(inputs.step_per_bucket_s):
         node = f"step {k}"
         durations[node] = seconds
         graph.add_edge(chain[-1], node)  # the Reducer's finalize steps the buckets: after backward's compute
-        graph.add_edge(f"bucket {k}", node)
+        graph.add_edge(f"bucket {k} on the wire", node)
         if k:
             graph.add_edge(f"step {k - 1}", node)
         graph.add_edge(node, "after")
@@ -220,8 +243,31 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     for a, b in graph.edges:
         graph.edges[a, b]["seconds"] = durations[a]
     graph.add_edge("after", "end", seconds=durations["after"])
-    path = tuple(n for n in nx.dag_longest_path(graph, weight="seconds") if n != "end")
-    return Prediction(step, timeline, max(step - local, 0.0), path)
+    path = [n.removesuffix(" on the wire") for n in nx.dag_longest_path(graph, weight="seconds") if n != "end"]
+    for k in range(len(inputs.bucket_bytes)):  # a bucket's all-reduce: from its latency's start to its bytes' end
+        timeline[f"bucket {k}"] = (timeline[f"bucket {k}"][0], timeline.pop(f"bucket {k} on the wire")[1])
+    critical = tuple(n for i, n in enumerate(path) if not i or n != path[i - 1])
+    return Prediction(step, timeline, max(step - local, 0.0), critical)
+
+
+def choose_channels(
+    inputs: StepInputs, link: LinkModel, world: int, *, candidates: Sequence[int] = (1, 2, 4), margin: float = 0.05
+) -> tuple[int, dict[int, float]]:
+    """The number of channels for a step (Note [Channels] in ``graphddp/runtime/channels.py``), and each
+    candidate's predicted step in seconds: 1 unless the best candidate's step is shorter than one channel's by more
+    than ``margin`` (a share of it); then the fewest channels within ``margin`` of the best. The margin stands for what the model does not see: every extra
+    channel is a process group with threads and connections of its own, sharing the CPUs (on the 2-CPU testbed a
+    second gloo channel cost 2-6 % where the link was bandwidth-bound, ``docs/benchmarks.md``). Channels pay
+    where latency binds: many buckets, each a small share of a long path's α."""
+    if 1 not in candidates or any(k < 1 for k in candidates):
+        raise ValueError(f"channel candidates must include 1 and be >= 1, got {tuple(candidates)}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"the margin is a share of the step, in [0, 1), got {margin}")
+    steps = {k: predict_step(dataclasses.replace(inputs, channels=k), link, world).step_s for k in sorted(set(candidates))}
+    best = min(steps.values())
+    if best >= steps[1] * (1 - margin):
+        return 1, steps
+    return min(k for k, step in steps.items() if step <= best * (1 + margin)), steps
 
 
 def project_scaling(inputs: StepInputs, link: LinkModel, worlds: Sequence[int]) -> dict[int, tuple[float, float]]:

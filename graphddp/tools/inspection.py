@@ -39,8 +39,10 @@ from ..passes import (
     ParamSpec,
     Prediction,
     ReductionChoice,
+    StepInputs,
     bucket_channel,
     check_reduction,
+    choose_channels,
     choose_graph_caps,
     choose_reduction,
     compose_plans,
@@ -72,6 +74,9 @@ class GraphReport:
     """With ``auto`` caps: the choice that planned this graph, and the candidates it was chosen from."""
     reduction: ReductionChoice | None = None
     """How a compiled run reduces this graph (``graphddp.passes.choose_reduction``, Note [In-graph reduction])."""
+    channels_choice: tuple[int, dict[int, float]] | None = None
+    """With ``--link``: the channels the step cost model picks for this graph and each candidate's predicted step
+    (``graphddp.passes.choose_channels``, Note [Step cost model])."""
 
 
 def parse_link(text: str) -> LinkModel:
@@ -84,11 +89,19 @@ def parse_link(text: str) -> LinkModel:
     return LinkModel.of_rate(rate, latency_s=latency)
 
 
-def predict_graph(gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_size: int, rates: ComputeRates) -> Prediction:
-    """One graph's step on ``link``: compute estimated from the graph at this machine's rates (Note [Step cost
-    model]); the optimizer is not in it."""
+def graph_step_inputs(gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates, *, channels: int = 1) -> StepInputs:
+    """The step cost model's inputs for one graph: compute estimated from the graph at this machine's rates
+    (Note [Step cost model]); the optimizer is not in them."""
     node_seconds = forward_seconds(gm, rates)
-    inputs = dataclasses.replace(estimated_step_inputs(split, node_seconds), forward_s=sum(node_seconds.values()))
+    inputs = estimated_step_inputs(split, node_seconds)
+    return dataclasses.replace(inputs, forward_s=sum(node_seconds.values()), channels=channels)
+
+
+def predict_graph(
+    gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_size: int, rates: ComputeRates, *, channels: int = 1
+) -> Prediction:
+    """One graph's step on ``link``, its buckets on ``channels`` process groups in turn."""
+    inputs = graph_step_inputs(gm, split, rates, channels=channels)
     return _numbered_as_the_split(predict_step(inputs, link, world_size), split.num_segments)
 
 
@@ -121,6 +134,7 @@ class Inspection:
                 | {"reduction": str(g.reduction) if g.reduction is not None else None}
                 | _prediction_record(g.prediction)
                 | _choice_record(g.caps_choice)
+                | _channels_record(g.channels_choice)
                 for g in self.graphs
             ],
             "channels": self.channels,
@@ -145,6 +159,10 @@ class Inspection:
             parts.append("")
             if g.prediction is not None:
                 parts += [_prediction_text(g.prediction), ""]
+            if g.channels_choice is not None:
+                pick, steps = g.channels_choice
+                candidates = ", ".join(f"{k}: {seconds * 1e3:.1f} ms" for k, seconds in steps.items())
+                parts += [f"channels the model picks: {pick} (predicted step by channels: {candidates})", ""]
         parts.append(f"fingerprint {self.plan.fingerprint} ({len(self.plan.buckets)} buckets in all)")
         if self.channels > 1:
             parts.append(f"{self.channels} channels: bucket i is reduced on process group i % {self.channels} (Note [Channels])")
@@ -204,13 +222,15 @@ def inspect_target(
         prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=graph_caps, row_sparse=row_sparse)
         if prepared is None:
             continue
-        prediction = None
+        prediction = channels_choice = None
         if link_model is not None and rates is not None:
-            prediction = predict_graph(captured.gm, prepared.split, link_model, world_size, rates)
+            inputs = graph_step_inputs(captured.gm, prepared.split, rates, channels=options.channels)
+            prediction = _numbered_as_the_split(predict_step(inputs, link_model, world_size), prepared.split.num_segments)
+            channels_choice = choose_channels(inputs, link_model, world_size)
         choice = auto.choice_for(captured.gm) if auto is not None else None
         # As the backend decides for a DDP with the default comm hook and options, and an AOTAutograd compiler.
         strategy = choose_reduction(reduction, plan_blockers(prepared.plan))
-        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy))
+        graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy, channels_choice))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
     tables = embedding_tables(model) if row_sparse else frozenset()
@@ -290,6 +310,12 @@ def _prediction_record(p: Prediction | None) -> dict[str, Any]:
         return {}
     timeline = {node: [start, end] for node, (start, end) in p.timeline.items()}
     return {"prediction": {"step_s": p.step_s, "exposed_s": p.exposed_s, "critical_path": list(p.critical_path), "timeline": timeline}}
+
+
+def _channels_record(choice: tuple[int, dict[int, float]] | None) -> dict[str, Any]:
+    if choice is None:
+        return {}
+    return {"channels_choice": {"channels": choice[0], "predicted_s": {str(k): s for k, s in choice[1].items()}}}
 
 
 def _choice_text(choice: CapsChoice) -> str:

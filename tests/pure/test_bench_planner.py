@@ -73,6 +73,9 @@ def test_predictions_from_the_runs_own_measurements() -> None:
     # graphddp-eager: bucket 0 complete at 100 ms of backward, 50 ms on the link; bucket 1 at 200 ms, 50 ms more.
     assert predicted["graphddp-eager"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.05 + 0.05)
     assert predicted["graphddp-eager"]["exposed_s"] == pytest.approx(0.05)
+    # The run's link has no latency to hide, so a second channel cannot pay: the planner keeps one.
+    assert predicted["graphddp-eager"]["channels_pick"]["channels"] == 1
+    assert "channels_pick" not in predicted["torch-eager"]  # PyTorch's DDP has one group
     # naive: every gradient after backward, one after another: 100 kB at 1 byte/us.
     assert predicted["naive"]["predicted_s"] == pytest.approx(0.35 + 0.1)
     assert predicted["comm"]["predicted_s"] == pytest.approx(0.1)  # one 100 kB bucket at the default caps

@@ -17,6 +17,7 @@ from graphddp.passes import (
     StepInputs,
     allreduce_seconds,
     choose_caps,
+    choose_channels,
     fit_link,
     predict_step,
     project_scaling,
@@ -189,3 +190,35 @@ def test_each_bucket_costs_the_reducer_its_python_so_many_small_buckets_lose_whe
     assert costly[small] - free[small] == pytest.approx(64 * rates.reducer_seconds_per_bucket)  # 64 buckets
     assert costly[large] - free[large] == pytest.approx(rates.reducer_seconds_per_bucket)  # one
     assert choose_caps([small, large], lambda caps: inputs_for(caps, rates.reducer_seconds_per_bucket), link, 2).caps == large
+
+
+def test_on_several_channels_a_buckets_latency_runs_under_the_bytes_before_it() -> None:
+    """Note [Step cost model], channels: the bytes still go one bucket after another on the one link; only each
+    bucket's latency term may overlap the bucket before (its channel being free)."""
+    link = LinkModel(latency_s=0.005, seconds_per_byte=1e-6)  # 2 ranks: 10 ms of latency + 1 ms per 1000 B per bucket
+    inputs = StepInputs(segment_backward_s=(0.001,), bucket_bytes=(1000,) * 4, completed_by=(0,) * 4)
+    one, two = predict_step(inputs, link, 2), predict_step(dataclasses.replace(inputs, channels=2), link, 2)
+    assert one.step_s == pytest.approx(0.001 + 4 * 0.011)  # latency and bytes, bucket after bucket
+    # Two channels: buckets 0 and 1 start their latency together; bucket 2 waits for bucket 0, 3 for 1.
+    assert two.timeline["bucket 1"] == pytest.approx((0.001, 0.013))
+    assert two.timeline["bucket 2"] == pytest.approx((0.012, 0.023))
+    assert two.step_s == pytest.approx(0.013 + 0.011)  # bucket 3's latency once bucket 1 is off the wire, then its bytes
+    assert two.critical_path[0] == "forward" and "bucket 3" in two.critical_path
+    with pytest.raises(ValueError, match="at least one channel"):
+        dataclasses.replace(inputs, channels=0)
+
+
+def test_channels_are_chosen_where_latency_binds_and_not_where_bandwidth_does() -> None:
+    many_small = StepInputs(segment_backward_s=(0.001,), bucket_bytes=(1000,) * 8, completed_by=(0,) * 8)
+    far = LinkModel(latency_s=0.005, seconds_per_byte=1e-6)  # a long path: each bucket mostly latency
+    k, steps = choose_channels(many_small, far, 2)
+    assert k == 4 and steps[4] < steps[2] < steps[1], steps
+    few_big = StepInputs(segment_backward_s=(0.001,), bucket_bytes=(10**6,) * 3, completed_by=(0,) * 3)
+    near = LinkModel(latency_s=50e-6, seconds_per_byte=8e-9)  # 1 Gbit/s, 50 us: each bucket mostly bytes
+    k, steps = choose_channels(few_big, near, 2)
+    assert k == 1 and steps[2] < steps[1], steps  # a little shorter on paper, not by the margin
+    assert choose_channels(many_small, far, 1)[0] == 1  # one rank sends nothing
+    with pytest.raises(ValueError, match="must include 1"):
+        choose_channels(many_small, far, 2, candidates=(2, 4))
+    with pytest.raises(ValueError, match="margin"):
+        choose_channels(many_small, far, 2, margin=1.0)
