@@ -22,7 +22,8 @@ MODES = ("local", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-ea
 """The default modes. A graphddp mode also takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``),
 ``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's
 optimizer step inside backward, Note [Optimizer overlap]), ``graphddp-compiled+ch2`` (``channels=2``, buckets on two
-process groups in turn, Note [Channels]); ``graphddp-eager@auto+step`` combines them."""
+process groups in turn, Note [Channels]), ``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step``
+combines them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ModeName:
 
     channels: int | None = None
     """``graphddp-compiled+ch4``: ``channels=4`` (Note [Channels]); None: the configuration's."""
+    dense: bool = False
+    """``graphddp-compiled+dense``: ``sparse_embedding_grads=False``, every table reduced dense (Note [Row-sparse
+    gradients]); compiled, a graph with a row-sparse table may then reduce in-graph."""
 
     @classmethod
     def parse(cls, name: str) -> ModeName:
@@ -48,13 +52,13 @@ class ModeName:
                 f"unknown mode {name!r}; choose from {', '.join(MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, "
                 "MODE+step, MODE+chK; graphddp-compiled also as MODE+split)"
             )
-        unknown = [v for v in variants if v not in ("split", "step") and not re.fullmatch(r"ch[1-9][0-9]*", v)]
+        unknown = [v for v in variants if v not in ("split", "step", "dense") and not re.fullmatch(r"ch[1-9][0-9]*", v)]
         if unknown:
-            raise ValueError(f"mode {name!r}: unknown variant +{unknown[0]} (+step, +split, +chK with K >= 1)")
-        split, step = "split" in variants, "step" in variants
+            raise ValueError(f"mode {name!r}: unknown variant +{unknown[0]} (+step, +split, +dense, +chK with K >= 1)")
+        split, step, dense = "split" in variants, "step" in variants, "dense" in variants
         channels = next((int(v[2:]) for v in variants if v.startswith("ch")), None)
-        if (cap or step or channels) and not base.startswith("graphddp"):
-            raise ValueError(f"mode {name!r}: only graphddp modes take @CAP, +step or +chK")
+        if (cap or step or channels or dense) and not base.startswith("graphddp"):
+            raise ValueError(f"mode {name!r}: only graphddp modes take @CAP, +step, +dense or +chK")
         if split and base != "graphddp-compiled":
             raise ValueError(f"mode {name!r}: only graphddp-compiled takes +split")
         if cap and cap != "auto":
@@ -62,11 +66,13 @@ class ModeName:
                 float(cap)
             except ValueError:
                 raise ValueError(f"mode {name!r}: the cap after @ must be a number of MiB or auto") from None
-        return cls(base, cap or None, step, split, channels)
+        return cls(base, cap or None, step, split, channels, dense)
 
     def config(self, cfg: ModeConfig) -> ModeConfig:
         if self.channels is not None:
             cfg = dataclasses.replace(cfg, channels=self.channels)
+        if self.dense:
+            cfg = dataclasses.replace(cfg, sparse_embedding_grads=False)
         if self.cap == "auto":
             return dataclasses.replace(cfg, bucket_cap_mb="auto", first_bucket_cap_mb="auto", last_bucket_cap_mb="auto")
         if self.cap is not None:

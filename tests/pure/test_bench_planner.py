@@ -21,7 +21,7 @@ def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
     assert ModeName.parse("graphddp-eager@auto+step") == ModeName("graphddp-eager", "auto", True)
     assert ModeName.parse("graphddp-eager@auto").config(ModeConfig()).last_bucket_cap_mb == "auto"
     assert ModeName.parse("graphddp-eager@2.5").config(ModeConfig()).bucket_cap_mb == 2.5
-    with pytest.raises(ValueError, match="only graphddp modes take @CAP, \\+step or \\+chK"):
+    with pytest.raises(ValueError, match="only graphddp modes take @CAP, \\+step, \\+dense or \\+chK"):
         ModeName.parse("torch-eager@16")
     with pytest.raises(ValueError, match="the cap after @ must be a number of MiB or auto"):
         ModeName.parse("graphddp-compiled@big")
@@ -38,6 +38,9 @@ def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
         ModeName.parse("graphddp-eager+ch0")
     with pytest.raises(ValueError, match="only graphddp modes take"):
         ModeName.parse("torch-compiled+ch2")
+    dense = ModeName.parse("graphddp-compiled+dense")
+    assert dense.dense and not dense.config(ModeConfig()).sparse_embedding_grads
+    assert ModeName.parse("graphddp-compiled").config(ModeConfig()).sparse_embedding_grads
 
 
 def summary() -> dict:
