@@ -2,6 +2,9 @@
 
 * the in-graph backward watch (``graphddp.runtime.iteration.BackwardWatch``): a tensor hook on a graph's output, the
   hook, its engine callback (Note [Abandoned backward]), timed around a tiny forward and backward;
+* the in-graph abandon signal's host side (``graphddp.runtime.in_graph.AbandonSignal``): per training forward,
+  taking the gradient the last backward left and copying it to the host, and reading the copy of the forward
+  before (the element it adds to the first bucket's all-reduce is not timed: that collective runs anyway);
 * the buffer-broadcast guard (``PlanKeeper.broadcast_buffers``): one int64 count beside the buffers, coalesced
   with the int64 ones, compared and kept on the device, timed around the coalescing it joins (no collective: the
   broadcast itself is the same either way).
@@ -15,6 +18,7 @@ import time
 
 import torch
 
+from graphddp.runtime.in_graph import AbandonSignal
 from graphddp.runtime.iteration import BackwardWatch
 
 
@@ -36,6 +40,18 @@ def watch_cost(repeats: int = 3000) -> tuple[float, float]:
     run(False), run(True)  # warm up
     base = run(False)
     return run(True) - base, base
+
+
+def signal_cost(repeats: int = 5000) -> float:
+    """Seconds per training forward of the abandon signal's host side, with a gradient to take every time."""
+    signal = AbandonSignal(torch.device("cpu"), rank=0, world_size=2)
+    count = torch.zeros(1)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        signal.tensor.grad = count  # what the backward's all-reduce leaves (set outside the timed work's own code)
+        signal.begin_training_forward()
+        signal.for_run()
+    return (time.perf_counter() - start) / repeats
 
 
 def guard_cost(repeats: int = 5000) -> tuple[float, float]:
@@ -66,6 +82,7 @@ def main() -> int:
     torch.set_num_threads(1)
     watched, base = watch_cost()
     print(f"in-graph backward watch: {watched * 1e6:.1f} us per iteration (a tiny forward+backward: {base * 1e6:.1f} us)")
+    print(f"in-graph abandon signal: {signal_cost() * 1e6:.1f} us per training forward (host side)")
     guarded, base = guard_cost()
     print(f"buffer-broadcast guard: {guarded * 1e6:.1f} us per forward that broadcasts buffers (coalescing: {base * 1e6:.1f} us)")
     return 0

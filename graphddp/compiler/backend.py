@@ -180,12 +180,13 @@ class GraphDDPBackend:
             assert compiler is not None, "choose_reduction checks the inner compiler"
             reducing = insert_bucket_reductions(
                 gm, prepared.params, prepared.plan, group_names=target.channel_names, divisor=target.world_size,
-                wire=target.in_graph_wire(),
+                wire=target.in_graph_wire(), signal=True,
             )
-            in_graph = compiler(reducing, example_inputs)
+            signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes it last
+            in_graph = compiler(reducing, signalled)
             if self.dump is not None:  # its forward and backward, waits sunk as compiled: beside the split's folder
                 folder = self.dump.graph_folder(f"{graph_key}_in_graph")
-                self.dump.write_aot(folder, {"in_graph": (reducing, example_inputs)}, fake_mode_for(example_inputs))
+                self.dump.write_aot(folder, {"in_graph": (reducing, signalled)}, fake_mode_for(example_inputs))
         split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
         if target is None:
             return split_fn

@@ -34,6 +34,9 @@ class CompileTarget(PartSink, Protocol):
     channel_names: tuple[str, ...]
     """The groups buckets are reduced on, channel by channel (bucket i on ``bucket_channel(i, len(...))``), as
     functional collectives name them: the DDP's own first (Note [In-graph reduction], Note [Channels])."""
+    abandon_signal: torch.Tensor
+    """The in-graph variants' last input: the [1] float32 abandon signal, which requires grad (Note [Abandoned
+    backward] in ``graphddp/runtime/iteration.py``)."""
 
     def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
         """The caps to plan a newly captured graph with (chosen for it, with ``bucket_cap_mb="auto"``)."""

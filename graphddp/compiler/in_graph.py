@@ -57,50 +57,68 @@ CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
 class BucketAllReduce(torch.autograd.Function):
     """Identity in forward; in backward, the bucket's gradients averaged over the group (Note [In-graph
-    reduction], step 1)."""
+    reduction], step 1). The first bucket of a graph also carries the abandon signal (Note [Abandoned backward]
+    in ``graphddp/runtime/iteration.py``): one more element of its all-reduce, this rank's flag, whose sum over
+    the ranks becomes the signal's gradient."""
 
     @staticmethod
     def forward(
-        ctx: Any, group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, *params: torch.Tensor
+        ctx: Any,
+        group_name: str,
+        divisor: int,
+        wire: torch.dtype | None,
+        pieces: Pieces,
+        signal: torch.Tensor | None,
+        *params: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.group_name, ctx.divisor, ctx.wire, ctx.pieces = group_name, divisor, wire, pieces
         ctx.shapes = [p.shape for p in params]
+        ctx.signals = 0 if signal is None else 1
+        if signal is not None:
+            ctx.save_for_backward(signal)
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         some = next((g for g in grads if g is not None), None)
         if some is None:  # no gradient for the whole bucket: the same graph on every rank, so no rank sends it
-            return (None, None, None, None, *grads)
+            return (None, None, None, None, None, *grads)
         flats = [
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)
         ]
+        # [1]: this rank's flag, times the divisor the average divides it by, so the ranks' flags are summed
+        told = [ctx.saved_tensors[0].to(some.dtype) * ctx.divisor] if ctx.signals else []
         if ctx.pieces is not None:  # one big gradient in blocks of rows (Note [Gradient pieces])
-            return (None, None, None, None, *_average_in_pieces(grads, flats, ctx))
-        flat = _average(torch.cat(flats), ctx)  # [bucket numel]
-        averaged = [chunk.view(s) for chunk, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)]
-        return (None, None, None, None, *averaged)
+            averaged, summed = _average_in_pieces(grads, flats, told, ctx)
+        else:
+            flat = _average(torch.cat([*flats, *told]), ctx)  # [bucket numel (+ 1)]
+            *chunks, summed = flat.split([*(s.numel() for s in ctx.shapes), len(told)])
+            averaged = [chunk.view(s) for chunk, s in zip(chunks, ctx.shapes)]
+        return (None, None, None, None, summed.float() if ctx.signals else None, *averaged)
 
 
 Pieces = tuple[int, tuple[int, ...]] | None
 """``graphddp.passes.Bucket.pieces``: the big gradient's position and its blocks' rows, or None."""
 
 
-def _average_in_pieces(grads: tuple[torch.Tensor | None, ...], flats: list[torch.Tensor], ctx: Any) -> list[torch.Tensor]:
-    """Each block of rows of the big gradient averaged by an all-reduce of its own, the others with the first
-    block; the averaged gradients, in ``ctx.shapes``' order."""
+def _average_in_pieces(
+    grads: tuple[torch.Tensor | None, ...], flats: list[torch.Tensor], told: list[torch.Tensor], ctx: Any
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each block of rows of the big gradient averaged by an all-reduce of its own, the others (and ``told``,
+    the abandon signal) with the first block; the averaged gradients, in ``ctx.shapes``' order, and the summed
+    signal ([0] without one)."""
     big, rows = ctx.pieces
     whole = grads[big] if grads[big] is not None else flats[big].view(ctx.shapes[big])  # [R, ...]
     others = [f for k, f in enumerate(flats) if k != big]
     starts = [sum(rows[:k]) for k in range(len(rows))]
     blocks = [whole[start : start + count].reshape(-1) for start, count in zip(starts, rows)]  # slices: no copy
-    averaged = [_average(torch.cat([blocks[0], *others]) if others else blocks[0], ctx)]
+    averaged = [_average(torch.cat([blocks[0], *others, *told]) if others or told else blocks[0], ctx)]
     averaged += [_average(block, ctx) for block in blocks[1:]]
-    first, rest = averaged[0].split([blocks[0].numel(), averaged[0].numel() - blocks[0].numel()])
+    first, *rest, summed = averaged[0].split([blocks[0].numel(), *(f.numel() for f in others), len(told)])
     big_averaged = torch.cat([first, *averaged[1:]]).view(ctx.shapes[big])
-    small = iter(rest.split([f.numel() for f in others]))
-    return [big_averaged if k == big else next(small).view(s) for k, s in enumerate(ctx.shapes)]
+    small = iter(rest)
+    return [big_averaged if k == big else next(small).view(s) for k, s in enumerate(ctx.shapes)], summed
 
 
 def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -112,10 +130,15 @@ def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:
 
 
 def reduce_bucket(
-    group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, *params: torch.Tensor
+    group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, signal: torch.Tensor | None, *params: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
-    return BucketAllReduce.apply(group_name, divisor, wire, pieces, *params)
+    return BucketAllReduce.apply(group_name, divisor, wire, pieces, signal, *params)
+
+
+SIGNAL_INPUT = "graphddp_abandon_signal"
+"""The graph input ``insert_bucket_reductions(..., signal=True)`` adds, last: the abandon signal, a [1] float32
+tensor that requires grad (Note [Abandoned backward] in ``graphddp/runtime/iteration.py``)."""
 
 
 def insert_bucket_reductions(
@@ -126,12 +149,18 @@ def insert_bucket_reductions(
     group_names: Sequence[str],
     divisor: int,
     wire: torch.dtype | None = None,
+    signal: bool = False,
 ) -> fx.GraphModule:
     """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note) on its channel
     of ``group_names`` (Note [Channels]), sent as ``wire`` (a compressing comm hook's dtype; None: the gradients'
-    own); ``gm`` is left as it was (the split variant is cut from it)."""
+    own); ``gm`` is left as it was (the split variant is cut from it). With ``signal``, the graph takes one more
+    input, last (``SIGNAL_INPUT``), which its first bucket's all-reduce carries (Note [Abandoned backward])."""
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
+    signal_node = None
+    if signal:
+        with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
+            signal_node = graph.placeholder(SIGNAL_INPUT)
     position = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {p.spec.name: p for p in params}
     for bucket in plan.buckets:
@@ -142,7 +171,10 @@ def insert_bucket_reductions(
         at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
         with graph.inserting_before(at):
             group_name = group_names[bucket_channel(bucket.index, len(group_names))]
-            call = graph.call_function(reduce_bucket, (group_name, divisor, wire, bucket.pieces, *(nodes[p.node] for p in members)))
+            carried = signal_node if bucket is plan.buckets[0] else None  # one bucket carries it: the one sent first
+            call = graph.call_function(
+                reduce_bucket, (group_name, divisor, wire, bucket.pieces, carried, *(nodes[p.node] for p in members))
+            )
             for k, member in enumerate(members):
                 item = graph.call_function(operator.getitem, (call, k))
                 nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient
@@ -232,7 +264,7 @@ class ReductionSwitch:
     def __call__(self, *args: Any) -> Any:
         target = self._target()
         if target is not None and target.reduces_in_graph(self.params, self.in_graph is not None):
-            outputs = self.in_graph(*args)  # type: ignore[misc]
+            outputs = self.in_graph(*args, target.abandon_signal_for_run())  # type: ignore[misc]
             target.watch_backward(outputs)  # Note [Abandoned backward]: no hook of the Reducer sees this backward
             return outputs
         return self.split(*args)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from .countdown import GradientHooks
 from .iteration import BackwardWatch
@@ -27,13 +30,91 @@ from .plans import PlanKeeper
 logger = logging.getLogger(__name__)
 
 
+class AbandonSignal:
+    """Tells every rank that some rank abandoned an in-graph backward (Note [Abandoned backward] in
+    ``graphddp.runtime.iteration``), with no collective of its own: one more element in the first bucket's
+    all-reduce of the next in-graph backward.
+
+    ``tensor`` ([1] float32, requires grad) is the last input of the first in-graph variant run in a training
+    forward (later runs get ``spare``, zero, so it is summed once); its value is this rank's flag (1 once this
+    rank abandoned a backward, until a backward carried it), and its gradient, after a backward, the flags summed
+    over the ranks. Read without a host sync: copied to the host at the next training forward, looked at the one
+    after (every rank alike, since every rank runs the same in-graph forwards). Some but not all ranks: every
+    rank raises. All of them (a skip they agreed on): training goes on."""
+
+    def __init__(self, device: torch.device, *, rank: int, world_size: int) -> None:
+        self.tensor = torch.zeros(1, device=device, requires_grad=True)
+        self.spare = torch.zeros(1, device=device, requires_grad=True)
+        self._rank, self._world_size = rank, world_size
+        self._told = False  # this rank's flag is set
+        self._handed = False  # this forward's first in-graph run has the signal
+        self._carried = False  # ... and its value was this rank's flag
+        self._pending: tuple[torch.Tensor, Any, bool] | None = None  # (count on the host, copy's event, told here)
+
+    def tell(self) -> None:
+        """This rank abandoned its last in-graph backward: the next one carries the flag."""
+        self._told = True
+        with torch.no_grad():
+            self.tensor.fill_(1.0)
+
+    def for_run(self) -> torch.Tensor:
+        """The last input of an in-graph variant about to run: the signal for the forward's first run."""
+        if self._handed:
+            return self.spare
+        self._handed, self._carried = True, self._told
+        return self.tensor
+
+    def begin_training_forward(self) -> None:
+        """Every training forward: raise what the count copied one forward ago says; start copying the count the
+        last backward brought."""
+        self._handed, self.spare.grad = False, None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            host, event, told_here = pending
+            if event is not None:
+                event.synchronize()  # copied a whole iteration ago: nothing left to wait for
+            self._check(float(host.item()), told_here)
+        count = self.tensor.grad
+        if count is None:
+            return
+        self.tensor.grad = None
+        if count.device.type == "cuda":
+            host = torch.empty(1, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event, self._carried)
+        else:
+            self._pending = (count.to("cpu"), None, self._carried)
+        if self._carried:  # told once (a flag set since, by a later abandon, stays for the next backward)
+            self._told = self._carried = False
+            with torch.no_grad():
+                self.tensor.zero_()
+
+    def _check(self, count: float, told_here: bool) -> None:
+        ranks = round(count)
+        if 0 < ranks < self._world_size:
+            here = " (this rank among them)" if told_here else ""
+            raise RuntimeError(
+                f"[rank {self._rank}] graphddp.DDP: {ranks} of {self._world_size} ranks{here} abandoned a backward "
+                "(an exception inside it, caught) while gradients were reduced inside the compiled graph, two "
+                "training forwards before this one; the other ranks averaged and stepped, so the replicas differ "
+                "now. Skip a failed batch on every rank together, or rebuild the model from a checkpoint "
+                "(Note [Abandoned backward] in graphddp/runtime/iteration.py)."
+            )
+
+
 class InGraphGate:
     """Per forward: does this iteration's backward reduce inside the compiled graphs? (see the module doc)"""
 
-    def __init__(self, plans: PlanKeeper, hooks: GradientHooks, names: Iterable[str], *, rank: int) -> None:
+    def __init__(
+        self, plans: PlanKeeper, hooks: GradientHooks, names: Iterable[str], *, rank: int, world_size: int, device: torch.device
+    ) -> None:
         self._plans, self._hooks = plans, hooks
         self._names = frozenset(names)
         self._rank = rank
+        self.signal = AbandonSignal(device, rank=rank, world_size=world_size)
+        """Tells the other ranks of a backward abandoned here (every in-graph variant's last input)."""
         self.open = False
         """This forward's graphs reduce in-graph; the Reducer's hooks are off and it prepares nothing."""
         self._local_sum = False  # .grad holds no_sync micro-steps' gradients, not yet averaged
@@ -51,14 +132,14 @@ class InGraphGate:
         if self.watch.abandoned():
             logger.warning(
                 "[rank %d] graphddp.DDP: the previous backward stopped before its end (an exception inside it) while "
-                "its gradients were reduced inside the compiled graph. No other rank can be told without a "
-                "collective of graphddp's own: if they finished that backward and stepped, the replicas differ now. "
-                "Skip a batch on every rank together, or compile with graphddp.backend(..., reduction='split'), "
-                "under which every rank raises (Note [Abandoned backward] in graphddp/runtime/iteration.py); "
-                "check_replicas_every=N finds replicas that differ.", self._rank,
+                "its gradients were reduced inside the compiled graph; the next in-graph backward tells the other "
+                "ranks, and two training forwards later every rank raises unless every rank dropped that backward "
+                "(Note [Abandoned backward] in graphddp/runtime/iteration.py).", self._rank,
             )
+            self.signal.tell()
         if not grad_enabled:
             return
+        self.signal.begin_training_forward()
         agreed = self._plans.agreed_in_graph
         if agreed is not self._covered[0]:  # O(parameters) once per agreement, not per forward
             self._covered = (agreed, bool(agreed) and self._names <= frozenset().union(*agreed))

@@ -46,11 +46,16 @@ compiled autograd the iteration's ending is ``AtLastLaunchEnding`` and the next 
 rank, as before.
 
 Gradients reduced inside the compiled graph (Note [In-graph reduction]) run no hook of the Reducer and no
-agreement: a tensor hook on the graphs' outputs (``BackwardWatch`` in ``graphddp.runtime.in_graph``) sees the
-abandoned backward and the abandoning rank warns, naming the fix, but the other ranks cannot be told without a
-collective of graphddp's own per iteration, which that path exists to avoid. A loop that skips failed batches on
-one rank compiles with ``reduction="split"``, where this Note holds whole. (An exception inside the compiled
-backward itself, between two of its collectives, leaves them unmatched either way.)
+agreement, and that path exists to have no collective of graphddp's own per iteration. A ``BackwardWatch`` on
+the graphs' outputs still sees the abandoned backward, and the other ranks are told inside a collective that runs
+anyway: every in-graph variant takes one more input, the abandon signal (``AbandonSignal`` in
+``graphddp.runtime.in_graph``: a [1] tensor that requires grad, 1 on a rank that abandoned its last backward),
+which its first bucket's all-reduce carries as one more element; the sum over the ranks comes back as the
+signal's gradient. It is copied to the host at the next training forward (no host sync on a GPU) and read at the
+one after, on every rank alike: some but not all ranks: every rank raises, two training forwards after the
+backward that carried it; all of them: training goes on. The abandoning rank also warns at once. (An exception
+inside the compiled backward itself, between two of its collectives, leaves them unmatched either way: the split
+path drains the Reducer's buckets, but nothing can issue the rest of a compiled graph's collectives.)
 """
 
 from __future__ import annotations

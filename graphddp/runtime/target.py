@@ -73,7 +73,9 @@ class ReducerTarget:
         reduction; Note [Channels] in ``graphddp.runtime.channels``)."""
         hooks = GradientHooks(countdown, [p for _, p in named_params])  # the Reducer's, on or off (the gate says)
         weakref.finalize(owner, remove_all, hooks.handles)  # gone with the Reducer
-        self.gate = InGraphGate(plans, hooks, [n for n, _ in named_params], rank=rank)
+        self.gate = InGraphGate(
+            plans, hooks, [n for n, _ in named_params], rank=rank, world_size=world_size, device=named_params[0][1].device
+        )
         self._blockers = ["skip_all_reduce_unused_params"] if skip else []
         self._traced_hook: CommHook | None = None  # the comm hook the in-graph variants were traced with
         self.splits: list[GraphSplit] = []
@@ -161,6 +163,15 @@ class ReducerTarget:
         wire = in_graph_wire(self._traced_hook, self._group)
         assert wire is not False, "in_graph_blockers refuses this hook"
         return wire
+
+    @property
+    def abandon_signal(self) -> torch.Tensor:
+        """The in-graph variants' last input (Note [Abandoned backward]; ``graphddp.runtime.in_graph.AbandonSignal``)."""
+        return self.gate.signal.tensor
+
+    def abandon_signal_for_run(self) -> torch.Tensor:
+        """What an in-graph variant about to run takes last: the signal for a forward's first run, else zero."""
+        return self.gate.signal.for_run()
 
     def watch_backward(self, outputs: Any) -> None:
         """An in-graph graph ran: watch its backward for an exception (Note [Abandoned backward])."""

@@ -121,12 +121,15 @@ class Layers(nn.Module):
 
 
 def _backward_of_reducing_graph(
-    caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits
+    caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits, signal: bool = False
 ) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
     model = model if model is not None else Layers()
     (captured,) = capture_graphs(model, torch.randn(5, 8))
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
-    reducing = insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2)
+    reducing = insert_bucket_reductions(
+        captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2, signal=signal
+    )
+    example_inputs = [*captured.example_inputs, *([torch.zeros(1, requires_grad=True)] if signal else [])]
     graphs: dict[str, fx.GraphModule] = {}
 
     def keep(kind: str):
@@ -144,7 +147,7 @@ def _backward_of_reducing_graph(
 
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         aot_module_simplified(
-            reducing, captured.example_inputs, fw_compiler=make_boxed_compiler(keep("forward")),
+            reducing, example_inputs, fw_compiler=make_boxed_compiler(keep("forward")),
             bw_compiler=make_boxed_compiler(keep("backward")),
         )
     return graphs["forward"], graphs["backward"], prepared.plan, prepared.split.num_segments
@@ -166,6 +169,23 @@ def test_k_buckets_give_k_all_reduces_and_k_waits_in_the_backward_each_wait_afte
     # Bucket k's all-reduce carries exactly its parameters' elements, divided by the world size before it.
     sizes = sorted(n.args[0].meta["val"].numel() for n in nodes if n.target is ALL_REDUCE)
     assert sizes == sorted(b.numel for b in plan.buckets)
+
+
+def test_the_first_bucket_carries_the_abandon_signal_and_its_sum_is_the_signals_gradient() -> None:
+    """Note [Abandoned backward], in-graph: the signal is one more element of the first bucket's all-reduce (no
+    collective of its own), its value times the divisor (the average divides it again, so the ranks' flags are
+    summed), and what comes back is the signal input's gradient."""
+    forward, backward, plan, _ = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200), signal=True)
+    reduces = [n for n in backward.graph.nodes if n.target is ALL_REDUCE]
+    assert len(reduces) == len(plan.buckets)  # no collective of its own
+    sizes = [n.args[0].meta["val"].numel() for n in reduces]
+    assert sizes[0] == plan.buckets[0].numel + 1 and sizes[1:] == [b.numel for b in plan.buckets[1:]], (sizes, plan.table_rows())
+    assert [n for n in forward.graph.nodes if n.op == "placeholder"][-1].meta["val"].shape == (1,)
+    (output,) = [n for n in backward.graph.nodes if n.op == "output"]
+    gradients = output.args[0]
+    assert gradients[-1] is not None and gradients[-1].meta["val"].shape == (1,)  # the signal's gradient, last
+    plain_forward, plain_backward, _, _ = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200))
+    assert [n.args[0].meta["val"].numel() for n in plain_backward.graph.nodes if n.target is ALL_REDUCE][0] == plan.buckets[0].numel
 
 
 def test_the_reducing_graph_is_not_split() -> None:
@@ -199,7 +219,7 @@ def test_each_bucket_is_reduced_on_its_channel_in_turn() -> None:
     calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
     by_bucket = {}
     for call in calls:  # a call's parameters are one bucket's
-        members = {a.name for a in call.args[4:]}
+        members = {a.name for a in call.args[5:]}
         (bucket,) = [b.index for b in prepared.plan.buckets if members <= {p.node for p in prepared.params if p.spec in b.params}]
         by_bucket[bucket] = call.args[0]
     assert by_bucket == {b.index: ("g0", "g1", "g2")[b.index % 3] for b in prepared.plan.buckets}

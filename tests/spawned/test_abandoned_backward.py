@@ -120,14 +120,36 @@ def test_every_rank_abandoning_the_same_backward_trains_on_as_if_the_batch_was_s
         torch.testing.assert_close({k: torch.tensor(v) for k, v in state.items()}, state_of(reference))
 
 
-def test_an_in_graph_backward_abandoned_on_one_rank_is_named_there() -> None:
-    """Gradients reduced inside the compiled graph: no hook of the Reducer runs, yet the abandoning rank sees the
-    abandoned backward (a hook on the graph's outputs) and warns, naming the fix; only it can know."""
+def test_an_in_graph_backward_abandoned_on_one_rank_raises_on_every_rank() -> None:
+    """Gradients reduced inside the compiled graph: no hook of the Reducer runs and there is no agreement, yet the
+    abandoning rank sees it (a hook on the graph's outputs), its next in-graph backward carries its flag in the
+    first bucket's all-reduce (``AbandonSignal``), and two training forwards later every rank raises. Before: only
+    the abandoning rank warned; the other trained on with replicas that differ."""
     outcomes = run_with_faults(
         skip_failed_batches, 2, {0: "fc2.weight"}, "graphddp.compile", "in_graph", pg_timeout_s=PG_TIMEOUT_S, timeout=120
     )
     assert sorted(outcomes) == [0, 1], outcomes
-    (ok0, (what0, _, warned0)), (ok1, (what1, _, warned1)) = outcomes[0], outcomes[1]
-    assert ok0 and ok1 and what0 == ["stepped", "skipped", "stepped", "stepped", "stepped"], what0
-    assert [m for m in warned0 if "stopped before its end" in m and "reduction='split'" in m], warned0
-    assert what1 == ["stepped"] * 5 and not [m for m in warned1 if "stopped before its end" in m], (what1, warned1)
+    for rank, (ok, value) in outcomes.items():
+        assert ok, (rank, value)
+        what, _, warned = value
+        assert what[:4] == (["stepped", "skipped", "stepped", "stepped"] if rank == 0 else ["stepped"] * 4), (rank, what)
+        assert len(what) == 5 and what[4].startswith(f"RuntimeError: [rank {rank}] graphddp.DDP: 1 of 2 ranks"), (rank, what)
+        assert "inside the compiled graph" in what[4] and ("(this rank among them)" in what[4]) == (rank == 0), what[4]
+        assert bool([m for m in warned if "stopped before its end" in m]) == (rank == 0), warned
+
+
+@pytest.mark.slow
+def test_every_rank_abandoning_the_same_in_graph_backward_trains_on() -> None:
+    """Every rank drops the same in-graph backward (a skip they agreed on): the signal's count is the world size,
+    nobody raises, and every rank ends where one process that skipped step 1 ends."""
+    outcomes = run_with_faults(
+        skip_failed_batches, 2, {0: "fc2.weight", 1: "fc3.weight"}, "graphddp.compile", "in_graph",
+        pg_timeout_s=PG_TIMEOUT_S, timeout=120,
+    )  # fmt: skip
+    assert sorted(outcomes) == [0, 1], outcomes
+    reference = train_single_process(CASE, 2, skip_steps=(1,))
+    for rank, (ok, value) in outcomes.items():
+        assert ok, (rank, value)
+        what, state, _ = value
+        assert what == ["stepped", "skipped", "stepped", "stepped", "stepped"], (rank, what)
+        torch.testing.assert_close({k: torch.tensor(v) for k, v in state.items()}, state_of(reference))
