@@ -86,7 +86,12 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
     if inputs is None:
         return None
     if name.base.startswith("graphddp"):  # buckets on channels in turn (Note [Channels]); PyTorch's DDP has one
-        inputs = dataclasses.replace(inputs, channels=name.channels or summary["options"].get("channels") or 1)
+        configured = name.channels or summary["options"].get("channels") or 1
+        link = link_of_run(summary)
+        if not isinstance(configured, int) and link is not None:  # "auto": what the model picks for this schedule
+            configured = choose_channels(inputs, link, summary["options"]["world_size"])[0]
+        configured = configured if isinstance(configured, int) else 1
+        inputs = dataclasses.replace(inputs, channels=configured)
     if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
         total = sum(inputs.bucket_bytes)
         return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))

@@ -90,7 +90,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         bucket_ramps: bool = True,
         sparse_embedding_grads: bool = True,
         check_replicas_every: int = 0,
-        channels: int = 1,
+        channels: int | str = 1,
     ) -> None:
         """PyTorch 2.13's arguments in PyTorch's order and meaning, then graphddp's own, keyword-only."""
         nn.Module.__init__(self)  # not super(): in InstalledDDP (Note [Frameworks]) PyTorch's DDP comes next
@@ -152,8 +152,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
         self._precision.cast_buffers(self.module, self.parameters_to_ignore)
         self._auto_caps = self._calibrate_auto_caps()
-        self._channels = Channels.open(self.process_group, self.options.channels, owner=self)  # Note [Channels]
-        return plan_buckets([spec(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration")
+        plan = plan_buckets([spec(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration")
+        self._channels = Channels.open(  # Note [Channels]; "auto": on the link auto caps measured, if they did
+            self.process_group, self.options.channels, owner=self, bucket_bytes=[b.nbytes for b in plan.buckets],
+            link=self._auto_caps.link if self._auto_caps is not None else None,
+            device=collective_device(self.process_group, self.device),
+        )
+        return plan
 
     def _calibrate_auto_caps(self) -> AutoCaps | None:
         """For caps left to ``"auto"``: measure the link and the ranks (collective; Note [Automatic caps])."""

@@ -49,18 +49,21 @@ class BucketOptions:
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
     result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
     ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense."""
-    channels: int = 1
+    channels: int | str = 1
     """Process groups the buckets are reduced on in turn (bucket i on group ``i % channels``), so up to that many
     all-reduces are in flight at once; the groups beyond the DDP's own are made at construction, with its backend
-    and timeout, and freed with the DDP (Note [Channels] in ``graphddp.runtime.channels``)."""
+    and timeout, and freed with the DDP (Note [Channels] in ``graphddp.runtime.channels``). ``"auto"``: as many as
+    the step cost model says pay on the link measured at construction (1, 2 or 4)."""
 
     def __post_init__(self) -> None:
         for field in ("bucket_ramps", "sparse_embedding_grads"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        if isinstance(self.channels, bool) or not isinstance(self.channels, int):
-            raise TypeError(f"channels must be a whole number of process groups, got {self.channels!r}")
-        if self.channels < 1:
+        if isinstance(self.channels, bool) or not isinstance(self.channels, (int, str)):
+            raise TypeError(f"channels must be a whole number of process groups or {AUTO!r}, got {self.channels!r}")
+        if isinstance(self.channels, str) and self.channels != AUTO:
+            raise TypeError(f"channels must be a whole number of process groups or {AUTO!r}, got str {self.channels!r}")
+        if isinstance(self.channels, int) and self.channels < 1:
             raise ValueError(f"channels must be at least 1 (1: every bucket on the DDP's own group), got {self.channels}")
         for field in _CAP_FIELDS:
             value = getattr(self, field)
@@ -172,7 +175,7 @@ def from_torch_arguments(
     bucket_ramps: bool,
     sparse_embedding_grads: bool,
     check_replicas_every: int = 0,
-    channels: int = 1,
+    channels: int | str = 1,
 ) -> TorchArguments:
     """The arguments of ``DistributedDataParallel.__init__`` (PyTorch's, then graphddp's own) as graphddp runs them.
 

@@ -25,6 +25,14 @@ group; graphddp offers it as ``channels=k``:
   A copy of the DDP (``copy.deepcopy``, unpickling) reduces on one channel: making groups is a collective, and a
   copy is often made on one rank only.
 
+* **how many, with ``channels="auto"``**: the step cost model decides (``graphddp.passes.choose_channels``, Note
+  [Step cost model]): the link is measured at construction (``calibration.link_of``, rank 0's fit, the one
+  ``bucket_cap_mb="auto"`` measures if it is asked for too), and the registration-order buckets are predicted on
+  1, 2 and 4 channels as if all were ready at once (nothing is known of the backward yet; that is the schedule
+  where the link queues most, the only one where channels can pay). More than one only where they pay by the
+  model's margin: a latency-bound link (many buckets, each mostly α). The same count on every rank: rank 0's
+  fit, the verified parameters' plan.
+
 The price: k-1 more groups (a thread and a connection to every peer each, on gloo) and, for a collective split
 over several groups, no ordering between the channels' traffic; the sums themselves are the same up to the order
 of floating-point additions inside each all-reduce.
@@ -38,9 +46,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from ..passes import bucket_channel
+from ..passes import LinkModel, StepInputs, bucket_channel, choose_channels
+from .calibration import link_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +68,16 @@ class Channels:
         return cls((group,))
 
     @classmethod
-    def open(cls, group: dist.ProcessGroup, count: int, *, owner: Any) -> Channels:
+    def open(
+        cls, group: dist.ProcessGroup, count: int | str, *, owner: Any, bucket_bytes: Sequence[int] = (),
+        link: LinkModel | None = None, device: torch.device | None = None,
+    ) -> Channels:  # fmt: skip
         """``group`` and ``count - 1`` new groups over its ranks, destroyed when ``owner`` is freed. A collective
-        over every rank of the default group (``torch.distributed.new_group``)."""
+        over every rank of the default group (``torch.distributed.new_group``). ``count="auto"``: as many as pay
+        for ``bucket_bytes`` on ``link`` (measured here when None; see the Note)."""
+        if count == "auto":
+            count = auto_channel_count(group, bucket_bytes, link, device)
+        assert isinstance(count, int), "DDPOptions validates channels"
         if count == 1:
             return cls.single(group)
         ranks = dist.get_process_group_ranks(group)
@@ -89,6 +106,24 @@ class Channels:
     def names(self) -> tuple[str, ...]:
         """The groups as functional collectives name them, channel by channel (in-graph reduction)."""
         return tuple(g.group_name for g in self.groups)
+
+
+def auto_channel_count(
+    group: dist.ProcessGroup, bucket_bytes: Sequence[int], link: LinkModel | None, device: torch.device | None
+) -> int:
+    """``channels="auto"`` (see the Note): the count the step cost model picks for these buckets on this link."""
+    world = dist.get_world_size(group)
+    if world == 1 or not bucket_bytes:
+        return 1
+    link = link if link is not None else link_of(group, device=device)
+    all_ready = StepInputs(segment_backward_s=(0.0,), bucket_bytes=tuple(bucket_bytes), completed_by=(0,) * len(bucket_bytes))
+    count, steps = choose_channels(all_ready, link, world)
+    logger.info(
+        "[rank %d] graphddp.DDP: channels='auto' picks %d (%d buckets on a link of %.0f us, %.2f Gbit/s; predicted "
+        "all-reduces %s ms on 1, 2, 4 channels)", dist.get_rank(group), count, len(bucket_bytes), link.latency_s * 1e6,
+        8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"), [round(s * 1e3, 1) for s in steps.values()],
+    )  # fmt: skip
+    return count
 
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:

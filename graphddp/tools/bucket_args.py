@@ -37,12 +37,14 @@ def cap_mb(text: str) -> float | str:
     return value
 
 
-def channel_count(text: str) -> int:
-    """``--channels``: a whole number of process groups >= 1 (argparse names the flag of a bad one)."""
+def channel_count(text: str) -> int | str:
+    """``--channels``: a whole number of process groups >= 1, or auto (argparse names the flag of a bad one)."""
+    if text == AUTO:
+        return AUTO
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of process groups >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a whole number of process groups >= 1 or {AUTO}, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (1: every bucket on the DDP's own group), got {text!r}")
     return value

@@ -184,7 +184,7 @@ def inspect_target(
     dump: str | None = None,
     link: str | None = None,
     reduction: str = "auto",
-    channels: int = 1,
+    channels: int | str = 1,
 ) -> Inspection:
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
@@ -199,6 +199,12 @@ def inspect_target(
     link_model = parse_link(link) if link is not None else None
     # As graphddp.DDP decides: one rank communicates nothing, so its automatic caps keep the stand-ins.
     search = options.caps_search if world_size > 1 else None
+    fixed_channels = options.channels if isinstance(options.channels, int) else None  # None: "auto", per graph
+    if fixed_channels is None and link_model is None:
+        raise InspectError(
+            "channels='auto' are chosen for a link: give the link to plan for with --link RATE[:LATENCY] (e.g. "
+            "--link 10gbit:20ms), or a number of channels"
+        )
     if search is not None and link_model is None:
         raise InspectError(
             "automatic caps are chosen for a link and a world size: give the link to plan for with --link "
@@ -224,9 +230,10 @@ def inspect_target(
             continue
         prediction = channels_choice = None
         if link_model is not None and rates is not None:
-            inputs = graph_step_inputs(captured.gm, prepared.split, rates, channels=options.channels)
-            prediction = _numbered_as_the_split(predict_step(inputs, link_model, world_size), prepared.split.num_segments)
+            inputs = graph_step_inputs(captured.gm, prepared.split, rates)
             channels_choice = choose_channels(inputs, link_model, world_size)
+            on = dataclasses.replace(inputs, channels=fixed_channels or channels_choice[0])
+            prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments)
         choice = auto.choice_for(captured.gm) if auto is not None else None
         # As the backend decides for a DDP with the default comm hook and options, and an AOTAutograd compiler.
         strategy = choose_reduction(reduction, plan_blockers(prepared.plan))
@@ -238,7 +245,8 @@ def inspect_target(
     # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans),
     # with the caps in force (with "auto", the stand-ins: each graph's own plan carries its chosen caps).
     plan = compose_plans([g.plan for g in graphs], specs[::-1], caps=caps)
-    return Inspection(target, graphs, plan, channels=options.channels)
+    picked = next((g.channels_choice[0] for g in graphs if g.channels_choice is not None), 1)
+    return Inspection(target, graphs, plan, channels=fixed_channels or picked)
 
 
 class GraphCapsChooser:

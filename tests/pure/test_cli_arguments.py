@@ -96,6 +96,7 @@ def test_auto_and_numbers_parse_to_bucket_options(command: str) -> None:
     assert options.caps_search is not None and options.caps_search.first_mb == 0.5
     flags = bucket_options(parser.parse_args([*positional, "--no-bucket-ramps", "--no-sparse-embedding-grads", "--channels", "3"]))
     assert not flags.bucket_ramps and not flags.sparse_embedding_grads and flags.channels == 3
+    assert bucket_options(parser.parse_args([*positional, "--channels", "auto"])).channels == "auto"
 
 
 @pytest.mark.parametrize("command", ["demo", "inspect", "bench"])
@@ -119,6 +120,7 @@ def test_channels_must_be_a_whole_number_of_groups(value: object, error: type[Ex
     for options in (BucketOptions, DDPOptions):
         with pytest.raises(error, match="channels must be"):
             options(channels=value)  # type: ignore[arg-type]
+        assert options(channels="auto").channels == "auto"  # the step cost model picks (Note [Channels])
 
 
 @pytest.mark.parametrize("command", ["demo", "inspect", "bench"])

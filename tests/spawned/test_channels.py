@@ -25,6 +25,8 @@ from ranks import run_on_ranks
 from training import CAPS
 
 import graphddp
+from graphddp.passes import StepInputs, choose_channels
+from graphddp.runtime.calibration import link_of
 from graphddp.runtime.channels import group_timeout
 from graphddp.runtime.comm import ModelMismatchError
 
@@ -109,6 +111,34 @@ def test_buckets_go_round_robin_on_the_channels_with_pytorchs_gradients(compiled
         # Channels 1 and 2 carry their buckets' all-reduces and nothing else; the DDP's group carries bucket 0, 3, ...
         assert record["channel 1"] == expected[1] and record["channel 2"] == expected[2], record
         assert record["main"] >= expected[0], record
+
+
+def auto_channels(rank: int, world: int) -> tuple[int, int]:
+    """channels="auto": (the channels the DDP made, what the step cost model picks for its buckets on the link it
+    measured), after three steps equal to PyTorch's DDP's."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, channels="auto", **SMALL)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref)]
+    for step in range(3):
+        x, y = batch(step, rank)
+        for m, opt in zip((ddp, ref), opts):
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    sizes = tuple(b.nbytes for b in ddp.bucket_plan.buckets)
+    all_ready = StepInputs(segment_backward_s=(0.0,), bucket_bytes=sizes, completed_by=(0,) * len(sizes))
+    picked, _ = choose_channels(all_ready, link_of(dist.group.WORLD), world)  # cached: the link the DDP measured
+    return len(ddp.reducer.compile_target.channel_names), picked
+
+
+@pytest.mark.slow
+def test_auto_channels_are_what_the_model_picks_for_the_measured_link() -> None:
+    results = run_on_ranks(auto_channels, 2)
+    assert results[0] == results[1] and results[0][0] == results[0][1] and results[0][0] in (1, 2, 4), results
 
 
 @pytest.mark.slow

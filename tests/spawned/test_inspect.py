@@ -189,6 +189,10 @@ def test_inspect_says_which_channels_the_model_picks_for_the_link(capsys: pytest
     assert on_two < far["prediction"]["step_s"]
     assert main(["inspect", *args, "--link", "10gbit:20ms"]) == 0
     assert "channels the model picks: " in capsys.readouterr().out
+    auto = inspect_json(capsys, *args, "--link", "10gbit:20ms", "--channels", "auto")  # as channels="auto" decides
+    assert auto["channels"] == far["channels_choice"]["channels"], auto["channels"]
+    assert main(["inspect", *args, "--channels", "auto"]) == 2  # for a link: which one?
+    assert "channels='auto' are chosen for a link" in capsys.readouterr().err
 
 
 def test_the_prediction_numbers_segments_as_the_segment_table(capsys: pytest.CaptureFixture) -> None:
