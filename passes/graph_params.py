@@ -13,6 +13,7 @@ cannot launch until backward is over.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,9 @@ def find_graph_params(
         sparse_grad = all(u.sparse_grad for u in uses if u.differentiable) and any(u.differentiable for u in uses)
         name = names_by_id[id(value)]
         spec = ParamSpec.of(name, value, sparse_grad=sparse_grad, dtype=bucket_dtypes.get(name))
+        sending = [u for u in users if _carries_gradient(u)]
+        if len(sending) == 1 and _is_matmul(sending[0], node):  # Note [Gradient pieces]: it can go in blocks
+            spec = dataclasses.replace(spec, one_matmul=True)
         found.append(GraphParam(spec, node.name, uses[0].position, uses[0].node, uses, node.op == "placeholder"))
     found.sort(key=lambda p: (position[_node(gm, p.node)], p.spec.name))
     return found
@@ -121,6 +125,19 @@ def ready_groups(
             spec = dataclasses.replace(spec, row_sparse=True)
         by_node.setdefault(p.first_use, []).append(spec)
     return [by_node[pos] for pos in sorted(by_node, reverse=True)]
+
+
+_MATMULS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.addmm, operator.matmul}
+"""Ops whose weight gradient is one matmul (``dY^T X``), whose row blocks are matmuls of their own."""
+
+
+def _is_matmul(user: fx.Node, weight: fx.Node) -> bool:
+    """``user`` multiplies by ``weight``: a linear layer (the weight as its second argument) or a matmul."""
+    if user.op != "call_function" or user.target not in _MATMULS:
+        return False
+    if user.target in (torch._C._nn.linear, torch.nn.functional.linear):
+        return (user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")) is weight
+    return True
 
 
 def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:

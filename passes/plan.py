@@ -38,7 +38,10 @@ more. ``graphddp.passes.compute_pieces_separately`` then computes each block by 
 weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so ``launch_collectives_early`` sends block 1 while block 2
 is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
 the matmul; every rank cuts the same blocks, as they follow from the agreed plan. The split strategy sends whole
-gradients (its hooks see whole ones).
+gradients (its hooks see whole ones). Only a gradient that is one matmul's is cut (``ParamSpec.one_matmul``): a
+tied table's (a lookup's rows plus the head's matmul) or a convolution's is whole before any block of it could
+go, and cutting it only adds collectives and copies (on the launch-bound GPT of ``bench.overhead``, whose
+2 MiB tied table exceeds its 1 MiB cap, in-graph reduction went from 0.94 to 1.12 × PyTorch's compiled step).
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
@@ -117,6 +120,11 @@ class ParamSpec:
     """Autograd gives this parameter a ``torch.sparse`` COO gradient (``nn.Embedding``/``nn.EmbeddingBag`` with
     ``sparse=True``): its bucket holds it alone and the Reducer all-reduces it as a sparse tensor, as PyTorch's DDP
     does (``sparse_gradient_params`` in ``passes/row_sparse.py`` says which)."""
+    one_matmul: bool = False
+    """Its gradient is one matmul's: the only use in the captured graph that sends a gradient back is a linear or
+    matmul (``find_graph_params``; False in eager plans). Only such a gradient is sent in pieces, each block
+    computed by a matmul of its own (Note [Gradient pieces]); another one (a tied table's sum of a lookup and a
+    matmul, a convolution's) would only be sliced after it is whole: more collectives, no earlier start."""
 
     @property
     def alone(self) -> bool:
@@ -278,12 +286,13 @@ class Bucket:
     @property
     def pieces(self) -> tuple[int, tuple[int, ...]] | None:
         """How its gradients are reduced in pieces, compiled in-graph (Note [Gradient pieces]): (the position in
-        ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap, the rows of
+        ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap and whose
+        gradient is one matmul's (``ParamSpec.one_matmul``), the rows of
         each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
         equal as rows allow; the bucket's other (small) gradients travel with the first block."""
         big = [
             k for k, p in enumerate(self.params)
-            if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2
+            if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
             and not (p.part or p.row_sparse or p.sparse_grad)
         ]  # fmt: skip
         if len(big) != 1:

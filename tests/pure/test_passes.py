@@ -186,7 +186,7 @@ def test_the_strategy_is_part_of_what_ranks_agree_on() -> None:
 def test_the_blocks_of_a_big_gradient_are_part_of_what_ranks_agree_on() -> None:
     # Note [Gradient pieces]: the same buckets under another cap cut a big weight into other blocks in-graph, so
     # other collectives: other tokens, though the fingerprint (the buckets' content) is the same.
-    specs = [ParamSpec("w", (64, 16), torch.float32, "cpu"), ParamSpec("b", (64,), torch.float32, "cpu")]
+    specs = [ParamSpec("w", (64, 16), torch.float32, "cpu", one_matmul=True), ParamSpec("b", (64,), torch.float32, "cpu")]
     tokens = []
     for cap in (1024, 2048):
         plan = plan_bucket_groups([specs], caps=BucketCaps(bucket=cap, first=cap, last=cap))

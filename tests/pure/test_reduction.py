@@ -3,6 +3,7 @@ wait-sinking pass, and the backward graph AOTAutograd makes of a graph with the 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -21,6 +22,7 @@ from graphddp.passes import (
     ParamSpec,
     choose_reduction,
     compute_pieces_separately,
+    find_graph_params,
     launch_collectives_early,
     plan_blockers,
     plan_bucket_groups,
@@ -250,15 +252,37 @@ def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
     def pieces(*specs: ParamSpec, cap: int) -> object:
         return plan_buckets(list(specs), caps=BucketCaps(bucket=cap, first=cap, last=cap)).buckets[0].pieces
 
-    big = ParamSpec.of("w", torch.zeros(64, 100))  # 25 600 bytes
+    big = dataclasses.replace(ParamSpec.of("w", torch.zeros(64, 100)), one_matmul=True)  # 25 600 bytes
     assert pieces(big, cap=10_000) == (0, (22, 21, 21))
     assert pieces(big, cap=30_000) is None
-    assert pieces(ParamSpec.of("w", torch.zeros(2, 10_000)), cap=4_000) == (0, (1, 1))  # no more blocks than rows
+    assert pieces(dataclasses.replace(big, one_matmul=False), cap=10_000) is None  # a tied table's, a conv's: whole
+    two_rows = dataclasses.replace(ParamSpec.of("w", torch.zeros(2, 10_000)), one_matmul=True)
+    assert pieces(two_rows, cap=4_000) == (0, (1, 1))  # no more blocks than rows
     assert pieces(ParamSpec.of("b", torch.zeros(10_000)), cap=1000) is None  # 1-D
     assert pieces(ParamSpec.of("e", torch.zeros(64, 100), row_sparse=True), cap=1000) is None  # its rows travel
     # A graph plan keeps a layer's weight and bias together: the bias goes with the weight's first block.
     graph_plan = plan_bucket_groups([[ParamSpec.of("b", torch.zeros(64)), big]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))
     assert graph_plan.buckets[0].pieces == (1, (22, 21, 21))
+
+
+def test_only_a_gradient_that_is_one_matmuls_is_marked_for_pieces() -> None:
+    """``find_graph_params``: a linear layer's weight (its one use that sends a gradient back) is one matmul's; a
+    tied table (a lookup and the head's linear) and a convolution's weight are not (Note [Gradient pieces])."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.conv, self.fc = nn.Embedding(32, 8), nn.Conv1d(8, 8, 1), nn.Linear(8, 8)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            h = self.fc(self.conv(self.wte(idx).transpose(1, 2)).transpose(1, 2))
+            return h @ self.wte.weight.T  # the head shares the table
+
+    model = Tied()
+    (captured,) = capture_graphs(model, torch.randint(0, 32, (2, 5)))
+    params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+    one_matmul = {p.spec.name for p in params if p.spec.one_matmul}
+    assert one_matmul == {"fc.weight"}, one_matmul
 
 
 def test_each_block_of_a_big_gradient_is_its_own_matmul_and_goes_out_before_the_next_is_computed() -> None:
