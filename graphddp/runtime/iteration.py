@@ -158,10 +158,11 @@ class BackwardWatch:
         self._begun = False
 
     def watch(self, outputs: Any) -> None:
-        """``outputs`` of a forward (nested as a forward returns them): the first tensor that requires grad
-        carries the hook; a backward that never reaches it (a loss from other outputs) is not watched."""
+        """``outputs`` of a forward (nested as a forward returns them): the first tensor that autograd computed
+        (``grad_fn`` set) carries the hook; a backward that never reaches it (a loss from other outputs) is not
+        watched. Never a leaf: a parameter returned as an output would keep one more hook every forward."""
         for value in iter_tensors(outputs):
-            if value.requires_grad:
+            if value.grad_fn is not None:
                 value.register_hook(self._began)
                 return
 

@@ -411,3 +411,23 @@ def test_logging_data_samples_runtime_statistics_as_pytorch_does() -> None:
     assert data["dtypes"] == "float" and data["num_parameter_tensors"] == len(list(ddp.parameters()))
     with pytest.raises(ValueError, match="sample rate should be >= 1"):
         ddp._set_ddp_runtime_logging_sample_rate(0)
+
+
+def test_an_output_that_is_a_parameter_gets_no_hook_from_the_backward_watch() -> None:
+    """Note [Abandoned backward]: each forward watches its backward through a hook on an output autograd computed,
+    never on a leaf. A parameter returned as the first output would otherwise keep one more hook every forward."""
+
+    class ReturnsItsScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.fc = nn.Parameter(torch.ones(1)), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.scale, self.fc(x) * self.scale
+
+    model = ReturnsItsScale()
+    ddp = graphddp.DDP(model)
+    for _ in range(3):
+        scale, y = ddp(torch.randn(2, 4))
+        (y.sum() + scale.sum()).backward()
+    assert not model.scale._backward_hooks, model.scale._backward_hooks
