@@ -43,7 +43,7 @@ def mismatched_count(rank: int, world: int) -> None:
     graphddp.DDP(model)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
 def test_different_models_on_different_ranks(world: int) -> None:
     errors = expect_failure_on_every_rank(mismatched_shape, world, timeout=TIMEOUT)
     for rank, text in errors.items():
@@ -73,7 +73,7 @@ def unused_on_one_rank(rank: int, world: int) -> None:
     run_steps(ddp, rank, 2, use_shared=rank != 1)  # `shared` is used everywhere but on rank 1
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
 def test_parameter_without_gradient_and_without_the_flag(world: int) -> None:
     for fn, name, detail in [
         (unused_everywhere, "dead.weight", f"gradient on 0 of {world} ranks, not on this one"),

@@ -42,7 +42,7 @@ def bucket_views_and_memory(rank: int, world: int) -> dict[str, int]:
     return result
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
 def test_gradient_as_bucket_view_saves_one_gradient_sized_copy(world: int) -> None:
     for r in run_on_ranks(bucket_views_and_memory, world):
         assert r["view=True"] == r["params"]

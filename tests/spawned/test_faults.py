@@ -46,7 +46,7 @@ def freeze_peer(rank: int, world: int, how: str, compile: str | None) -> tuple[s
     return "finished", 0.0
 
 
-@pytest.mark.parametrize("compile", [None, "torch.compile"])
+@pytest.mark.parametrize("compile", [None, pytest.param("torch.compile", marks=pytest.mark.slow)])  # compiled: slow suite
 @pytest.mark.parametrize("how", ["sigstop", "stuck"])
 def test_a_frozen_peer_makes_the_survivor_raise_within_the_process_groups_timeout(how: str, compile: str | None) -> None:
     outcomes = run_with_faults(freeze_peer, 2, how, compile, pg_timeout_s=PG_TIMEOUT_S, timeout=60, wait_for=(0,))

@@ -69,7 +69,9 @@ def train_mixed_precision(rank: int, world: int, name: str, compile: str | None)
 
 @pytest.mark.parametrize(
     ("name", "world", "compile"),
-    [(name, world, None) for name in sorted(MIXED) for world in (2, 3)] + [(COMPILED, 2, "torch.compile")],
+    [(name, 2, None) for name in sorted(MIXED)]
+    + [pytest.param(name, 3, None, marks=pytest.mark.slow) for name in sorted(MIXED)]  # 3 ranks: slow suite (time)
+    + [(COMPILED, 2, "torch.compile")],
 )
 def test_mixed_precision_matches_its_definition(name: str, world: int, compile: str | None) -> None:
     run_on_ranks(train_mixed_precision, world, name, compile)
