@@ -38,7 +38,7 @@ and never silent.
 
 A backward abandoned before its first hook (out of memory in its first op) issued nothing, not even the
 agreement, and looks like a forward that no backward followed, which must issue nothing. ``BackwardWatch`` tells
-them apart: ``prepare_for_backward`` puts a tensor hook on the forward's first output that requires grad, which
+them apart: ``prepare_for_backward`` puts a tensor hook on the forward's first output autograd computed, which
 queues an engine callback when the backward reaches it; the callback never runs if the backward raised. Such an
 iteration is drained too, its agreement first. (A ``torch.autograd.grad`` through the outputs ends normally: not
 abandoned. A backward that raised before reaching that output, in the loss's own backward, is not seen.) Under
@@ -149,7 +149,7 @@ def compiled_autograd_running() -> bool:
 class BackwardWatch:
     """Did a backward through these outputs begin and not reach its end? (Note [Abandoned backward].)
 
-    A tensor hook on the first output that requires grad (one per forward): when it fires, the backward has
+    A tensor hook on the first output autograd computed (one per forward): when it fires, the backward has
     reached the outputs, and it queues an engine callback that marks the backward ended; an exception inside the
     backward drops the callback. It tells a backward that raised before any gradient hook from a forward that no
     backward followed, and from a ``torch.autograd.grad`` that ended normally (it reached the outputs too)."""
