@@ -118,10 +118,9 @@ def auto_channel_count(
     link = link if link is not None else link_of(group, device=device)
     all_ready = StepInputs(segment_backward_s=(0.0,), bucket_bytes=tuple(bucket_bytes), completed_by=(0,) * len(bucket_bytes))
     count, steps = choose_channels(all_ready, link, world)
-    logger.info(
-        "[rank %d] graphddp.DDP: channels='auto' picks %d (%d buckets on a link of %.0f us, %.2f Gbit/s; predicted "
-        "all-reduces %s ms on 1, 2, 4 channels)", dist.get_rank(group), count, len(bucket_bytes), link.latency_s * 1e6,
-        8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"), [round(s * 1e3, 1) for s in steps.values()],
+    logger.info(  # the link itself: calibration.link_of logs it when it measures it
+        "[rank %d] graphddp.DDP: channels='auto' picks %d for %d buckets (predicted all-reduces %s ms on 1, 2, 4 channels)",
+        dist.get_rank(group), count, len(bucket_bytes), [round(s * 1e3, 1) for s in steps.values()],
     )  # fmt: skip
     return count
 

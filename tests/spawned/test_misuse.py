@@ -347,25 +347,17 @@ def asymmetric(rank: int, world: int, impl: str, what: str) -> None:
             None, lambda state, bucket: allreduce(state, bucket).then(lambda f: f.value()[: -1 if rank == 1 else None])
         )
         step(ddp, rank)
-    elif what == "backward_abandoned_on_one_rank":  # "catch out of memory, skip the batch", after buckets went out
+    elif what in ("backward_abandoned_on_one_rank", "backward_abandoned_before_any_gradient_on_one_rank"):
+        # "catch out of memory, skip the batch": after buckets went out, or in backward's first op (nothing sent)
 
-        def out_of_memory(_param: torch.Tensor) -> None:
+        def out_of_memory(*_: Any) -> None:
             raise torch.OutOfMemoryError("simulated: out of memory")
 
-        handle = ddp.module.fc2.weight.register_post_accumulate_grad_hook(out_of_memory) if rank == 1 else None
-        try:
-            step(ddp, rank)
-        except torch.OutOfMemoryError:
-            assert handle is not None
-            handle.remove()
-        for _ in range(3):
-            step(ddp, rank)
-    elif what == "backward_abandoned_before_any_gradient_on_one_rank":  # out of memory in backward's first op
-
-        def raise_out_of_memory(_module: nn.Module, _grad: Any) -> None:
-            raise torch.OutOfMemoryError("simulated: out of memory")
-
-        handle = ddp.module.register_full_backward_pre_hook(raise_out_of_memory) if rank == 1 else None
+        handle = None
+        if rank == 1 and what == "backward_abandoned_on_one_rank":
+            handle = ddp.module.fc2.weight.register_post_accumulate_grad_hook(out_of_memory)
+        elif rank == 1:
+            handle = ddp.module.register_full_backward_pre_hook(out_of_memory)
         try:
             step(ddp, rank)
         except torch.OutOfMemoryError:
