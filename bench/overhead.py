@@ -226,11 +226,17 @@ def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: 
 
 def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per mode: the median step over ranks' step times (each step: the slowest rank), what it adds over
-    its baseline, and the backward's Python calls (rank 0) and what they add."""
+    its baseline, and the backward's Python calls (rank 0) and what they add.
+
+    The ratios against PyTorch's DDP are also taken round by round (``added_vs_torch_rounds``): each round times
+    every mode back to back, so a ratio within one round is not moved by the machine's drift between rounds; their
+    median and spread are what a claim about the ratio may rest on."""
     rows = []
     for mode in o.modes:
         times = [max(per_rank[r][mode]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][mode]["times_s"]))]
-        rows.append({"mode": mode, "step_s": statistics.median(times), "backward_calls": per_rank[0][mode].get("backward_calls"),
+        rounds = [statistics.median(times[i : i + o.steps]) for i in range(0, len(times), o.steps)]
+        rows.append({"mode": mode, "step_s": statistics.median(times), "round_step_s": rounds,
+                     "backward_calls": per_rank[0][mode].get("backward_calls"),
                      "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
                      "reduction": per_rank[0][mode].get("reduction")})  # fmt: skip
     by_mode = {row["mode"]: row for row in rows}
@@ -239,6 +245,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
         if name in BASELINE:
             base = by_mode[BASELINE[name] + (f":{inner}" if inner else "")]
             row["added_s"] = row["step_s"] - base["step_s"]
+            row["round_added_s"] = [t - b for t, b in zip(row["round_step_s"], base["round_step_s"], strict=True)]
             row["added_calls"] = row["backward_calls"] - base["backward_calls"]
     for row in rows:
         name, _, inner = row["mode"].partition(":")
@@ -246,7 +253,21 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
             torch_row = by_mode[TORCH_PEER[name] + (f":{inner}" if inner else "")]
             row["step_vs_torch"] = row["step_s"] / torch_row["step_s"]
             row["added_vs_torch"] = row["added_s"] / torch_row["added_s"] if torch_row["added_s"] > 0 else None
+            row["added_vs_torch_rounds"] = [
+                ours / theirs if theirs > 0 else None
+                for ours, theirs in zip(row["round_added_s"], torch_row["round_added_s"], strict=True)
+            ]  # None: PyTorch's DDP came out no slower than no DDP in that round (noise), so no ratio
     return [dict(row, world_size=world_size) for row in rows]
+
+
+def round_spread(ratios: list[float | None] | None) -> str:
+    """``median (min-max, n of N)`` of the per-round ratios that exist, or '' where none does."""
+    if not ratios:
+        return ""
+    known = [r for r in ratios if r is not None]
+    if not known:
+        return f"(0 of {len(ratios)})"
+    return f"{statistics.median(known):.2f} ({min(known):.2f}-{max(known):.2f}, {len(known)} of {len(ratios)})"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -258,11 +279,11 @@ def render(rows: list[dict[str, Any]]) -> str:
 
     table = [
         [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
-         ratio(r.get("added_vs_torch")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "",
+         ratio(r.get("added_vs_torch")), round_spread(r.get("added_vs_torch_rounds")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "",
          r.get("reduction") or ""]
         for r in rows
     ]  # fmt: skip
-    headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "py calls (bwd)", "added calls",
+    headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "per round: median (range)", "py calls (bwd)", "added calls",
                "buckets", "reduction"]  # fmt: skip
     return tabulate(table, headers=headers, disable_numparse=True)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench.overhead import CallCounter, OverheadOptions, main, summarise
+from bench.overhead import CallCounter, OverheadOptions, main, round_spread, summarise
 
 
 def test_bad_options_are_refused_with_the_flag() -> None:
@@ -43,6 +43,19 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
+
+
+def test_ratios_are_also_taken_round_by_round() -> None:
+    """A slow round moves every mode alike: the overall medians mix rounds, the per-round ratios do not."""
+    o = OverheadOptions(inners=(), steps=2, rounds=3)
+    per_round = {"local": [10, 30, 10], "torch-eager": [12, 34, 11], "graphddp-eager": [11, 32, 12]}
+    times = {m: [t / 1e3 for t in ts for _ in range(o.steps)] for m, ts in per_round.items()}
+    per_rank = {0: {m: {"times_s": ts, "backward_calls": 1, "params": 5} for m, ts in times.items()}}
+    row = {r["mode"]: r for r in summarise(o, 1, per_rank)}["graphddp-eager"]
+    assert row["round_added_s"] == pytest.approx([1e-3, 2e-3, 2e-3])
+    assert row["added_vs_torch_rounds"] == pytest.approx([0.5, 0.5, 2.0])
+    assert round_spread(row["added_vs_torch_rounds"]) == "0.50 (0.50-2.00, 3 of 3)"
+    assert round_spread([None, 1.5]) == "1.50 (1.50-1.50, 1 of 2)"  # a round where PyTorch's added nothing
 
 
 @pytest.mark.timeout(300, func_only=True)
