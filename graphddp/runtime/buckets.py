@@ -42,6 +42,8 @@ class FlatBucket:
         bucket path] in ``graphddp.runtime.reductions``)."""
         self._ready = [False] * len(params)
         self._pending = len(params)
+        self.last_slot = -1
+        """The slot counted down last (which gradient completed the bucket: Note [Counting without a frame])."""
         self.in_flight: Any = None
         """This iteration's reduction (``graphddp.runtime.reductions.InFlight``), once started."""
 
@@ -81,7 +83,14 @@ class FlatBucket:
             return -1
         self._ready[slot] = True
         self._pending -= 1
+        self.last_slot = slot
         return self._pending
+
+    def mark_all_ready(self) -> None:
+        """Every slot's gradient arrived, counted in C (Note [Counting without a frame] in
+        ``graphddp.runtime.arrivals``)."""
+        self._ready = [True] * len(self._ready)
+        self._pending = 0
 
     @property
     def complete(self) -> bool:

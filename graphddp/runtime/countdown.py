@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._dynamo import compiled_autograd
 from torch._dynamo.decorators import skip
+
+from .arrivals import Arrivals
 
 if TYPE_CHECKING:
     from .buckets import BucketSlots, FlatBucket
@@ -40,17 +43,41 @@ if TYPE_CHECKING:
 class Countdown:
     """What the steady hook reads: each parameter's bucket and slot, and whether the steady path is armed."""
 
-    def __init__(self, reducer: Reducer, used: list[bool]) -> None:
+    def __init__(self, reducer: Reducer, used: list[bool], index_of_id: dict[int, int]) -> None:
         self._reducer = weakref.ref(reducer)  # the Reducer holds this; hooks hold it weakly
         self.used = used
         """``GradientUsage.used``: a gradient this rank produced (set by the hook, read at the end of backward)."""
         self.slot_of: list[tuple[FlatBucket, int]] = []
         self.armed = False
+        self.arrivals = Arrivals(index_of_id)
+        """Buckets counted without a Python frame per gradient (Note [Counting without a frame])."""
+        self.rehook: Callable[[list[int]], None] = lambda indices: None
+        """Set by ``GradientHooks``: give these parameters the hook their bucket's counting asks for now."""
+        self._buckets: list[FlatBucket] = []
 
     def use(self, slots: BucketSlots) -> None:
         """A new plan's buckets: parameter ``i``'s gradient goes to ``slot_of[i]`` (its part slots are not here:
-        parts come through taps, which the full path takes)."""
+        parts come through taps, which the full path takes); every bucket counted per gradient again."""
         self.slot_of = [(slots.buckets[b], s) for b, s in slots.slot]
+        self._buckets = slots.buckets
+        self.rehook(self.arrivals.use(slots.buckets))
+
+    def prepare(self, *, steady: bool) -> None:
+        """A synchronising forward, before its backward: which buckets are counted in C for it (``steady``: no
+        work per gradient asked, no parameter found unused)."""
+        self.rehook(self.arrivals.prepare(self.used, self._buckets, steady=steady))
+
+    def end_of_backward(self, *, callback_ending: bool) -> None:
+        """The Reducer's finalize, before missing gradients are filled in: learn which buckets are steady, and
+        settle the counted-in-C ones whose sentinel was not last (Note [Counting without a frame])."""
+        self.arrivals.observe(self._buckets, callback_ending=callback_ending)
+        self.arrivals.settle(self._buckets, self.full_path)
+
+    def begin(self, index: int) -> bool:
+        """A counted-in-C bucket's sentinel is the backward's first Python hook: begin the backward (the full
+        path's first steps). False when no DDP forward prepared it."""
+        reducer = self._reducer()
+        return reducer is not None and _begin(reducer, index)
 
     def arm(self, *, per_gradient_work: bool) -> None:
         """A backward has begun: the steady path from now on, unless something is asked of every gradient (events
@@ -105,6 +132,32 @@ def _complete(countdown: Countdown, bucket: FlatBucket) -> None:
     countdown.complete(bucket)
 
 
+@torch.compiler.disable
+def _begin(reducer: Reducer, index: int) -> bool:
+    return reducer.begin_gradients(index)
+
+
+@skip
+def sentinel_ready(countdown_ref: weakref.ref, b: int, index: int, param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of a counted-in-C bucket's sentinel (Note [Counting without a frame] in
+    ``graphddp.runtime.arrivals``): complete and launch the bucket once every gradient of it is in."""
+    countdown = countdown_ref()
+    if countdown is None:
+        return
+    arrived = countdown.arrivals.lists[b]
+    arrived.append(param)
+    if not countdown.armed and not countdown.begin(index):
+        return  # no DDP forward prepared this backward (no_sync): the next forward marks the arrivals used
+    bucket = countdown.slot_of[index][0]
+    if len(arrived) == len(bucket.params) and len(set(map(id, arrived))) == len(arrived):
+        used = countdown.used
+        for i in bucket.param_indices:  # a loop, no call per parameter
+            used[i] = True
+        bucket.mark_all_ready()
+        _complete(countdown, bucket)
+    # else the sentinel was not last, or a gradient came twice: the end of backward settles the bucket
+
+
 class GradientHooks:
     """The post-accumulate-grad hook of every parameter, each holding the countdown weakly. ``detach`` takes them
     off while gradients are reduced inside the compiled graph (Note [In-graph reduction]: no hook is called at
@@ -114,14 +167,29 @@ class GradientHooks:
         self._countdown = weakref.ref(countdown)
         self._params = params
         self.handles: list[Any] = []
+        """One per parameter, in parameter order, while attached (empty while detached)."""
         self.attach()
+        countdown.rehook = self.rehook
 
     def attach(self) -> None:
         if not self.handles:
-            me = self._countdown
-            self.handles.extend(
-                p.register_post_accumulate_grad_hook(functools.partial(gradient_ready, me, i)) for i, p in enumerate(self._params)
-            )
+            self.handles.extend(self._register(i) for i in range(len(self._params)))
+
+    def rehook(self, indices: list[int]) -> None:
+        """Swap these parameters' hooks for the ones their buckets' counting asks for now (between backwards)."""
+        if self.handles:  # detached: attach() registers the right ones
+            for i in indices:
+                self.handles[i].remove()
+                self.handles[i] = self._register(i)
+
+    def _register(self, i: int) -> Any:
+        me = self._countdown
+        countdown = me()
+        hook = None
+        if countdown is not None and countdown.slot_of:
+            bucket = countdown.slot_of[i][0].index
+            hook = countdown.arrivals.hook_of(i, bucket, lambda b, index: functools.partial(sentinel_ready, me, b, index))
+        return self._params[i].register_post_accumulate_grad_hook(hook or functools.partial(gradient_ready, me, i))
 
     def detach(self) -> None:
         remove_all(self.handles)

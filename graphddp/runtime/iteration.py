@@ -85,6 +85,9 @@ class NotBegun:
     begun = False
     dropped_by_next_forward = True
     """The next forward drops an unfinished iteration with this ending (else it stays, as nothing replaced it)."""
+    by_callback = False
+    """``_finalize`` runs after the backward's last hook, so it can still launch a bucket the hooks left (Note
+    [Counting without a frame] in ``graphddp.runtime.arrivals``)."""
 
     def all_launched(self, finalize: Callable[[], None]) -> None:
         """Every bucket is launched (here: by the forward's unused parameters alone)."""
@@ -101,6 +104,7 @@ class EngineCallbackEnding:
 
     begun = True
     dropped_by_next_forward = False
+    by_callback = True
 
     def all_launched(self, finalize: Callable[[], None]) -> None:
         """The engine's callback finalizes, after the backward's last hook."""
@@ -114,6 +118,7 @@ class AtLastLaunchEnding:
 
     begun = True
     dropped_by_next_forward = True
+    by_callback = False
 
     def all_launched(self, finalize: Callable[[], None]) -> None:
         finalize()

@@ -23,6 +23,7 @@ the usual accumulation loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -37,10 +38,10 @@ class NoStep:
     """No optimizer registered: the training loop steps it."""
 
     steps = False
-    """Whether ``bucket_final`` does anything (the Reducer skips the call when not)."""
+    """Whether ``bucket_final`` steps anything."""
 
-    def bucket_final(self, params: Sequence[torch.nn.Parameter]) -> None:
-        pass
+    def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
+        """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: nothing to do."""
 
 
 class StepPerBucket:
@@ -66,8 +67,14 @@ class StepPerBucket:
             )
         self.optimizer = optimizer
 
+    def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
+        """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: step them."""
+        if whole:
+            self.step_only([params[i] for i in whole])
+            events.record("stepped", k)
+
     @torch.no_grad()
-    def bucket_final(self, params: Sequence[torch.nn.Parameter]) -> None:
+    def step_only(self, params: Sequence[torch.nn.Parameter]) -> None:
         """``optimizer.step()`` for ``params`` only (Note [Optimizer overlap])."""
         wanted = {id(p) for p in params}
         groups = self.optimizer.param_groups

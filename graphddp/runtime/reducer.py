@@ -99,7 +99,7 @@ class Reducer:
         self._iteration: Iteration | None = None
         self.unprepared = UnpreparedBackward(self.rank)  # a gradient with no DDP forward before it: said once
         self.stats = RuntimeStats()  # six instants per iteration, for _get_ddp_logging_data (graphddp.runtime.stats)
-        self._countdown = Countdown(self, self.usage.used)  # the hooks' steady path (Note [Hook that only counts])
+        self._countdown = Countdown(self, self.usage.used, self._index_of_id)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
                                      sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
                                      channels=self._channels, countdown=self._countdown, skip=skip_unused)
@@ -191,31 +191,36 @@ class Reducer:
         self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescale)
         if iteration.local_unused:  # they may launch a bucket now: the agreement goes first
             iteration.start_agreement(self.plans)
+        self._countdown.prepare(steady=not (iteration.local_unused or self._events.recording or self.plans.ready_order.learning))
         self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
         iteration.watch.watch(outputs)  # a backward that raises before the first hook is drained too
 
     def on_grad_ready(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (step 3 of Note [Reducer])."""
-        self.usage.used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
-        iteration = self._iteration
-        if iteration is None:  # no_sync(), or a backward that no DDP forward prepared: accumulate locally
-            return self.unprepared.gradient(self._names[i])
-        if not iteration.ending.begun:
-            self._begin_backward(iteration)
+        if not self.begin_gradients(i):
+            return
+        assert (iteration := self._iteration) is not None
         bucket, slot = self._slots.slot[i]
         if self._slots.buckets[bucket].is_ready(slot):
             raise RuntimeError(ready_twice(self.rank, self._names[i], marked_unused=i in iteration.local_unused))
         self.plans.ready_order.observe(i)
         self._mark_ready(i)
 
+    def begin_gradients(self, i: int) -> bool:
+        """Parameter ``i``'s gradient is in: begin the backward if first; False if no DDP forward prepared it."""
+        self.usage.used[i] = True  # also under no_sync(): a parameter used in any micro-batch counts as used
+        if (iteration := self._iteration) is None:
+            self.unprepared.gradient(self._names[i])
+        elif not iteration.ending.begun:
+            self._begin_backward(iteration)
+        return iteration is not None
+
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
         """A tap's part of a tied weight's gradient (``ReducerTarget.take_part``): True when it is in its slot."""
         iteration = self._iteration
         if iteration is None or (where := self._slots.open_part(key)) is None:
             return False
-        self.usage.used[self._slots.owner(where)] = True
-        if not iteration.ending.begun:
-            self._begin_backward(iteration)
+        self.begin_gradients(self._slots.owner(where))  # the weight's gradient counts as used
         self._part_ready(where, grad)
         return True
 
@@ -259,6 +264,7 @@ class Reducer:
         try:
             self._events.record("finalize")
             self.plans.ready_order.compute_ended()
+            self._countdown.end_of_backward(callback_ending=iteration.ending.by_callback)
             missing = self._slots.fill_missing(self._mark_ready, self._part_ready)
             used_here = self.usage.used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             later = []  # buckets with a parameter not used here: final only once the usage count is in
@@ -268,7 +274,7 @@ class Reducer:
                 whole = self._slots.take_reduced(bucket, reduced, write=used_here)
                 self._events.record("written", bucket.index)
                 if all(map(used_here.__getitem__, whole)):  # no Python frame per parameter
-                    self._bucket_final(bucket.index, whole)
+                    self._after_bucket.bucket_final(bucket.index, whole, self._params, self._events)
                 else:
                     later.append((bucket.index, whole))
             self.stats.mark("comm_end")
@@ -277,7 +283,7 @@ class Reducer:
             self._skip.reduce_late(self._slots, counts, self._events)
             self._slots.write_back_used_elsewhere(used_here, counts)  # the rest, once the ranks' usage is known
             for k, whole in later:
-                self._bucket_final(k, whole)
+                self._after_bucket.bucket_final(k, whole, self._params, self._events)
             self.usage.end(iteration.local_unused, counts, missing, self._active.count() if self.world_size > 1 else 1)
             if self._skip.outdated():
                 self._launcher = self._make_launcher()  # between iterations: skip what no rank ever used
@@ -285,12 +291,6 @@ class Reducer:
         finally:
             self._iteration = None
             self._active.clear()
-
-    def _bucket_final(self, k: int, whole: list[int]) -> None:
-        """Bucket ``k``'s parameters have their final ``.grad``: the optimizer may step them."""
-        if whole and self._after_bucket.steps:
-            self._after_bucket.bucket_final([self._params[i] for i in whole])
-            self._events.record("stepped", k)
 
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:

@@ -1,5 +1,6 @@
 """The hook that only counts (Note [Hook that only counts]): in steady state a backward takes the Reducer's full
-path once (its first hook) and counts every other gradient, with the same gradients as PyTorch's DDP.
+path once (its first hook) and counts every other gradient, with the same gradients as PyTorch's DDP. (Buckets
+counted in C, the step after, are tests/spawned/test_counting_in_c.py's.)
 
 The other spawned tests record events, which keeps the hooks on the full path: these run without a recorder."""
 
@@ -15,7 +16,7 @@ from ranks import run_on_ranks
 from training import CAPS, Case, batch_for
 
 import graphddp
-from graphddp.runtime import countdown
+from graphddp.runtime import arrivals, countdown
 
 
 def steady_backwards(rank: int, world: int, find_unused: bool) -> list[tuple[str, int]]:
@@ -32,6 +33,7 @@ def steady_backwards(rank: int, world: int, find_unused: bool) -> list[tuple[str
         full_path(countdown_ref, index)
 
     countdown._full_path = counted
+    streak, arrivals.STREAK = arrivals.STREAK, 10**9  # this test is the per-gradient hook's: no bucket moves on to counting in C
     record = []
     try:
         for step in range(6):
@@ -49,6 +51,7 @@ def steady_backwards(rank: int, world: int, find_unused: bool) -> list[tuple[str
                     module.zero_grad(set_to_none=True)
     finally:
         countdown._full_path = full_path
+        arrivals.STREAK = streak
     return record
 
 
