@@ -132,20 +132,19 @@ class Arrivals:
         """End of a synchronised backward: a counted-in-C bucket whose sentinel was not last, or that got a gradient
         twice, goes through the Reducer's full path arrival by arrival (which completes and launches it, or raises
         "ready twice"), and back on a hook per gradient from the next forward."""
-        for b, arrived in enumerate(self.lists):
-            if self.sentinel[b] is None:
-                continue
+        for b, in_list in enumerate(self.lists):
+            arrived = list(in_list)
+            in_list.clear()  # what arrives from now until the next forward is a no_sync backward's (``prepare``)
             bucket = buckets[b]
-            if bucket.complete and len(arrived) == len(bucket.params):
-                continue
-            self._streak[b], self._last[b] = 0, None
-            self.sentinel[b] = _DEMOTED  # its hooks change at the next forward
-            seen: set[int] = set()
-            for param in arrived:
-                index = self._index_of_id[id(param)]
-                if index in seen or not bucket.complete:
-                    full_path(index)  # marks it ready, completes the bucket; or raises "ready twice"
-                seen.add(index)
+            if self.sentinel[b] is not None and not (bucket.complete and len(arrived) == len(bucket.params)):
+                self._streak[b], self._last[b] = 0, None
+                self.sentinel[b] = _DEMOTED  # its hooks change at the next forward
+                seen: set[int] = set()
+                for param in arrived:
+                    index = self._index_of_id[id(param)]
+                    if index in seen or not bucket.complete:
+                        full_path(index)  # marks it ready, completes the bucket; or raises "ready twice"
+                    seen.add(index)
 
 
 _DEMOTED = -1

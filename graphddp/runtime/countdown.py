@@ -16,6 +16,10 @@ no events recorded, no ready order being learned. Otherwise, and for a gradient 
 (``no_sync``), a gradient ready twice, or under compiled autograd, the hook takes the full path,
 ``Reducer.on_grad_ready``, as before.
 
+A bucket whose last gradient is steady goes one step further: its hooks count in C, and one Python hook runs per
+bucket (Note [Counting without a frame] in ``graphddp.runtime.arrivals``; ``GradientHooks`` registers whichever
+hook each parameter's bucket asks for, and swaps them between backwards).
+
 Dynamo: the hook is ``torch._dynamo.skip``-ped (Dynamo never compiles its frame, and under compiled autograd
 calls it rather than tracing it), so a backward run from inside a compiled region or by compiled autograd costs
 no compile of graphddp's code; the hook sees compiled autograd's region flag first and takes the full path

@@ -158,3 +158,20 @@ def ready_twice_when_counted_in_c(rank: int, world: int) -> None:
 def test_a_gradient_ready_twice_raises_when_counted_in_c() -> None:
     with pytest.raises(RankFailure, match="marked ready twice"):
         run_on_ranks(ready_twice_when_counted_in_c, 2)
+
+
+def missing_gradient_when_counted_in_c(rank: int, world: int) -> None:
+    """A parameter without a gradient in a backward counted in C: the same error as ever at the next forward (what
+    arrived in the backward before must not count as used in this one)."""
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(Stack(4), **ONE_BUCKET)
+    x = torch.randn(4, 8)
+    for _ in range(4):  # counted in C from the third backward on
+        ddp(x).sum().backward()
+    ddp(x, skip_last=rank == 0).sum().backward()
+    ddp(x)
+
+
+def test_a_missing_gradient_raises_when_counted_in_c() -> None:
+    with pytest.raises(RankFailure, match=r"no gradient for 'layers.3.weight' \(gradient on 1 of 2 ranks"):
+        run_on_ranks(missing_gradient_when_counted_in_c, 2)
