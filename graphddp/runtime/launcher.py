@@ -16,6 +16,7 @@ at once (``EagerLaunch``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,6 +25,10 @@ import torch
 from .buckets import FlatBucket
 from .profiling import labelled, profiling
 from .reductions import InFlight
+
+POLL_S = 0.0005
+"""How often ``reduced_as_completed`` looks for a finished reduction while none is (half a millisecond: a
+bucket's all-reduce takes milliseconds to seconds, so a bucket is stepped late by at most this)."""
 
 
 class EagerLaunch:
@@ -107,6 +112,27 @@ class Launcher:
             else:
                 reduced = bucket.in_flight.wait()
             yield bucket, reduced
+
+    def reduced_as_completed(self) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
+        """End of backward, for a per-bucket optimizer step (Note [Optimizer overlap]): each bucket and its reduced
+        buffer once its reduction is done, the lowest index first among those done, so a bucket that finished
+        before an earlier one (gloo runs two collectives at once, by default) is stepped while that one is still
+        being sent. In index order (``reduced_in_order``) while a collective is still to be issued (``ChainedLaunch``,
+        a row-sparse table's rows): waiting in index order is what issues those, at the same point on every rank."""
+        if self.policy.chains or self.committing:
+            yield from self.reduced_in_order()
+            return
+        self._commit_open()  # a dense bucket launched last while events are recorded: nothing to issue, only watch
+        pending = list(self.buckets)
+        assert all(b.in_flight is not None for b in pending), "every bucket is launched before backward's end"
+        while pending:
+            bucket = next((b for b in pending if b.in_flight.done()), None)
+            if bucket is None and len(pending) > 1:
+                time.sleep(POLL_S)  # no wait-for-any on a c10d Work: look again soon, leaving the CPU to others
+                continue
+            bucket = bucket or pending[0]
+            pending.remove(bucket)
+            yield bucket, bucket.in_flight.wait()
 
     def shadow(self) -> None:
         """A joined rank's stand-in for one backward: every bucket launched on zeros and awaited, one after the

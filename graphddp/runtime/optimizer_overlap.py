@@ -3,9 +3,11 @@
 Note [Optimizer overlap]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 ``ddp.step_in_backward(optimizer)`` hands graphddp the user's own optimizer. At the end of backward the Reducer
-awaits the buckets in index order and writes each one's averages into ``.grad`` while later buckets are still in
-flight (Note [Reducer]); with an optimizer registered it then steps that bucket's parameters at once, so the
-optimizer's work hides behind the remaining all-reduces instead of following them.
+awaits the buckets and writes each one's averages into ``.grad`` while later buckets are still in flight (Note
+[Reducer]); with an optimizer registered it then steps that bucket's parameters at once, so the optimizer's work
+hides behind the remaining all-reduces instead of following them. It takes the buckets as their all-reduces
+complete (``Launcher.reduced_as_completed``), not in index order: gloo runs two collectives of a group at once,
+and a small bucket launched after a large one is often done first, so its step fits in the large one's shadow.
 
 A bucket is stepped by calling the optimizer's own ``step()`` with its parameter groups narrowed to the bucket's
 parameters (the groups' hyperparameters, a learning-rate scheduler's changes and the optimizer's ``state`` stay
@@ -22,10 +24,14 @@ the usual accumulation loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .buckets import FlatBucket
+    from .launcher import Launcher
 
 SUPPORTED = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -42,6 +48,11 @@ class NoStep:
 
     def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
         """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: nothing to do."""
+
+    @staticmethod
+    def reduced(launcher: Launcher) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
+        """The order the end of backward takes the buckets in: the index order."""
+        return launcher.reduced_in_order()
 
 
 class StepPerBucket:
@@ -66,6 +77,12 @@ class StepPerBucket:
                 f"{tuple(outside[0].shape)}); graphddp would never step them. Give it the module's parameters only."
             )
         self.optimizer = optimizer
+
+    @staticmethod
+    def reduced(launcher: Launcher) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
+        """The order the end of backward takes the buckets in: as their reductions complete, so a bucket done
+        before an earlier one is stepped while that one is still being sent."""
+        return launcher.reduced_as_completed()
 
     def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
         """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: step them."""

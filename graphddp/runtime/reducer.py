@@ -268,7 +268,7 @@ class Reducer:
             missing = self._slots.fill_missing(self._mark_ready, self._part_ready)
             used_here = self.usage.used  # a gradient produced here: some rank used it, whatever the usage all-reduce says
             later = []  # buckets with a parameter not used here: final only once the usage count is in
-            for bucket, reduced in self._launcher.reduced_in_order():
+            for bucket, reduced in self._after_bucket.reduced(self._launcher):  # stepping: as they complete
                 self._events.record("wait", bucket.index)
                 # Gradients this rank produced are written back now, while later buckets are still in flight.
                 whole = self._slots.take_reduced(bucket, reduced, write=used_here)
