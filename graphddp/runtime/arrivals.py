@@ -13,6 +13,12 @@ arrival list. So in steady state a bucket may be *counted in C*:
   one Python hook (``sentinel_ready``): it appends itself and, when every parameter of the bucket has arrived
   exactly once, marks the bucket complete and launches it. One Python call per bucket, not per gradient.
 
+* the backward's first gradient, the *opener* (the one whose hook began the previous backwards), keeps a Python
+  hook too (``opener_ready``), which begins the backward (the plan agreement, and the end-of-backward callback
+  queued) as the per-gradient path's first hook does: the callback must go to the backward's own graph task, and
+  the first gradient's hook runs there, where a later one may run in a nested one (a reentrant checkpoint's
+  backward, whose callbacks run when *it* ends).
+
 Autograd runs a static graph's nodes in the same order every time, so the sentinel comes last again. When it does
 not (the graph changed, data-dependent control flow), it finds the bucket incomplete and leaves it; the end of
 backward (``settle``, in the Reducer's finalize, before it fills in missing gradients) hands each arrival to the
@@ -22,8 +28,9 @@ backward) until its last gradient is steady again. A gradient that arrives twice
 the Reducer's "ready twice" error. Buckets launch in index order whatever happens (``graphddp.runtime.launcher``),
 so ranks whose sentinels differ still issue the same collectives in the same order.
 
-A bucket is counted in C once the same parameter's gradient completed it ``STREAK`` synchronised backwards in a
-row, with the hook that only counts armed, and none of:
+A bucket is counted in C once the same parameter's gradient completed it, and the same one opened the backward,
+``STREAK`` synchronised backwards in a row, with the hook that only counts armed (another opener puts every bucket
+back on a hook per gradient), and none of:
 
 * a part of a tied weight in the bucket (parts come through taps, not hooks);
 * events recorded or the ready order being learned (work per gradient), or parameters the forward found unused
@@ -66,6 +73,9 @@ class Arrivals:
         self._streak: list[int] = []
         self._eligible: list[bool] = []
         self._params_of: list[list[int]] = []
+        self._opener: int | None = None
+        self._opener_streak = 0
+        self._opener_moved = False
         self.never = False
         """Compiled autograd ran a backward of this Reducer: nothing is counted in C from then on."""
 
@@ -83,15 +93,26 @@ class Arrivals:
         """The parameters whose hook is not the per-gradient one: every parameter of a counted-in-C bucket."""
         return [i for b, s in enumerate(self.sentinel) if s is not None for i in self._params_of[b]]
 
-    def hook_of(self, index: int, bucket: int, sentinel_hook: Callable[[int, int], Any]) -> Callable[[torch.Tensor], Any] | None:
+    def hook_of(
+        self, index: int, bucket: int, *, sentinel: Callable[[int, int], Any], opener: Callable[[int, int], Any]
+    ) -> Callable[[torch.Tensor], Any] | None:
         """Parameter ``index``'s hook when its bucket is counted in C, else None (the per-gradient hook).
-        ``sentinel_hook(bucket, index)`` makes the sentinel's."""
-        sentinel = self.sentinel[bucket]
-        if sentinel is None or sentinel == _DEMOTED:
+        ``sentinel(bucket, index)`` and ``opener(bucket, index)`` make the sentinel's and the opener's."""
+        last = self.sentinel[bucket]
+        if last is None or last == _DEMOTED:
             return None
-        if sentinel == index:
-            return sentinel_hook(bucket, index)
+        if last == index:
+            return sentinel(bucket, index)
+        if index == self._opener:
+            return opener(bucket, index)
         return self.lists[bucket].append  # a builtin: no Python frame per gradient
+
+    def opened(self, index: int) -> None:
+        """Parameter ``index``'s hook began a steady backward (the opener, see the Note)."""
+        self._opener_streak = self._opener_streak + 1 if index == self._opener else 1
+        if index != self._opener and any(s is not None for s in self.sentinel):
+            self._opener_moved = True  # the next forward puts every bucket back on a hook per gradient
+        self._opener = index
 
     def prepare(self, used: list[bool], buckets: Sequence[FlatBucket], *, steady: bool) -> list[int]:
         """A synchronising forward before its backward: arrivals of ``no_sync`` backwards count as used, the lists
@@ -102,13 +123,16 @@ class Arrivals:
             arrived.clear()
         self._params_of = [b.param_indices for b in buckets]
         before = list(self.sentinel)
+        steady = steady and not self._opener_moved
+        if not steady:
+            self._opener_streak, self._opener_moved = 0, False
         for b, sentinel in enumerate(self.sentinel):
             if not steady or self.never:
                 self._streak[b] = 0
                 self.sentinel[b] = None
             elif sentinel == _DEMOTED:
                 self.sentinel[b] = None
-            elif sentinel is None and self._eligible[b] and self._streak[b] >= STREAK:
+            elif sentinel is None and self._eligible[b] and min(self._streak[b], self._opener_streak) >= STREAK:
                 self.sentinel[b] = self._last[b]
         return [i for b, (old, new) in enumerate(zip(before, self.sentinel)) if old != new for i in self._params_of[b]]
 

@@ -78,10 +78,13 @@ class Countdown:
         self.arrivals.settle(self._buckets, self.full_path)
 
     def begin(self, index: int) -> bool:
-        """A counted-in-C bucket's sentinel is the backward's first Python hook: begin the backward (the full
-        path's first steps). False when no DDP forward prepared it."""
+        """A Python hook of a counted-in-C bucket (its sentinel's or the opener's) is the backward's first: begin
+        the backward (the full path's first steps). False when no DDP forward prepared it."""
         reducer = self._reducer()
-        return reducer is not None and _begin(reducer, index)
+        began = reducer is not None and _begin(reducer, index)
+        if self.armed:
+            self.arrivals.opened(index)
+        return began
 
     def arm(self, *, per_gradient_work: bool) -> None:
         """A backward has begun: the steady path from now on, unless something is asked of every gradient (events
@@ -94,7 +97,10 @@ class Countdown:
     def full_path(self, index: int) -> None:
         reducer = self._reducer()
         if reducer is not None:
+            was_armed = self.armed
             reducer.on_grad_ready(index)
+            if self.armed and not was_armed:  # this gradient began a steady backward
+                self.arrivals.opened(index)
 
     def complete(self, bucket: FlatBucket) -> None:
         reducer = self._reducer()
@@ -139,6 +145,18 @@ def _complete(countdown: Countdown, bucket: FlatBucket) -> None:
 @torch.compiler.disable
 def _begin(reducer: Reducer, index: int) -> bool:
     return reducer.begin_gradients(index)
+
+
+@skip
+def opener_ready(countdown_ref: weakref.ref, b: int, index: int, param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of the backward's first gradient when its bucket is counted in C (Note
+    [Counting without a frame]): record it, and begin the backward here, in the backward's own graph task."""
+    countdown = countdown_ref()
+    if countdown is None:
+        return
+    countdown.arrivals.lists[b].append(param)
+    if not countdown.armed:
+        countdown.begin(index)
 
 
 @skip
@@ -192,7 +210,10 @@ class GradientHooks:
         hook = None
         if countdown is not None and countdown.slot_of:
             bucket = countdown.slot_of[i][0].index
-            hook = countdown.arrivals.hook_of(i, bucket, lambda b, index: functools.partial(sentinel_ready, me, b, index))
+            hook = countdown.arrivals.hook_of(
+                i, bucket, sentinel=lambda b, index: functools.partial(sentinel_ready, me, b, index),
+                opener=lambda b, index: functools.partial(opener_ready, me, b, index),
+            )
         return self._params[i].register_post_accumulate_grad_hook(hook or functools.partial(gradient_ready, me, i))
 
     def detach(self) -> None:

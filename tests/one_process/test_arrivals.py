@@ -28,6 +28,7 @@ def steady_backwards(arrivals: Arrivals, buckets: list, used: list[bool], n: int
             b.complete, b.last_slot = True, len(b.whole) - 1
         arrivals.observe(buckets, callback_ending=True)
         arrivals.settle(buckets, full_path=lambda i: pytest.fail("nothing to settle"))
+        arrivals.opened(2)  # the first gradient of the next backward (the per-gradient path says so as it begins)
     return rehook
 
 
@@ -38,9 +39,10 @@ def test_a_bucket_is_counted_in_c_after_a_streak_and_its_hooks_say_so() -> None:
     assert steady_backwards(arrivals, buckets, used, STREAK) == []  # not yet
     assert arrivals.prepare(used, buckets, steady=True) == [0, 1, 2, 3, 4]  # every hook changes now
     assert arrivals.sentinel == [1, 4]  # the parameter that came last
-    make = lambda b, i: ("sentinel", b, i)  # noqa: E731
-    assert arrivals.hook_of(1, 0, make) == ("sentinel", 0, 1)
-    hook = arrivals.hook_of(2, 1, make)
+    makers = {"sentinel": lambda b, i: ("sentinel", b, i), "opener": lambda b, i: ("opener", b, i)}
+    assert arrivals.hook_of(1, 0, **makers) == ("sentinel", 0, 1)
+    assert arrivals.hook_of(2, 1, **makers) == ("opener", 1, 2)  # the backward's first gradient
+    hook = arrivals.hook_of(3, 1, **makers)
     assert isinstance(hook, type([].append)) and hook.__self__ is arrivals.lists[1]  # a builtin: no frame
     assert arrivals.prepare(used, buckets, steady=False) == [0, 1, 2, 3, 4]  # per-gradient work: all back
     assert arrivals.sentinel == [None, None]
@@ -56,6 +58,17 @@ def test_a_bucket_with_a_part_or_an_unsteady_last_gradient_stays_per_gradient() 
         arrivals.observe(buckets, callback_ending=True)
         arrivals.settle(buckets, full_path=lambda i: None)
     assert arrivals.prepare(used, buckets, steady=True) == [] and arrivals.sentinel == [None, None]
+
+
+def test_another_opener_puts_every_bucket_back_on_a_hook_per_gradient() -> None:
+    buckets = [bucket(0, [0, 1]), bucket(1, [2, 3, 4])]
+    arrivals, used = Arrivals(INDEX_OF_ID), [False] * 5
+    arrivals.use(buckets)
+    steady_backwards(arrivals, buckets, used, STREAK)
+    arrivals.prepare(used, buckets, steady=True)
+    assert arrivals.sentinel == [1, 4]
+    arrivals.opened(0)  # a backward began elsewhere (a reentrant checkpoint's nested backward, say)
+    assert arrivals.prepare(used, buckets, steady=True) == [0, 1, 2, 3, 4] and arrivals.sentinel == [None, None]
 
 
 def test_compiled_autograd_ends_counting_in_c_for_good() -> None:

@@ -77,7 +77,7 @@ def test_steady_backwards_cost_python_per_bucket_not_per_parameter() -> None:
 
 
 def parity_through_changes(rank: int, world: int) -> list[int]:
-    """Train graphddp and PyTorch's DDP side by side through: steady steps (counted in C from step 2), a step with
+    """Train graphddp and PyTorch's DDP side by side through: steady steps (counted in C from step 3), a step with
     the layers in the other order (the sentinel is not last: settled at the end of backward), ``no_sync``
     micro-steps, and steps with a layer unused (``find_unused_parameters``). Gradients equal at every sync step;
     returns, per step, the Reducer's full-path calls (``on_grad_ready``) in that backward."""
@@ -94,10 +94,9 @@ def parity_through_changes(rank: int, world: int) -> list[int]:
 
     Reducer.on_grad_ready = counted
     record = []
-    #        step: 0  1  2  3     4  5  6        7  8  9     10
-    flips = [False] * 4 + [True] + [False] * 6
-    syncs = [True] * 5 + [False, True] + [True] * 4
-    skips = [False] * 7 + [True, True] + [False] * 2
+    flips = [False] * 4 + [True] + [False] * 7
+    syncs = [True] * 5 + [False, True] + [True] * 5
+    skips = [False] * 7 + [True, True] + [False] * 3
     try:
         for step, (flip, sync, skip_last) in enumerate(zip(flips, syncs, skips)):
             g = torch.Generator().manual_seed(100 * step + rank)
@@ -122,13 +121,15 @@ def test_order_changes_no_sync_and_unused_parameters_keep_parity(world: int) -> 
     params = 8
     for record in run_on_ranks(parity_through_changes, world):
         assert record[0] == params  # the first backward learns the ready order: every gradient
-        assert record[1] == 1  # steady, per gradient: only the first hook takes the full path
-        assert record[2:4] == [0, 0], record  # counted in C: no full path at all
+        assert record[1:3] == [1, 1], record  # steady, per gradient: only the first hook takes the full path
+        assert record[3] == 0, record  # counted in C (the same last gradient and opener twice): no full path
         assert record[4] == params, record  # the other order: the sentinel came early, every arrival settled
         assert record[5] == 0, record  # no_sync: the hooks change at the next synchronising forward, not before
         assert record[6] == 1, record  # per gradient again (the bucket left counting in C)
         assert record[7:9] == [1, 1], record  # a layer unused (marked ready at forward): per gradient
-        assert record[9] == 1 and record[10] == 0, record  # steady again: counted in C from the second step
+        # Steady again, with the last layer's gradient opening the backward again (the unused steps' opener was
+        # the layer before): counted in C from the third step.
+        assert record[9:] == [1, 1, 0], record
 
 
 class TwiceInCheckpoint(nn.Module):
@@ -175,3 +176,30 @@ def missing_gradient_when_counted_in_c(rank: int, world: int) -> None:
 def test_a_missing_gradient_raises_when_counted_in_c() -> None:
     with pytest.raises(RankFailure, match=r"no gradient for 'layers.3.weight' \(gradient on 1 of 2 ranks"):
         run_on_ranks(missing_gradient_when_counted_in_c, 2)
+
+
+def reentrant_checkpoint_parity(rank: int, world: int) -> None:
+    """The middle layer under a reentrant checkpoint: its gradients arrive in a nested backward, whose engine
+    callbacks run when *it* ends. The backward must still be begun (its end-of-backward callback queued) in the
+    outer one, by the first gradient's hook, counted in C or not."""
+    from models import IN, OUT, CheckpointKinds
+    from training import CAPS
+
+    torch.manual_seed(0)
+    model = CheckpointKinds("reentrant")
+    ddp = graphddp.DDP(copy.deepcopy(model), **CAPS)  # small buckets: the middle layer's complete in the nested backward
+    assert len(ddp.bucket_plan.buckets) > 2
+    ref = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, IN, generator=g), torch.randn(4, OUT, generator=g)
+        for module in (ddp, ref):
+            F.mse_loss(module(x), y).backward()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for module in (ddp, ref):
+            module.zero_grad(set_to_none=True)
+
+
+def test_a_reentrant_checkpoint_keeps_parity_when_counted_in_c() -> None:
+    run_on_ranks(reentrant_checkpoint_parity, 2)
