@@ -79,6 +79,10 @@ class CompileTarget(PartSink, Protocol):
         """The dtype the in-graph all-reduces send (a compressing comm hook's; None: the gradients' own)."""
         ...
 
+    def averages_alone(self) -> bool:
+        """One rank under graphddp's own averaging: nothing to reduce, in-graph as in the Reducer."""
+        ...
+
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by a compiled graph as it runs: its in-graph variant (True) or its split one? ``can``: it has an
         in-graph variant (Note [In-graph reduction])."""

@@ -24,6 +24,8 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    graph's output, for a gradient), so the compute after the all-reduce overlaps it.
    Inductor fuses the copy and the division into one kernel per bucket; its peak-memory reordering, which would
    hoist the waits again, is off for these graphs.
+   On one rank under graphddp's own averaging nothing is inserted: the average of one gradient is itself
+   (``local_average``, the rule the Reducer's ``LocalReduction`` follows); a comm hook still runs, as in PyTorch.
 3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for
    the step (``graphddp.runtime.in_graph``: zero hook calls), the Reducer prepares nothing, and no Python runs per
    gradient or per bucket.
@@ -150,11 +152,15 @@ def insert_bucket_reductions(
     divisor: int,
     wire: torch.dtype | None = None,
     signal: bool = False,
+    alone: bool = False,
 ) -> fx.GraphModule:
     """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note) on its channel
     of ``group_names`` (Note [Channels]), sent as ``wire`` (a compressing comm hook's dtype; None: the gradients'
     own); ``gm`` is left as it was (the split variant is cut from it). With ``signal``, the graph takes one more
-    input, last (``SIGNAL_INPUT``), which its first bucket's all-reduce carries (Note [Abandoned backward])."""
+    input, last (``SIGNAL_INPUT``), which its first bucket's all-reduce carries (Note [Abandoned backward]).
+    ``alone``: one rank under graphddp's own averaging (``graphddp.runtime.reductions.local_average``, as the
+    Reducer's ``LocalReduction``): the average of one gradient is itself, so no bucket is reduced (and no rank is
+    there to tell: the signal input is taken, unused)."""
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
     signal_node = None
@@ -163,7 +169,7 @@ def insert_bucket_reductions(
             signal_node = graph.placeholder(SIGNAL_INPUT)
     position = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {p.spec.name: p for p in params}
-    for bucket in plan.buckets:
+    for bucket in () if alone else plan.buckets:
         members = [by_name[s.name] for s in bucket.params]
         # Before the earliest use a gradient flows through: a use under no_grad would make the bucket's outputs
         # carry none (a parameter with no such use gets its zeros through the same call).

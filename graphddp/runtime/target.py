@@ -22,7 +22,7 @@ from .channels import Channels
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
 from .plans import PlanKeeper
-from .reductions import CommHook, in_graph_wire
+from .reductions import CommHook, in_graph_wire, local_average
 from .trace import Events
 from .unused import GradientUsage
 
@@ -163,6 +163,11 @@ class ReducerTarget:
         wire = in_graph_wire(self._traced_hook, self._group)
         assert wire is not False, "in_graph_blockers refuses this hook"
         return wire
+
+    def averages_alone(self) -> bool:
+        """One rank under graphddp's own averaging (``local_average``, the rule the Reducer's ``LocalReduction``
+        follows): the in-graph variant reduces nothing either, as its traced hook says."""
+        return local_average(self.world_size, self._reducer().comm_hook)
 
     @property
     def abandon_signal(self) -> torch.Tensor:

@@ -181,8 +181,27 @@ def test_buckets_and_segments_appear_as_labelled_profiler_ranges() -> None:
     assert {f"graphddp: segment {s} forward" for s in range(segments)} <= names
 
 
-def test_in_graph_reduction_shows_one_functional_all_reduce_per_bucket_in_the_profile() -> None:
+def _sending_alone(ddp: graphddp.DDP) -> graphddp.DDP:
+    """One rank sends only where a comm hook asks (graphddp's own averaging: the average of one gradient is itself,
+    ``local_average``); PyTorch's allreduce_hook is traced in-graph like graphddp's averaging."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    return ddp
+
+
+def test_one_rank_reduces_nothing_in_graph_under_graphddps_averaging() -> None:
     ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = torch.compile(ddp, backend="aot_eager")
+    loss(model).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss(model, 1).backward()
+    assert ddp.reducer.compile_target.gate.open  # in-graph, as at any world size
+    assert not any("all_reduce" in e.name for e in prof.events())  # as the Reducer's LocalReduction: nothing sent
+
+
+def test_in_graph_reduction_shows_one_functional_all_reduce_per_bucket_in_the_profile() -> None:
+    ddp = _sending_alone(graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001))
     model = torch.compile(ddp, backend="aot_eager")  # "auto": in-graph, from the second step on
     loss(model).backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -224,7 +243,7 @@ def test_the_split_and_the_plan_go_to_torchs_structured_trace() -> None:
 
 
 def test_the_dump_shows_the_in_graph_variant_with_its_all_reduces_and_sunk_waits(tmp_path) -> None:
-    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    ddp = _sending_alone(graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001))
     model = torch.compile(ddp, backend=graphddp.backend("aot_eager", debug_dir=str(tmp_path)))
     loss(model).backward()
     (folder,) = (tmp_path / "rank0").glob("graph*_in_graph")  # graphs are numbered across the process
