@@ -11,8 +11,7 @@ arrival list. So in steady state a bucket may be *counted in C*:
   Python runs;
 * the bucket's *sentinel*, the parameter whose gradient came last in the bucket in the previous backwards, has the
   one Python hook (``sentinel_ready``): it appends itself and, when every parameter of the bucket has arrived
-  exactly once, marks the bucket complete and launches it. One Python call per bucket, not per gradient.
-
+  exactly once, marks the bucket complete and launches it. One Python call per bucket, not per gradient;
 * the backward's first gradient, the *opener* (the one whose hook began the previous backwards), keeps a Python
   hook too (``opener_ready``), which begins the backward (the plan agreement, and the end-of-backward callback
   queued) as the per-gradient path's first hook does: the callback must go to the backward's own graph task, and
@@ -39,7 +38,7 @@ back on a hook per gradient), and none of:
 * compiled autograd, once it has run a backward of this Reducer: it ends at the last launch, with no end-of-backward
   callback that could settle a late bucket, so this Reducer never counts in C again. (A backward under compiled
   autograd right after eager ones, *and* with its gradients in a new order, would leave a bucket unlaunched: the
-  next forward raises the Reducer's "did not finish" error.)
+  next forward raises the error of a compiled-autograd backward that ended before every bucket was complete.)
 
 Under ``no_sync`` (no DDP forward prepared the backward) the arrivals are only kept, and the next synchronising
 forward marks their parameters used before it clears the lists: a parameter used in any micro-batch counts as used.
