@@ -43,9 +43,6 @@ SUPPORTED = (
 class NoStep:
     """No optimizer registered: the training loop steps it."""
 
-    steps = False
-    """Whether ``bucket_final`` steps anything."""
-
     def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
         """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: nothing to do."""
 
@@ -57,8 +54,6 @@ class NoStep:
 
 class StepPerBucket:
     """``step_in_backward(optimizer)``: step each bucket's parameters once their averages are in ``.grad``."""
-
-    steps = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, trainable: Sequence[torch.nn.Parameter]) -> None:
         if not isinstance(optimizer, SUPPORTED):
