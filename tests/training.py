@@ -288,6 +288,14 @@ def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def assert_same_grads_then_zero(ours: nn.Module, theirs: nn.Module) -> None:
+    """After a synchronising backward: every ``.grad`` of ``ours`` equals ``theirs``'s; then both are zeroed."""
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    for module in (ours, theirs):
+        module.zero_grad(set_to_none=True)
+
+
 def assert_same_on_all_ranks(state: dict[str, torch.Tensor]) -> None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {k: v.cpu() for k, v in state.items()})

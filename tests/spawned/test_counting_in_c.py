@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from ranks import RankFailure, run_on_ranks
 from torch import nn
+from training import assert_same_grads_then_zero
 
 import graphddp
 from graphddp.runtime.reducer import Reducer
@@ -107,10 +108,7 @@ def parity_through_changes(rank: int, world: int) -> list[int]:
                     F.mse_loss(module(x, flip, skip_last), y).backward()
             record.append(len(taken))
             if sync:
-                for p, q in zip(ddp.parameters(), ref.parameters()):
-                    torch.testing.assert_close(p.grad, q.grad)
-                for module in (ddp, ref):
-                    module.zero_grad(set_to_none=True)
+                assert_same_grads_then_zero(ddp, ref)
     finally:
         Reducer.on_grad_ready = full_path
     return record
@@ -195,10 +193,7 @@ def reentrant_checkpoint_parity(rank: int, world: int) -> None:
         x, y = torch.randn(4, IN, generator=g), torch.randn(4, OUT, generator=g)
         for module in (ddp, ref):
             F.mse_loss(module(x), y).backward()
-        for p, q in zip(ddp.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
-        for module in (ddp, ref):
-            module.zero_grad(set_to_none=True)
+        assert_same_grads_then_zero(ddp, ref)
 
 
 def test_a_reentrant_checkpoint_keeps_parity_when_counted_in_c() -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from models import MLP
 from ranks import run_on_ranks
-from training import CAPS, Case, batch_for
+from training import CAPS, Case, assert_same_grads_then_zero, batch_for
 
 import graphddp
 from graphddp.runtime import arrivals, countdown
@@ -45,10 +45,7 @@ def steady_backwards(rank: int, world: int, find_unused: bool) -> list[tuple[str
                     F.mse_loss(module(x), y).backward()
             record.append(("sync" if sync else "no_sync", len(taken)))
             if sync:
-                for p, q in zip(ddp.parameters(), ref.parameters()):
-                    torch.testing.assert_close(p.grad, q.grad)
-                for module in (ddp, ref):
-                    module.zero_grad(set_to_none=True)
+                assert_same_grads_then_zero(ddp, ref)
     finally:
         countdown._full_path = full_path
         arrivals.STREAK = streak
