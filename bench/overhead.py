@@ -206,12 +206,24 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
                 record[mode]["times_s"].append(time.perf_counter() - start)
             if r == o.rounds - 1:
                 record[mode]["backward_calls"] = step(CallCounter())
+                if ddp is not None:
+                    record[mode]["buckets"] = bucket_count(ddp)
                 if ddp is not None and hasattr(ddp, "bucket_plan"):
-                    record[mode]["buckets"] = len(ddp.bucket_plan.buckets)
                     record[mode]["reduction"] = reduction_ran(ddp)
             record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
             del step, step_model, ddp, opt
     return record
+
+
+def bucket_count(ddp: Any) -> int | None:
+    """Buckets a DDP reduces per step. The same ``bucket_cap_mb`` does not give the same layout: PyTorch closes
+    a bucket once it holds the cap or more (its rebuilt buckets of GPT blocks are 1.01 MiB at a 1 MiB cap),
+    graphddp's planner never lets one exceed it (0.76 MiB there), so graphddp sends more, smaller buckets."""
+    if hasattr(ddp, "bucket_plan"):
+        return len(ddp.bucket_plan.buckets)
+    logged = ddp._get_ddp_logging_data()  # PyTorch's DDP: its own record of the buckets it rebuilt
+    sizes = logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or ""
+    return len(sizes.split(",")) if sizes else None
 
 
 def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
