@@ -124,6 +124,8 @@ def cell(
         "below_limit": below_limit(median, limit),
         "reductions": summary.get("reductions", {}),
     }  # fmt: skip
+    if (pick := modes.get("graphddp-compiled", {}).get("step_pick")) is not None:
+        result["step_pick"] = planner_pick(pick, median)
     if swept is not None:
         sweep = {m.split("@", 1)[1]: v["median_s"] for m, v in swept["modes"].items()}
         fixed = {c: t for c, t in sweep.items() if c != "auto"}
@@ -134,6 +136,13 @@ def cell(
         }  # fmt: skip
         result["met"]["auto within 3 % of the best fixed cap"] = sweep["auto"] <= AUTO_WITHIN * fixed[best]
     return result
+
+
+def planner_pick(pick: dict[str, Any], median: dict[str, float]) -> dict[str, Any]:
+    """What the model picked for the optimizer (``choose_optimizer_overlap``, issue 27 item 3), and what that mode
+    measured: the pick is made from predictions, so its measured time may be the slower of the two."""
+    mode = "graphddp-compiled+step" if pick["step_in_backward"] else "graphddp-compiled"
+    return {"mode": mode, "median_s": median.get(mode), "over_compiled": median[mode] / median["graphddp-compiled"]}
 
 
 def testbed_limit(summary: dict[str, Any]) -> float | None:
@@ -169,13 +178,14 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             _ratio(ratios, "graphddp-compiled / torch-compiled"), _ms(m.get("graphddp-eager")), _ms(m.get("torch-eager")),
             _ratio(ratios, "graphddp-eager / torch-eager"), _ms(r["limit_s"]), _ratio(ratios, "graphddp-compiled / limit"),
             _ms(m.get("graphddp-compiled+step")),
+            f"{'+step' if r['step_pick']['mode'].endswith('+step') else 'after'} ({r['step_pick']['over_compiled']:.3f})" if "step_pick" in r else "-",
             f"{errors[worst] * 100:+.0f}% ({worst})" if worst else "-",
             f"{r['sweep']['auto_over_best']:.3f} (best {r['sweep']['best_fixed']} MiB)" if "sweep" in r else "-",
             (r.get("reductions") or {}).get("graphddp-compiled") or "-",
         ])  # fmt: skip
     headers = [
         "workload", "link", "gddp-compiled ms", "torch-compiled ms", "ratio (≤0.90)", "gddp-eager ms", "torch-eager ms",
-        "ratio (≤0.97)", "limit ms", "compiled / limit (≤1.10)", "compiled+step ms", "worst prediction error", "auto / best fixed (≤1.03)",
+        "ratio (≤0.97)", "limit ms", "compiled / limit (≤1.10)", "compiled+step ms", "optimizer: model's pick (/ compiled)", "worst prediction error", "auto / best fixed (≤1.03)",
         "gddp-compiled reduction",
     ]  # fmt: skip
     lines = [f"Command: `{command}`", "", tabulate(rows, headers=headers, tablefmt="github"), ""]

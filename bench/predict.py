@@ -23,6 +23,7 @@ from graphddp.passes import (
     ParamSpec,
     StepInputs,
     choose_channels,
+    choose_optimizer_overlap,
     plan_buckets,
     predict_step,
     step_inputs_from_completions,
@@ -58,7 +59,23 @@ def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if base.startswith("graphddp"):  # what the planner would pick for this schedule (Note [Channels])
                 pick, steps = choose_channels(inputs, link, world)
                 out[mode]["channels_pick"] = {"channels": pick, "predicted_s": {str(k): v for k, v in steps.items()}}
+    if "graphddp-compiled" in out and (pick := step_pick(summary)) is not None:
+        out["graphddp-compiled"]["step_pick"] = pick
     return out
+
+
+def step_pick(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """Would the planner step the optimizer in backward here (``choose_optimizer_overlap``)? From the run's
+    graphddp-compiled schedule and its ``+step`` one (the split's, where per-bucket steps run). None where the
+    run has not both."""
+    link = link_of_run(summary)
+    if link is None or "graphddp-compiled+step" not in summary["modes"]:
+        return None
+    after, stepped = mode_inputs(summary, "graphddp-compiled"), mode_inputs(summary, "graphddp-compiled+step")
+    if after is None or stepped is None:
+        return None
+    pays, steps = choose_optimizer_overlap(after, stepped, link, summary["options"]["world_size"])
+    return {"step_in_backward": pays, "predicted_s": steps}
 
 
 def link_of_run(summary: dict[str, Any]) -> LinkModel | None:

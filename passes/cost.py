@@ -270,6 +270,33 @@ def choose_channels(
     return min(k for k, step in steps.items() if step <= best * (1 + margin)), steps
 
 
+STEP_IN_BACKWARD_MARGIN = 0.03
+"""The predicted gain below which the planner keeps the optimizer after backward. The model runs each bucket's
+step on an idle CPU, but on a CPU host gloo reduces the buckets still on the link on those cores. Set from the
+2-rank matrix of session 8 (six cells, ``docs/benchmarks.md``), and checked on no other run: the two predicted
+gains above 3 % were measured gains (mlp and gpt at 1 Gbit/s: 3.6 and 3.8 % predicted, 2.3 and 3.3 % measured),
+and cnn at 1 Gbit/s, 2.2 % predicted, lost 0.8 %. Below the margin the model cannot tell a gain from a loss."""
+
+
+def choose_optimizer_overlap(
+    after: StepInputs, stepped: StepInputs, link: LinkModel, world: int, *, margin: float = STEP_IN_BACKWARD_MARGIN
+) -> tuple[bool, dict[str, float]]:
+    """Whether stepping the optimizer per bucket inside backward (``DDP.step_in_backward``, Note [Optimizer
+    overlap] in ``graphddp/runtime/optimizer_overlap.py``) pays, and both predicted steps in seconds (``"after"``,
+    ``"stepped"``). ``after`` is the step as it runs with the optimizer after backward (``after_backward_s``),
+    ``stepped`` the schedule that steps per bucket (``step_per_bucket_s``): under ``torch.compile`` that one runs
+    the split, so its buckets complete where the split's do, not where the in-graph schedule's do. True only where
+    ``stepped`` is shorter by more than ``margin`` (a share of ``after``'s step)."""
+    if after.step_per_bucket_s:
+        raise ValueError("`after` must step the optimizer after backward (after_backward_s), not per bucket")
+    if not stepped.step_per_bucket_s:
+        raise ValueError("`stepped` must give each bucket's optimizer step (step_per_bucket_s)")
+    if not 0 <= margin < 1:
+        raise ValueError(f"the margin is a share of the step, in [0, 1), got {margin}")
+    steps = {"after": predict_step(after, link, world).step_s, "stepped": predict_step(stepped, link, world).step_s}
+    return steps["stepped"] < steps["after"] * (1 - margin), steps
+
+
 def project_scaling(inputs: StepInputs, link: LinkModel, worlds: Sequence[int]) -> dict[int, tuple[float, float]]:
     """Weak scaling on paper: each rank keeps its batch, compute and buckets; per world size, the predicted step
     and the scaling efficiency (the step alone, with nothing to communicate, over the step at that size).

@@ -91,6 +91,25 @@ def test_predictions_from_the_runs_own_measurements() -> None:
     assert predict_modes(no_calibration) == {}
 
 
+def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backward() -> None:
+    """Issue 27, item 3: graphddp-compiled and ``+step`` with graphddp-eager's schedule. After backward the 50 ms
+    optimizer follows bucket 1 (0.1 + 0.2 + 0.05 + 0.05 s); stepped per bucket, bucket 0's 25 ms step hides
+    behind bucket 1 on the link, and only bucket 1's is left (0.375 s): a 6 % gain, above the margin."""
+    s = summary()
+    for mode, median in (("graphddp-compiled", 0.40), ("graphddp-compiled+step", 0.38)):
+        s["modes"][mode] = {"median_s": median, "phases_s": s["modes"]["local"]["phases_s"]}
+        s["timelines"][mode], s["buckets"][mode] = s["timelines"]["graphddp-eager"], s["buckets"]["graphddp-eager"]
+    pick = predict_modes(s)["graphddp-compiled"]["step_pick"]
+    assert pick["step_in_backward"] and pick["predicted_s"] == pytest.approx({"after": 0.4, "stepped": 0.375})
+    for mode, predicted in predict_modes(s).items():
+        s["modes"][mode].update(predicted)
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert result["step_pick"] == pytest.approx({"mode": "graphddp-compiled+step", "median_s": 0.38, "over_compiled": 0.95})
+    assert "+step (0.950)" in matrix.report([result], command="c")
+    del s["modes"]["graphddp-compiled+step"]  # no +step run: nothing to pick between
+    assert "step_pick" not in predict_modes(s)["graphddp-compiled"]
+
+
 def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> None:
     s = summary()
     s["calibration"]["cpu_seconds_per_byte"] = 1e-6  # 100 kB sent costs 100 ms of compute

@@ -18,6 +18,7 @@ from graphddp.passes import (
     allreduce_seconds,
     choose_caps,
     choose_channels,
+    choose_optimizer_overlap,
     fit_link,
     predict_step,
     project_scaling,
@@ -133,6 +134,26 @@ def test_optimizer_steps_per_bucket_hide_behind_the_all_reduces_still_in_flight(
     assert predict_step(stepped_after, LINK, world=2).step_s == pytest.approx(0.030 + 0.01)
     with pytest.raises(ValueError, match="one duration per bucket"):
         StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,), step_per_bucket_s=(0.1, 0.1))
+
+
+def test_the_planner_steps_in_backward_only_where_the_model_says_it_pays_by_the_margin() -> None:
+    """Issue 27, item 3: the same buckets as above, the optimizer after backward (10 ms, from 30 ms on) or stepped
+    per bucket. 5 ms a bucket hides bucket 0's step behind bucket 1 on the link: 35 ms against 40, it pays. 9.5 ms
+    a bucket gains 0.5 ms (39.5 against 40): under the 3 % margin the optimizer stays after backward."""
+    shape = dict(segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 10000), completed_by=(0, 1))
+    after = StepInputs(**shape, after_backward_s=0.01)
+    pays, steps = choose_optimizer_overlap(after, StepInputs(**shape, step_per_bucket_s=(0.005, 0.005)), LINK, 2)
+    assert pays and steps == pytest.approx({"after": 0.040, "stepped": 0.035})
+    barely = StepInputs(**shape, step_per_bucket_s=(0.0095, 0.0095))
+    pays, steps = choose_optimizer_overlap(after, barely, LINK, 2)
+    assert not pays and steps["stepped"] == pytest.approx(0.0395)
+    assert choose_optimizer_overlap(after, barely, LINK, 2, margin=0.0)[0]
+    with pytest.raises(ValueError, match="`stepped` must give each bucket's optimizer step"):
+        choose_optimizer_overlap(after, after, LINK, 2)
+    with pytest.raises(ValueError, match="`after` must step the optimizer after backward"):
+        choose_optimizer_overlap(barely, barely, LINK, 2)
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        choose_optimizer_overlap(after, barely, LINK, 2, margin=1.0)
 
 
 def test_scaling_on_paper_pays_the_ring_latency_per_rank_and_the_bandwidth_term_once() -> None:
