@@ -20,6 +20,11 @@ parameter that this rank did not use is stepped once the ranks' usage is known (
 The training loop drops its ``optimizer.step()`` (graphddp made it) and keeps ``optimizer.zero_grad()``. Under
 ``no_sync()`` nothing is reduced and nothing is stepped: the step comes with the synchronising backward, as in
 the usual accumulation loop.
+
+Whether it pays is the step cost model's call (``graphddp.passes.choose_optimizer_overlap``): stepping per bucket
+under ``torch.compile`` runs the split, so it has to win back what the in-graph schedule would have saved. The
+model says yes only for a predicted gain above ``STEP_IN_BACKWARD_MARGIN`` (3 %); on CPU hosts the steps share
+the cores with gloo's reductions, and below that the measured sign did not follow the predicted one.
 """
 
 from __future__ import annotations
