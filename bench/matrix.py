@@ -142,7 +142,7 @@ def planner_pick(pick: dict[str, Any], median: dict[str, float]) -> dict[str, An
     """What the model picked for the optimizer (``choose_optimizer_overlap``, issue 27 item 3), and what that mode
     measured: the pick is made from predictions, so its measured time may be the slower of the two."""
     mode = "graphddp-compiled+step" if pick["step_in_backward"] else "graphddp-compiled"
-    return {"mode": mode, "median_s": median.get(mode), "over_compiled": median[mode] / median["graphddp-compiled"]}
+    return {"mode": mode, "median_s": median[mode], "over_compiled": median[mode] / median["graphddp-compiled"]}
 
 
 def testbed_limit(summary: dict[str, Any]) -> float | None:

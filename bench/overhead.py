@@ -208,8 +208,8 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
                 record[mode]["backward_calls"] = step(CallCounter())
                 if ddp is not None:
                     record[mode]["buckets"] = bucket_count(ddp)
-                if ddp is not None and hasattr(ddp, "bucket_plan"):
-                    record[mode]["reduction"] = reduction_ran(ddp)
+                    if hasattr(ddp, "bucket_plan"):
+                        record[mode]["reduction"] = reduction_ran(ddp)
             record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
             del step, step_model, ddp, opt
     return record

@@ -44,6 +44,7 @@ def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     world = summary["options"]["world_size"]
     forward, backward, optimizer = _compute_phases(summary)
     out = {}
+    inputs_of: dict[str, StepInputs] = {}
     for mode in summary["modes"]:
         base = ModeName.parse(mode).base
         if base == "naive":
@@ -54,28 +55,19 @@ def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
             sent = sum(link.allreduce_s(b.nbytes, world) for b in plan_buckets(_specs(summary["params"])[::-1], caps=caps).buckets)
             out[mode] = {"predicted_s": sent, "exposed_s": sent}
         elif (inputs := mode_inputs(summary, mode)) is not None:
+            inputs_of[mode] = inputs
             p = predict_step(inputs, link, world)
             out[mode] = {"predicted_s": p.step_s, "exposed_s": p.exposed_s}
             if base.startswith("graphddp"):  # what the planner would pick for this schedule (Note [Channels])
                 pick, steps = choose_channels(inputs, link, world)
                 out[mode]["channels_pick"] = {"channels": pick, "predicted_s": {str(k): v for k, v in steps.items()}}
-    if "graphddp-compiled" in out and (pick := step_pick(summary)) is not None:
-        out["graphddp-compiled"]["step_pick"] = pick
+    # Would the planner step the optimizer in backward here? graphddp-compiled's schedule against its ``+step``
+    # one (the split's, where per-bucket steps run), where the run has both.
+    after, stepped = inputs_of.get("graphddp-compiled"), inputs_of.get("graphddp-compiled+step")
+    if after is not None and stepped is not None:
+        pays, steps = choose_optimizer_overlap(after, stepped, link, world)
+        out["graphddp-compiled"]["step_pick"] = {"step_in_backward": pays, "predicted_s": steps}
     return out
-
-
-def step_pick(summary: dict[str, Any]) -> dict[str, Any] | None:
-    """Would the planner step the optimizer in backward here (``choose_optimizer_overlap``)? From the run's
-    graphddp-compiled schedule and its ``+step`` one (the split's, where per-bucket steps run). None where the
-    run has not both."""
-    link = link_of_run(summary)
-    if link is None or "graphddp-compiled+step" not in summary["modes"]:
-        return None
-    after, stepped = mode_inputs(summary, "graphddp-compiled"), mode_inputs(summary, "graphddp-compiled+step")
-    if after is None or stepped is None:
-        return None
-    pays, steps = choose_optimizer_overlap(after, stepped, link, summary["options"]["world_size"])
-    return {"step_in_backward": pays, "predicted_s": steps}
 
 
 def link_of_run(summary: dict[str, Any]) -> LinkModel | None:
