@@ -9,6 +9,7 @@ constructor arguments are translated in ``graphddp.options``, the join machinery
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -253,12 +254,14 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     # -- buffers and state -------------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
-        return (
-            self.world_size > 1
-            and self.options.broadcast_buffers
-            and self._sync_buffers_next_forward
-            and any(True for _ in self._synced_buffers())
-        )
+        wanted = self.world_size > 1 and self.options.broadcast_buffers and self._sync_buffers_next_forward
+        return wanted and self._has_synced_buffers
+
+    @functools.cached_property
+    def _has_synced_buffers(self) -> bool:
+        """Buffers to broadcast? Asked once, as PyTorch's DDP does (which ones: at each broadcast): a module walk
+        per forward costs a launch-bound step ~0.3 ms."""
+        return any(True for _ in self._synced_buffers())
 
     def _broadcast_buffers(self, src: int) -> None:
         # Buffers may have been replaced since construction: look them up each time.

@@ -214,6 +214,9 @@ class Iteration:
     """How the backward ends, once it has begun (``begin_backward``; see the module docstring)."""
     usage: UsageCount | None = None
     """The usage count in flight, where the usage policy needs one (``count_usage``)."""
+    usage_with_last_bucket: bool = False
+    """The count went out with the last bucket, not after the end of backward's waits (a comm hook's chained
+    collectives): every rank has issued it whatever happens after, so the next forward may read it."""
     watch: BackwardWatch = dataclasses.field(default_factory=BackwardWatch)
     """Sees a backward that reached the forward's outputs and raised before any gradient hook (Note [Abandoned
     backward]); armed by ``prepare_for_backward``."""
@@ -229,13 +232,19 @@ class Iteration:
         self.start_agreement(plans)
         self.ending = backward_ending(finalize)
 
-    def count_usage(self, launcher: Launcher, usage: GradientUsage) -> None:
+    def count_usage(self, launcher: Launcher, usage: GradientUsage, *, with_last_bucket: bool = False) -> None:
         """After the buckets' collectives: count on how many ranks each parameter got a gradient
         (``graphddp.runtime.unused``), where a joined rank's ``shadow_backward`` does: after the last bucket's
         every collective (the launcher's last one committed first)."""
         if self._advance(Phase.COUNTING_USAGE):
             launcher.flush()
             self.usage = usage.start_count()
+            self.usage_with_last_bucket = with_last_bucket
+
+    def usage_counts(self, usage: GradientUsage, *, wanted_now: bool) -> list[int]:
+        """The count's answer for the end of backward (``GradientUsage.counts``): read by the next forward only
+        where it went out with the last bucket (Note [Usage count read at the next forward])."""
+        return usage.counts(self.usage, wanted_now=wanted_now or not self.usage_with_last_bucket)
 
     def abandoned_mid_way(self) -> bool:
         """Seen by the next forward (once): this iteration's backward began and its engine callback never ran, so

@@ -252,7 +252,7 @@ class Reducer:
         self._slots.gather(bucket, iteration.prescale)
         if self._launcher.launch_ready():
             if not (self._policy.chains or self._launcher.committing):  # else count after the waits: a hook's
-                iteration.count_usage(self._launcher, self.usage)  # chained collectives, rows after their mask
+                iteration.count_usage(self._launcher, self.usage, with_last_bucket=True)  # chained collectives, rows after their mask
             iteration.ending.all_launched(self._finalize)
 
     def _finalize(self) -> None:
@@ -279,7 +279,7 @@ class Reducer:
                     later.append((bucket.index, whole))
             self.stats.mark("comm_end")
             iteration.count_usage(self._launcher, self.usage)  # ChainedLaunch: only now, after every bucket
-            counts = self.usage.counts(iteration.usage)
+            counts = iteration.usage_counts(self.usage, wanted_now=self._skip.skips_some())
             self._skip.reduce_late(self._slots, counts, self._events)
             self._slots.write_back_used_elsewhere(used_here, counts)  # the rest, once the ranks' usage is known
             for k, whole in later:
