@@ -19,13 +19,14 @@ iteration's own collectives, each issued once, in order.
 Note [Abandoned backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A training loop that catches an error raised inside ``backward()`` (out of memory, most often) and skips the
-batch leaves an iteration whose backward began (its first hook ran: the agreement all-reduce and perhaps some
-buckets went out) but whose engine callback never ran. If the other ranks finished that backward, they issued
+batch leaves an iteration whose backward began (its first hook ran, and perhaps some buckets went out) but
+whose engine callback never ran. If the other ranks finished that backward, they issued
 the rest of its buckets and wait for this rank's matching collectives; this rank's next collective of any other
 size would abort gloo ("Received data size doesn't match", SIGABRT, no Python exception). So the next forward
 *drains* it (``Iteration.drain``): every bucket it did not launch is launched on zeros (never on the bucket's
-own buffer, which may be ``.grad``), in index order, each awaited as a joined rank's shadow does, then the usage
-count (every parameter counted as used here: no rank reports a gradient this one merely dropped) and the late
+own buffer, which may be ``.grad``), in index order, each awaited as a joined rank's shadow does, then the plan
+agreement with the usage count (every parameter counted as used here: no rank reports a gradient this one merely
+dropped) and the late
 reductions where the policy takes them; nothing is written into ``.grad``. The collectives of
 every rank stay matched, whichever ranks abandoned and wherever.
 
@@ -36,11 +37,11 @@ sum: between 0 and the number of counting ranks, every rank raises the same erro
 dropped the same backward (a skip all ranks agreed on) and training goes on. One iteration late, but every rank
 and never silent.
 
-A backward abandoned before its first hook (out of memory in its first op) issued nothing, not even the
-agreement, and looks like a forward that no backward followed, which must issue nothing. ``BackwardWatch`` tells
+A backward abandoned before its first hook (out of memory in its first op) issued nothing and looks like a
+forward that no backward followed, which must issue nothing. ``BackwardWatch`` tells
 them apart: ``prepare_for_backward`` puts a tensor hook on the forward's first output autograd computed, which
 queues an engine callback when the backward reaches it; the callback never runs if the backward raised. Such an
-iteration is drained too, its agreement first. (A ``torch.autograd.grad`` through the outputs ends normally: not
+iteration is drained too. (A ``torch.autograd.grad`` through the outputs ends normally: not
 abandoned. A backward that raised before reaching that output, in the loss's own backward, is not seen.) Under
 compiled autograd the iteration's ending is ``AtLastLaunchEnding`` and the next forward raises on the abandoning
 rank, as before.
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -188,15 +190,23 @@ class BackwardWatch:
 
 
 class Phase(enum.Enum):
-    """Where an iteration stands among its own collectives, each issued once, in this order. (Not the backward:
-    the forward's unused parameters may launch every bucket, and so start the usage count, before any hook.)"""
+    """Where an iteration stands among its own collectives besides the buckets, each issued once, in this order.
+    (Not the backward: the forward's unused parameters may launch every bucket, and so start the count, before
+    any hook.)"""
 
     PREPARED = 1
     """The forward is done (``prepare_for_backward``); nothing issued yet."""
-    AGREEING = 2
-    """The plan agreement all-reduce was issued: at the first hook or the first launch, whichever comes first."""
-    COUNTING_USAGE = 3
-    """The usage count (``graphddp.runtime.unused``) was issued, after the last bucket's collectives."""
+    COUNTING_USAGE = 2
+    """The plan agreement, with the usage count (``graphddp.runtime.unused``) where the policy takes one, was
+    issued, after the last bucket's collectives (``bookkeeping``)."""
+
+
+def bookkeeping(plans: PlanKeeper, entries: list[int] | None, *, joined: bool = False) -> UsageCount | None:
+    """An iteration's one collective of graphddp's own: the plan agreement (Note [Plan agreement] in
+    ``graphddp.runtime.plans``), carrying the usage count's ``entries`` where the policy takes one
+    (``GradientUsage.entries``). Returns the count in flight, or None."""
+    agreement = plans.start_agreement(joined=joined, carrying=entries or ())
+    return UsageCount(*agreement.carried()) if agreement is not None and entries is not None else None
 
 
 @dataclasses.dataclass
@@ -214,37 +224,29 @@ class Iteration:
     """How the backward ends, once it has begun (``begin_backward``; see the module docstring)."""
     usage: UsageCount | None = None
     """The usage count in flight, where the usage policy needs one (``count_usage``)."""
-    usage_with_last_bucket: bool = False
-    """The count went out with the last bucket, not after the end of backward's waits (a comm hook's chained
-    collectives): every rank has issued it whatever happens after, so the next forward may read it."""
     watch: BackwardWatch = dataclasses.field(default_factory=BackwardWatch)
     """Sees a backward that reached the forward's outputs and raised before any gradient hook (Note [Abandoned
     backward]); armed by ``prepare_for_backward``."""
 
-    def start_agreement(self, plans: PlanKeeper) -> None:
-        """The iteration's first collective, before any bucket's: only once a backward begins (or a bucket of
-        unused parameters launches), so a forward without backward on one rank issues nothing."""
-        if self._advance(Phase.AGREEING):
-            plans.start_agreement()
-
-    def begin_backward(self, plans: PlanKeeper, finalize: Callable[[], None]) -> None:
-        """The backward's first hook: the agreement goes first, and the backward's ending is chosen."""
-        self.start_agreement(plans)
+    def begin_backward(self, finalize: Callable[[], None]) -> None:
+        """The backward's first hook: the backward's ending is chosen."""
         self.ending = backward_ending(finalize)
 
-    def count_usage(self, launcher: Launcher, usage: GradientUsage, *, with_last_bucket: bool = False) -> None:
-        """After the buckets' collectives: count on how many ranks each parameter got a gradient
-        (``graphddp.runtime.unused``), where a joined rank's ``shadow_backward`` does: after the last bucket's
-        every collective (the launcher's last one committed first)."""
+    def count_usage(
+        self, launcher: Launcher, usage: GradientUsage, plans: PlanKeeper, *, fill: int | None = None,
+        joined: bool = False,
+    ) -> None:  # fmt: skip
+        """Once, when every gradient is in: the agreement, counting on how many ranks each parameter got a gradient
+        (``bookkeeping``; ``fill`` and ``joined`` as there), after the previous buckets' collectives (the
+        launcher's open one committed first). The launcher issues it just before the last bucket's collective
+        (``Launcher.before_last``), the end of backward after the waits where a comm hook chains collectives."""
         if self._advance(Phase.COUNTING_USAGE):
             launcher.flush()
-            self.usage = usage.start_count()
-            self.usage_with_last_bucket = with_last_bucket
+            self.usage = bookkeeping(plans, usage.entries(fill), joined=joined)
 
-    def usage_counts(self, usage: GradientUsage, *, wanted_now: bool) -> list[int]:
-        """The count's answer for the end of backward (``GradientUsage.counts``): read by the next forward only
-        where it went out with the last bucket (Note [Usage count read at the next forward])."""
-        return usage.counts(self.usage, wanted_now=wanted_now or not self.usage_with_last_bucket)
+    def before_last(self, launcher: Launcher, usage: GradientUsage, plans: PlanKeeper, **how: Any) -> None:
+        """Have ``launcher`` issue this iteration's ``count_usage`` (with ``how``) just before its last bucket."""
+        launcher.before_last = functools.partial(self.count_usage, launcher, usage, plans, **how)
 
     def abandoned_mid_way(self) -> bool:
         """Seen by the next forward (once): this iteration's backward began and its engine callback never ran, so
@@ -257,10 +259,11 @@ class Iteration:
         self, plans: PlanKeeper, launcher: Launcher, usage: GradientUsage, late: Callable[[list[int]], None], rank: int
     ) -> None:
         """Issue and await every collective this abandoned iteration left unissued, on zeros, where the other
-        ranks' backward issues them, the agreement first if no hook issued it; keep nothing (Note [Abandoned
-        backward])."""
-        self.start_agreement(plans)
+        ranks' backward issues them (the agreement where theirs does, every parameter counted as used here); keep
+        nothing (Note [Abandoned backward])."""
+        self.before_last(launcher, usage, plans, fill=1)
         launcher.drain()
+        self.count_usage(launcher, usage, plans, fill=1)  # a hook's chained collectives: after them (else a no-op)
         counts = usage.stand_in(self.usage)
         late(counts)  # skipped buckets some rank used after all
         logger.warning(

@@ -8,9 +8,9 @@ the ranks still training issue, until all have joined:
 1. each forward of a training rank announces itself (``Join.notify_join_context``: an all-reduce of ones, counted
    by ``ActiveRanks``), broadcasts buffers from the largest rank still training (``common_rank``) when they are
    due, and tells joined ranks whether this iteration synchronises gradients (``announce_backward_sync``);
-2. a joined rank mirrors that forward (``JoinSupport``'s hook, once per iteration): the buffer broadcast, the
-   agreement, and, when the training ranks synchronise, a backward that contributes zeros
-   (``Reducer.shadow_backward``);
+2. a joined rank mirrors that forward (``JoinSupport``'s hook, once per iteration): the buffer broadcast and,
+   when the training ranks synchronise, a backward that contributes zeros, with the plan agreement where theirs
+   goes (``Reducer.shadow_backward``);
 3. once every rank joined, the last joiner's parameters (and buffers) become everyone's.
 
 Gradients are averaged over the initial world size (PyTorch's default) or over the ranks still training

@@ -17,7 +17,7 @@ at once (``EagerLaunch``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,10 @@ class ChainedLaunch:
         return previous is None or (previous.in_flight is not None and previous.in_flight.done())
 
 
+def _nothing() -> None:
+    pass
+
+
 def launch_policy(hook: Any) -> EagerLaunch | ChainedLaunch:
     """How buckets reduced by the comm hook function ``hook`` may be launched (see the module docstring)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -68,6 +72,11 @@ class Launcher:
         self.buckets, self.reductions, self.policy, self.events = list(buckets), list(reductions), policy, events
         self._next = 0
         self._open: tuple[int, InFlight] | None = None  # launched last, maybe with a collective left to commit
+        self.before_last: Callable[[], None] = _nothing
+        """Issued just before the last bucket's collective, once (the Reducer's plan agreement and usage count,
+        ``Iteration.count_usage``), where the launch policy does not chain collectives: every gradient is in by
+        then, and the small all-reduce is done when the last bucket is, so the end of backward does not wait a
+        round trip more for it, and nothing of the iteration is left in flight after it."""
 
     def reset(self) -> None:
         """A new backward: nothing launched."""
@@ -158,6 +167,9 @@ class Launcher:
         if self._open is not None:
             self._commit_open()  # the previous bucket's last collective goes first, on every rank
         is_last = bucket.index == len(self.buckets) - 1
+        if is_last and not self.policy.chains:
+            before, self.before_last = self.before_last, _nothing
+            before()
         if self.events.recording or profiling():  # else a check each (Note [Lean bucket path])
             self.events.record("launch", bucket.index)
             with labelled(f"graphddp: all-reduce bucket {bucket.index}"):

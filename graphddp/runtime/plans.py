@@ -14,10 +14,12 @@ backward in flight:
   forward, possibly on one rank only. It must not issue a collective there, so it only *proposes* the plan
   (``GraphPlans``): the composite of all graphs' plans in forward order, with how each graph reduces (split or
   in-graph, Note [In-graph reduction]: ranks that differ there would issue different collectives, so the
-  strategies are hashed into the tokens with the fingerprint). At the end of every synchronising
-  forward each rank contributes two tokens of its proposal (two 20-bit slices of its fingerprint, plus one; 0
-  for "none"), each with its square, to **one small all-reduce on the main group, of its own**: not folded into
-  the unused-parameter search, so it runs whatever ``find_unused_parameters`` and ``static_graph`` say. The sums
+  strategies are hashed into the tokens with the fingerprint). In every synchronised backward each rank
+  contributes two tokens of its proposal (two 20-bit slices of its fingerprint, plus one; 0 for "none"), each
+  with its square, to **one small all-reduce on the main group**: it runs whatever ``find_unused_parameters``
+  and ``static_graph`` say, and where the policy counts usage it carries the usage count too (the iteration's
+  only collective of graphddp's own besides the buckets: each one costs two ranks sharing a CPU a round trip
+  and a worker's wake-up, ``docs/benchmarks.md``, session 9). The sums
   equal ``n * token`` and ``n * token**2`` exactly when every rank contributed the same token (equality in
   Cauchy-Schwarz). At the next forward every rank adopts the proposal. When the tokens disagree, every rank
   gathers the proposals: if they hold the same parameters in other orders (data-dependent control flow: each
@@ -30,8 +32,10 @@ backward in flight:
   The same all-reduce carries each rank's count of training forwards (forwards with gradients enabled), so ranks
   that fell out of step (one skipped a backward, ran one under ``no_sync`` alone, ran out of data without
   ``join``) raise a clear error at their next forward instead of reducing one iteration's gradients with
-  another's. It is issued at the first hook of a backward (or the first launch, if unused parameters launch a
-  bucket at the end of forward), not at the end of forward: a forward that no backward follows issues nothing.
+  another's. It is issued just before the last bucket's collective, once every gradient is in
+  (``Launcher.before_last``; after the waits where a comm hook chains collectives), so it is done when the last
+  bucket is and the end of backward waits no round trip more for it; never at the end of a forward: a forward
+  that no backward follows issues nothing.
   Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
   plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
   graph's split;
@@ -129,41 +133,51 @@ def agreed(tokens: tuple[int, ...], sums: list[int], ranks: int) -> bool | None:
 class PlanAgreement:
     """One agreement all-reduce in flight (see the Note); its verdict is read at the next forward. It also carries
     the rank's count of training forwards (``step``; None for a joined rank, which does not count), so ranks that
-    fell out of step (Note [Plan agreement]) are found."""
+    fell out of step (Note [Plan agreement]) are found, and whatever int64 entries the iteration adds
+    (``carrying``: the usage count, ``graphddp.runtime.unused``), so that graphddp's bookkeeping costs an iteration
+    one small collective, not two."""
 
     def __init__(
         self, tokens: tuple[int, int], step: int | None, group: dist.ProcessGroup, device: torch.device, *,
-        abandoned: bool = False, buffers_out_of_step: torch.Tensor | None = None,
+        abandoned: bool = False, buffers_out_of_step: torch.Tensor | None = None, carrying: Sequence[int] = (),
     ) -> None:  # fmt: skip
         self.tokens, self.step, self.abandoned = tokens, step, abandoned
         self._ranks = dist.get_world_size(group)
         # [step, step², ranks counting, ranks that abandoned their last backward (Note [Abandoned backward]),
         #  ranks that received buffers broadcast from another forward than theirs]
         counted = (step, step * step, 1, int(abandoned), 0) if step is not None else (0,) * 5
-        self._sums = torch.tensor([*agreement_entries(tokens), *counted], dtype=torch.int64, device=device)
+        own = [*agreement_entries(tokens), *counted]
+        self._own = len(own)
+        self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
         if buffers_out_of_step is not None and step is not None:
-            self._sums[-1:] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
+            self._sums[self._own - 1 : self._own] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
         self._work = dist.all_reduce(self._sums, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
+        return agreed(self.tokens, self._read()[:-5], self._ranks)
+
+    def carried(self) -> tuple[torch.Tensor, dist.Work]:
+        """The summed ``carrying`` entries (valid once the work is done) and the work."""
+        return self._sums[self._own :], self._work
+
+    def _read(self) -> list[int]:
         self._work.wait()
-        sums = self._sums.tolist()
-        return agreed(self.tokens, sums[:-5], self._ranks)
+        return self._sums[: self._own].tolist()
 
     def out_of_step(self) -> bool:
         """Some counting rank was at another training forward than this one (read after ``verdict``)."""
-        step_sum, square_sum, counting, _, _ = self._sums.tolist()[-5:]
+        step_sum, square_sum, counting, _, _ = self._read()[-5:]
         return self.step is not None and (step_sum != counting * self.step or square_sum != counting * self.step**2)
 
     def buffers_from_another_forward(self) -> int:
         """Ranks that received the module's buffers broadcast from another forward than theirs (read after
         ``verdict``)."""
-        return self._sums.tolist()[-1]
+        return self._read()[-1]
 
     def abandoned_by_some(self) -> tuple[int, int] | None:
         """(ranks that abandoned their last backward, ranks counting) when some but not all did (read after
         ``verdict``), else None."""
-        counting, abandoned, _ = self._sums.tolist()[-3:]
+        counting, abandoned, _ = self._read()[-3:]
         return (abandoned, counting) if 0 < abandoned < counting else None
 
 
@@ -295,16 +309,19 @@ class PlanKeeper:
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self.graph_plans.plan_for(params)
 
-    def start_agreement(self, *, joined: bool = False) -> None:
-        """Before a synchronised backward's first collective (or a joined rank's shadow of one): the agreement
-        all-reduce, async."""
-        if self.world_size > 1:
-            step = None if joined else self.training_forwards
-            abandoned, self._abandoned = self._abandoned and not joined, False
-            buffers, self._buffers_out_of_step = self._buffers_out_of_step, None
-            self._agreement = PlanAgreement(
-                self.graph_plans.tokens(), step, self._group, self._device, abandoned=abandoned, buffers_out_of_step=buffers
-            )
+    def start_agreement(self, *, joined: bool = False, carrying: Sequence[int] = ()) -> PlanAgreement | None:
+        """After a synchronised backward's last bucket (or a joined rank's shadow of it): the agreement all-reduce,
+        async, with ``carrying`` summed in the same collective. None on one rank."""
+        if self.world_size == 1:
+            return None
+        step = None if joined else self.training_forwards
+        abandoned, self._abandoned = self._abandoned and not joined, False
+        buffers, self._buffers_out_of_step = self._buffers_out_of_step, None
+        self._agreement = PlanAgreement(
+            self.graph_plans.tokens(), step, self._group, self._device, abandoned=abandoned,
+            buffers_out_of_step=buffers, carrying=carrying,
+        )  # fmt: skip
+        return self._agreement
 
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor], src: int, *, counted: bool) -> None:
         """The module's buffers from ``src``, with ``src``'s count of training forwards beside them (coalesced with

@@ -20,10 +20,10 @@ One iteration, on every rank:
    the backward's pace), and the launcher (``graphddp.runtime.launcher``) launches every bucket the index order
    allows, each through its reduction strategy (``graphddp.runtime.reductions``: dense through the comm hook, an
    embedding table's rows, or no collective for a bucket no rank has used yet, ``graphddp.runtime.skipping``).
-   After the last bucket's collectives, the usage all-reduce (which parameters got a gradient, summed over
-   ranks), on the DDP's own group like every collective of graphddp's: after the last launch, or, with a hook
-   that may chain collectives (``ChainedLaunch``), after the last wait. The first hook issues the plan-agreement
-   all-reduce (unless unused parameters did) and chooses how the backward ends (``backward_ending`` in
+   Just before the last bucket's collective, once every gradient is in, the plan-agreement all-reduce, carrying
+   the usage count (which parameters got a gradient, summed over ranks): the iteration's one collective of
+   graphddp's own, on the DDP's own group like every one, done when the last bucket is (``Launcher.before_last``);
+   with a hook that may chain collectives (``ChainedLaunch``), after the last wait. The first hook chooses how the backward ends (``backward_ending`` in
    ``graphddp.runtime.iteration``): ``_finalize`` queued as an autograd engine callback.
 4. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current ``.grad``)
    so every bucket is launched on every rank (never a hang), await the buckets in index order and write each
@@ -84,8 +84,7 @@ class Reducer:
         self._index_of_id = {id(p): i for i, p in enumerate(self._params)}
         self._channels = channels if channels is not None else Channels.single(process_group)  # Note [Channels]
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.usage = GradientUsage(self._names, usage if usage is not None else ExpectAllUsed(), group=process_group,
-                                   device=collective_device, rank=self.rank, world_size=self.world_size)
+        self.usage = GradientUsage(self._names, usage if usage is not None else ExpectAllUsed(), rank=self.rank, world_size=self.world_size)
         self._active = active_ranks if active_ranks is not None else ActiveRanks(self.world_size)
         self._events: Events = NullEvents()
         self._skip = SkipNeverUsed(self.usage) if skip_unused else SkipNothing()  # skip_all_reduce_unused_params
@@ -189,8 +188,7 @@ class Reducer:
         self.plans.ready_order.restart()
         prescale = self._hook.prescale(self._active.divisor)  # None: a custom hook averages itself
         self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescale)
-        if iteration.local_unused:  # they may launch a bucket now: the agreement goes first
-            iteration.start_agreement(self.plans)
+        iteration.before_last(self._launcher, self.usage, self.plans)  # the agreement and usage count (Note [Reducer])
         self._countdown.prepare(steady=not (iteration.local_unused or self._events.recording or self.plans.ready_order.learning))
         self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
         iteration.watch.watch(outputs)  # a backward that raises before the first hook is drained too
@@ -225,8 +223,8 @@ class Reducer:
         return True
 
     def _begin_backward(self, iteration: Iteration) -> None:
-        """The first hook: the agreement, the ending, and the steady hook where nothing is asked per gradient."""
-        iteration.begin_backward(self.plans, self._finalize)
+        """The first hook: the ending, and the steady hook where nothing is asked per gradient."""
+        iteration.begin_backward(self._finalize)
         self.stats.mark("backward_start")
         self._countdown.arm(per_gradient_work=self._events.recording or self.plans.ready_order.learning)
 
@@ -251,8 +249,6 @@ class Reducer:
         self.stats.mark("comm_start")
         self._slots.gather(bucket, iteration.prescale)
         if self._launcher.launch_ready():
-            if not (self._policy.chains or self._launcher.committing):  # else count after the waits: a hook's
-                iteration.count_usage(self._launcher, self.usage, with_last_bucket=True)  # chained collectives, rows after their mask
             iteration.ending.all_launched(self._finalize)
 
     def _finalize(self) -> None:
@@ -278,8 +274,8 @@ class Reducer:
                 else:
                     later.append((bucket.index, whole))
             self.stats.mark("comm_end")
-            iteration.count_usage(self._launcher, self.usage)  # ChainedLaunch: only now, after every bucket
-            counts = iteration.usage_counts(self.usage, wanted_now=self._skip.skips_some())
+            iteration.count_usage(self._launcher, self.usage, self.plans)  # ChainedLaunch: only now, after every bucket
+            counts = self.usage.counts(iteration.usage)
             self._skip.reduce_late(self._slots, counts, self._events)
             self._slots.write_back_used_elsewhere(used_here, counts)  # the rest, once the ranks' usage is known
             for k, whole in later:
@@ -295,9 +291,11 @@ class Reducer:
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one synchronised iteration: the same collectives, every bucket on zeros."""
-        self.plans.start_agreement(joined=True)
+        shadow = Iteration([], None)  # a joined rank used nothing: its usage entries are zeros
+        shadow.before_last(self._launcher, self.usage, self.plans, fill=0, joined=True)
         self._launcher.shadow()
-        self._skip.reduce_late(self._slots, self.usage.shadow(), self._events, joined=True)
+        shadow.count_usage(self._launcher, self.usage, self.plans, fill=0, joined=True)  # ChainedLaunch: after the waits
+        self._skip.reduce_late(self._slots, self.usage.counts(shadow.usage), self._events, joined=True)
 
     # -- introspection ---------------------------------------------------------------------------------------
     @property

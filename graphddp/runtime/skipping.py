@@ -31,10 +31,6 @@ class SkipNothing:
     def outdated(self) -> bool:
         return False
 
-    def skips_some(self) -> bool:
-        """Some bucket launched without its collective: the end of backward needs the usage count."""
-        return False
-
     def reduce_late(self, slots: BucketSlots, counts: list[int], events: Events, *, joined: bool = False) -> None:
         pass
 
@@ -57,9 +53,6 @@ class SkipNeverUsed:
             if not any(p.part for p in b.spec.params) and never_used.issuperset(b.param_indices)
         }
         return [self._skipped.get(b.index, reduction) for b, reduction in zip(buckets, reductions)]
-
-    def skips_some(self) -> bool:
-        return bool(self._skipped)
 
     def outdated(self) -> bool:
         """The never-used parameters changed since the skipped buckets were chosen: choose again (between

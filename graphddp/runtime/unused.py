@@ -4,8 +4,9 @@ Three small policies instead of flags in the hot hook:
 
 * ``ExpectAllUsed`` (default): every parameter must get a gradient on every rank. The usage map is still
   all-reduced (a few bytes, after the last bucket) so that a parameter without a gradient, even on one rank
-  only, becomes the same clear error on every rank instead of a hang (Note [Usage count read at the next
-  forward]: in steady state nothing waits for it before then).
+  only, becomes the same clear error on every rank instead of a hang. It travels in the plan agreement's
+  all-reduce, issued just before the last bucket's (Note [Plan agreement] in ``graphddp.runtime.plans``), so
+  it is done when the last bucket is.
 * ``SearchEveryIteration`` (``find_unused_parameters=True``): walk the autograd graph from the forward's
   outputs; parameters not reached are marked ready at once (their bucket can launch), and parameters unused on
   every rank keep ``.grad`` as it was (the globally-unused bitmap of the VLDB 2020 paper).
@@ -14,22 +15,6 @@ Three small policies instead of flags in the hot hook:
 
 ``GradientUsage`` keeps what the Reducer learns about usage: which parameters got a gradient here (over
 ``no_sync`` micro-batches too), the all-reduce of that map after the last bucket, and the missing-gradient error.
-
-Note [Usage count read at the next forward]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The usage all-reduce goes after the last bucket, so a backward that waited for it would end one more round trip
-after its last bucket: on two gloo ranks sharing two cores, that wait and the module walk of a buffer check cost
-about as much as the rest of the gap to PyTorch's C++ Reducer (``docs/benchmarks.md``, session 9). In the common
-case nothing at the end of backward needs the counts: when this rank produced every gradient, under a policy that
-allows no unused parameter, with no bucket skipped (``skip_all_reduce_unused_params``), and the count sent with
-the last bucket (not after the waits a comm hook's chained collectives need: a rank that fails in those never
-issues it, and the others must learn so in this backward, ``Iteration.usage_counts``), the counts can only say
-that *another* rank missed a gradient, and that error is raised at the next forward anyway. So there the
-backward takes the counts as every rank's (``counts``), and the next forward (``raise_pending``) waits for the
-real ones and raises the same error, on every rank, that the end of backward would have kept. The collective
-is issued where it always was: ranks issue the same collectives in the same order whoever defers the read. A
-rank that missed a gradient, or a policy that acts on the counts (``find_unused_parameters``: gradients of
-parameters nobody used; ``static_graph``: the first iteration's answer), reads them at the end of backward.
 """
 
 from __future__ import annotations
@@ -40,7 +25,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +149,8 @@ UsagePolicy = ExpectAllUsed | SearchEveryIteration | StaticGraph
 
 
 class UsageCount:
-    """The all-reduce of the usage map, in flight: per parameter, on how many ranks it got a gradient."""
+    """The all-reduce of the usage map, in flight: per parameter, on how many ranks it got a gradient (``counts``:
+    the plan agreement's entries that carry it, ``work``: that all-reduce)."""
 
     def __init__(self, counts: torch.Tensor, work: Any) -> None:
         self._counts = counts
@@ -180,16 +165,13 @@ class GradientUsage:
     """Which parameters got a gradient: on this rank, and summed over the ranks once the last bucket is out.
 
     The count goes over the DDP's own process group (no group of graphddp's: it would need threads, sockets and a
-    timeout of its own), after the buckets' collectives; the Reducer says when (Note [Reducer]).
+    timeout of its own), in the plan agreement's all-reduce; the Reducer says when (Note [Reducer]).
     """
 
-    def __init__(
-        self, names: list[str], policy: UsagePolicy, *, group: Any, device: torch.device, rank: int, world_size: int
-    ) -> None:
+    def __init__(self, names: list[str], policy: UsagePolicy, *, rank: int, world_size: int) -> None:
         self.policy = policy
         """How unused parameters are found (replaced only through ``set_policy``)."""
         self._names = names
-        self._group, self._device = group, device
         self._rank = rank
         self._world_size = world_size
         self.used = [False] * len(names)
@@ -202,54 +184,34 @@ class GradientUsage:
         """Parameters that got no gradient on any rank in any synchronised backward so far (none before the first
         ends): from all-reduced counts, so the same on every rank (``skip_all_reduce_unused_params``)."""
         self._pending_error: str | None = None  # the last backward's missing gradient, raised by the next forward
-        self._unread: UsageCount | None = None  # the last backward's count, read by the next forward (Note above)
-        self._unread_expected = 0
 
     def set_policy(self, policy: UsagePolicy) -> None:
         """Find unused parameters by ``policy`` from now on (``static_graph`` turned on before the first iteration)."""
         self.policy = policy
 
-    def start_count(self) -> UsageCount | None:
-        """Issue the usage all-reduce (after the last bucket), or None where the policy does not need one."""
+    def entries(self, fill: int | None = None) -> list[int] | None:
+        """This rank's part in the usage count, which the plan agreement's all-reduce carries (Note [Plan
+        agreement] in ``graphddp.runtime.plans``): per parameter 1 if it got a gradient here, or
+        ``fill`` for every one (0: a joined rank's shadow; 1: an abandoned backward's stand-in, so no rank reports
+        a gradient this one merely dropped). None where the policy needs no count."""
         if self._world_size == 1 or not self.policy.reduces_usage():
             return None
-        counts = torch.tensor([int(u) for u in self.used], dtype=torch.int64, device=self._device)
-        return UsageCount(counts, dist.all_reduce(counts, group=self._group, async_op=True))
+        return [int(u) for u in self.used] if fill is None else [fill] * len(self._names)
 
-    def counts(self, pending: UsageCount | None, *, wanted_now: bool = True) -> list[int]:
-        """Per parameter: on how many ranks it got a gradient this iteration. Not ``wanted_now``: the caller acts
-        on no parameter unused here, so where the count can only say that another rank missed a gradient, it is
-        read at the next forward and every rank is taken to have produced every one until then (Note [Usage
-        count read at the next forward])."""
-        if pending is not None and not wanted_now and not self.policy.allows_unused and all(self.used):
-            self._unread = pending
-            return [self._world_size] * len(self._names)
+    def counts(self, pending: UsageCount | None) -> list[int]:
+        """Per parameter: on how many ranks it got a gradient this iteration."""
         if pending is not None:
             return pending.wait()
         if self.policy.known_counts is not None:
             return self.policy.known_counts
         return [1 if u else 0 for u in self.used]  # one rank, or a policy that does not reduce: all there is
 
-    def shadow(self) -> list[int]:
-        """A joined rank's part in the usage all-reduce: it used nothing. Returns the counts (what others used)."""
-        if self._world_size > 1 and self.policy.reduces_usage():
-            counts = torch.zeros(len(self._names), dtype=torch.int64, device=self._device)
-            dist.all_reduce(counts, group=self._group)
-            return counts.tolist()
-        return [0] * len(self._names)
-
     def stand_in(self, issued: UsageCount | None) -> list[int]:
-        """An abandoned backward's part in the usage all-reduce (Note [Abandoned backward]): awaited if ``issued``,
-        else every parameter counted as used here, so no rank reports a missing gradient that this rank merely
-        dropped. Returns the counts, and forgets this rank's usage (its gradients were dropped)."""
+        """An abandoned backward's counts (Note [Abandoned backward]): the count it issued, awaited (its own
+        entries, or the stand-in ones of ``entries(fill=1)``), else every parameter counted as used here. Forgets
+        this rank's usage (its gradients were dropped)."""
         self.used[:] = [False] * len(self._names)
-        if issued is not None:
-            return issued.wait()
-        if self._world_size > 1 and self.policy.reduces_usage():
-            counts = torch.ones(len(self._names), dtype=torch.int64, device=self._device)
-            dist.all_reduce(counts, group=self._group)
-            return counts.tolist()
-        return [1] * len(self._names)
+        return issued.wait() if issued is not None else [1] * len(self._names)
 
     def end(self, local_unused: list[int], counts: list[int], missing: list[int], expected: int) -> None:
         """End of a synchronised backward: tell the policy, forget this rank's usage, and keep the error for the
@@ -261,22 +223,13 @@ class GradientUsage:
         self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
         self.iterations += 1
         self.unused_sets.add(unused_everywhere)
-        self._unread_expected = expected
-        if self._unread is None:
-            self._keep_error(counts, missing, expected)
-
-    def _keep_error(self, counts: list[int], missing: list[int], expected: int) -> None:
         error = self._missing_error(counts, missing, expected)
         if error is not None:
             logger.warning("%s", error)
             self._pending_error = error
 
     def raise_pending(self) -> None:
-        """Start of a forward: raise the error the last synchronised backward left, once (read from its usage
-        count here if the backward did not wait for it)."""
-        if self._unread is not None:
-            unread, self._unread = self._unread, None
-            self._keep_error(unread.wait(), [], self._unread_expected)
+        """Start of a forward: raise the error the last synchronised backward left, once."""
         if self._pending_error is not None:
             message, self._pending_error = self._pending_error, None
             raise RuntimeError(message)

@@ -1,9 +1,11 @@
-"""What a steady synchronised step waits for and walks, on two gloo ranks: the usage count is read by the next
-forward, not by the backward (Note [Usage count read at the next forward] in graphddp.runtime.unused), and a
-module without buffers is not walked for buffers every forward. Claims from recorded calls, never from timing."""
+"""What a synchronised step issues besides its buckets, and what it walks, on two gloo ranks: one small
+collective of graphddp's own (the plan agreement carrying the usage count, Note [Plan agreement] in
+graphddp.runtime.plans), issued just before the last bucket's and done when backward returns; and no module walk
+for buffers every forward where the module has none. Claims from recorded calls, never from timing."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,61 +15,87 @@ from ranks import run_on_ranks
 from torch import nn
 
 import graphddp
-from graphddp.runtime import unused
+from graphddp.runtime import launcher, plans, unused
 
-CAPS = {"bucket_cap_mb": 1, "first_bucket_cap_mb": 1, "last_bucket_cap_mb": 1, "bucket_ramps": False}
+CAPS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001, "last_bucket_cap_mb": 0.001, "bucket_ramps": False}
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, wrapper: Any) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrapper(original)`` (the pool keeps this process: restored after)."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def record_collectives(rank: int, world: int, find_unused: bool, hook: bool) -> list[list[str]]:
+    """Per backward: graphddp's collectives in the order issued, then ``done`` if every usage count issued was
+    waited for when ``backward()`` returned."""
+    seen: list[str] = []
+    waited = issued = 0
+
+    def launch(original: Any) -> Any:
+        def start(self: Any, bucket: Any, buffer: torch.Tensor) -> Any:
+            in_flight = original(self, bucket, buffer)  # what it issues before the bucket's collective comes first
+            seen.append(f"bucket {bucket.index}")
+            return in_flight
+
+        return start
+
+    def agree(original: Any) -> Any:
+        def start(self: Any, **kwargs: Any) -> Any:
+            nonlocal issued
+            seen.append("agreement")
+            issued += bool(kwargs.get("carrying"))
+            return original(self, **kwargs)
+
+        return start
+
+    def wait(original: Any) -> Any:
+        def counted(self: Any) -> list[int]:
+            nonlocal waited
+            waited += 1
+            return original(self)
+
+        return counted
+
+    with patched(launcher.Launcher, "_launch", launch), patched(plans.PlanKeeper, "start_agreement", agree), patched(unused.UsageCount, "wait", wait):  # fmt: skip
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))  # 4 KiB weights
+        ddp = graphddp.DDP(model, find_unused_parameters=find_unused, **CAPS)
+        if hook:
+            ddp.register_comm_hook(None, chained_allreduce)
+        per_backward = []
+        for _ in range(3):
+            seen.clear()
+            ddp(torch.randn(4, 32) + rank).sum().backward()
+            per_backward.append([*seen, "done" if waited == issued else f"{issued - waited} usage counts in flight"])
+        return per_backward
 
 
 def chained_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: PyTorch checks the annotations
-    """A user's hook that chains a callback: the Reducer counts usage only after the end of backward's waits."""
+    """A user's hook that chains a callback: the Reducer issues its agreement only after the end of backward's waits."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.allreduce_hook(state, bucket).then(lambda fut: fut.value())
 
 
-def record_usage_waits(rank: int, world: int, find_unused: bool, hook: bool = False) -> list[tuple[str, int]]:
-    """Per step: how many usage counts were waited for when its backward returned, and when its next forward did."""
-    waits = 0
-    original = unused.UsageCount.wait
-
-    def counted(self: Any) -> list[int]:
-        nonlocal waits
-        waits += 1
-        return original(self)
-
-    unused.UsageCount.wait = counted  # type: ignore[method-assign]  # the pool keeps this process: restored below
-    try:
-        torch.manual_seed(0)
-        ddp = graphddp.DDP(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), find_unused_parameters=find_unused, **CAPS)
-        if hook:
-            ddp.register_comm_hook(None, chained_allreduce)
-        x = torch.randn(4, 8) + rank
-        seen = []
-        for _ in range(4):
-            out = ddp(x)
-            seen.append(("forward", waits))
-            out.sum().backward()
-            seen.append(("backward", waits))
-        return seen
-    finally:
-        unused.UsageCount.wait = original  # type: ignore[method-assign]
+@pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused_parameters"])
+def test_one_collective_of_its_own_just_before_the_last_bucket(find_unused: bool) -> None:
+    for rank, per_backward in enumerate(run_on_ranks(record_collectives, 2, find_unused, False)):
+        for seen in per_backward:
+            buckets = [s for s in seen if s.startswith("bucket")]
+            assert len(buckets) >= 3, f"rank {rank}: {seen}"
+            assert seen == [*buckets[:-1], "agreement", buckets[-1], "done"], f"rank {rank}: {seen}"
 
 
-def test_the_backward_leaves_the_usage_count_to_the_next_forward() -> None:
-    for rank, seen in enumerate(run_on_ranks(record_usage_waits, 2, False)):
-        # step k's count is issued after its last bucket and read by forward k + 1: never by a backward
-        assert seen == [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1),
-                        ("forward", 2), ("backward", 2), ("forward", 3), ("backward", 3)], f"rank {rank}: {seen}"  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "find_unused, hook",
-    [(True, False), (False, True)],
-    ids=["find_unused_parameters: the counts decide which .grad nobody produced", "a hook's chained collectives: the count goes after the waits"],
-)
-def test_the_backward_reads_the_count_where_it_needs_it(find_unused: bool, hook: bool) -> None:
-    for rank, seen in enumerate(run_on_ranks(record_usage_waits, 2, find_unused, hook)):
-        assert [n for what, n in seen if what == "backward"] == [1, 2, 3, 4], f"rank {rank}: {seen}"
+def test_a_hook_that_chains_collectives_gets_the_agreement_after_them() -> None:
+    for rank, per_backward in enumerate(run_on_ranks(record_collectives, 2, False, True)):
+        for seen in per_backward:
+            assert seen[-2:] == ["agreement", "done"] and seen.count("agreement") == 1, f"rank {rank}: {seen}"
 
 
 def count_buffer_walks(rank: int, world: int, with_norm: bool) -> tuple[int, int]:
