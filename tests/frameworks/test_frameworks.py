@@ -4,6 +4,8 @@ and with PyTorch's DDP, to the same weights."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +17,24 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
+RUN_TIMEOUT_S = 270
+"""Per torchrun: a run takes under 30 s here; two of them must fit the test's 600 s (pytest-timeout), so a hung
+one fails with its own output and name instead of the whole test being cut off mid-way."""
+
+
 def torchrun(script: str, out: Path, *args: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(HERE / script)]
-    result = subprocess.run([*command, *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{script} {args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    # A session of its own, so that a hung run's ranks die with its launcher.
+    with subprocess.Popen([*command, *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as run:  # fmt: skip
+        try:
+            stdout, stderr = run.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            stdout, stderr = run.communicate()
+            raise AssertionError(f"{script} {args} hung: no exit after {RUN_TIMEOUT_S} s, launcher and ranks killed. "
+                                 f"Its output:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
+    assert run.returncode == 0, f"{script} {args} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return torch.load(out, weights_only=False)
 
 
