@@ -198,7 +198,8 @@ class Phase(enum.Enum):
     """The forward is done (``prepare_for_backward``); nothing issued yet."""
     COUNTING_USAGE = 2
     """The plan agreement, with the usage count (``graphddp.runtime.unused``) where the policy takes one, was
-    issued, after the last bucket's collectives (``bookkeeping``)."""
+    issued (``bookkeeping``): just before the last bucket's collective, or after the waits of a hook's chained
+    ones."""
 
 
 def bookkeeping(plans: PlanKeeper, entries: list[int] | None, *, joined: bool = False) -> UsageCount | None:

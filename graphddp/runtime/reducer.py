@@ -23,8 +23,9 @@ One iteration, on every rank:
    Just before the last bucket's collective, once every gradient is in, the plan-agreement all-reduce, carrying
    the usage count (which parameters got a gradient, summed over ranks): the iteration's one collective of
    graphddp's own, on the DDP's own group like every one, done when the last bucket is (``Launcher.before_last``);
-   with a hook that may chain collectives (``ChainedLaunch``), after the last wait. The first hook chooses how the backward ends (``backward_ending`` in
-   ``graphddp.runtime.iteration``): ``_finalize`` queued as an autograd engine callback.
+   with a hook that may chain collectives (``ChainedLaunch``), after the last wait. The first hook chooses how
+   the backward ends (``backward_ending`` in ``graphddp.runtime.iteration``): ``_finalize`` queued as an
+   autograd engine callback.
 4. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current ``.grad``)
    so every bucket is launched on every rank (never a hang), await the buckets in index order and write each
    one's averages into ``.grad`` at once (for the gradients this rank produced) while later buckets are still in
