@@ -310,8 +310,9 @@ class PlanKeeper:
         return self.graph_plans.plan_for(params)
 
     def start_agreement(self, *, joined: bool = False, carrying: Sequence[int] = ()) -> PlanAgreement | None:
-        """After a synchronised backward's last bucket (or a joined rank's shadow of it): the agreement all-reduce,
-        async, with ``carrying`` summed in the same collective. None on one rank."""
+        """Once a synchronised backward's gradients are all in (or a joined rank's shadow of it), before its last
+        bucket's collective: the agreement all-reduce, async, with ``carrying`` summed in the same collective. None
+        on one rank."""
         if self.world_size == 1:
             return None
         step = None if joined else self.training_forwards
