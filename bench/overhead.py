@@ -82,9 +82,10 @@ class OverheadOptions:
     """Every bucket cap of both DDPs, in MiB."""
     threads: int = 1
     """Intra-op threads per rank."""
-    dense_tables: bool = False
-    """graphddp's ``sparse_embedding_grads=False``: embedding tables reduced dense, as PyTorch's DDP reduces them,
-    so a multi-rank compiled graph can reduce in-graph (row-sparse tables keep the split)."""
+    tables: bool | str = "auto"
+    """graphddp's ``sparse_embedding_grads``: ``"auto"`` (the default: rows where they pay on the link measured at
+    construction), True (rows wherever they apply: a multi-rank compiled graph keeps the split) or False (dense,
+    as PyTorch's DDP reduces them)."""
     device: str = "cpu"
     out: str = "bench-overhead"
 
@@ -129,7 +130,7 @@ def build_mode(mode: str, o: OverheadOptions) -> tuple[torch.nn.Module, Any]:
         cap = o.cap_mb
         ddp = graphddp.DDP(
             model, device_ids=device_ids, bucket_cap_mb=cap, first_bucket_cap_mb=cap, last_bucket_cap_mb=cap, bucket_ramps=False,
-            sparse_embedding_grads=not o.dense_tables,
+            sparse_embedding_grads=o.tables,
         )  # fmt: skip
     wrapped = ddp if ddp is not None else model
     if not inner:
@@ -322,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
     p.add_argument("--cap-mb", type=float, default=d.cap_mb, help="every bucket cap of both DDPs, in MiB (>= 1)")
-    p.add_argument("--dense-tables", action="store_true", help="graphddp: sparse_embedding_grads=False (tables dense, as PyTorch)")
+    p.add_argument(
+        "--tables", choices=("auto", "rows", "dense"), default="auto",
+        help="graphddp's sparse_embedding_grads: auto (rows where they pay), rows (True), dense (False, as PyTorch)",
+    )  # fmt: skip
+    p.add_argument("--dense-tables", dest="tables", action="store_const", const="dense", help="--tables dense")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=d.out)
     args = p.parse_args(argv)
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "dense_tables", "device", "out")},
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "device", "out")},
+            tables={"auto": "auto", "rows": True, "dense": False}[args.tables],
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))

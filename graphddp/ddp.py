@@ -33,6 +33,7 @@ from .runtime.optimizer_overlap import StepPerBucket
 from .runtime.placement import Placement
 from .runtime.reducer import Reducer
 from .runtime.replicas import ReplicaCheck
+from .runtime.rows_rule import RowsRule
 from .runtime.torch_ddp import TorchDDP
 from .torch_compat import TorchDDPSurface, refuse_torch_ddp_outside
 
@@ -89,7 +90,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         first_bucket_cap_mb: float | str = 1,
         last_bucket_cap_mb: float | str = 1,
         bucket_ramps: bool = True,
-        sparse_embedding_grads: bool = True,
+        sparse_embedding_grads: bool | str = AUTO,
         check_replicas_every: int = 0,
         channels: int | str = 1,
     ) -> None:
@@ -127,11 +128,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     def _first_plan(self, named: list[tuple[str, nn.Parameter]], *, init_sync: bool, init_sync_buffers: bool) -> BucketPlan:
         """Check that every rank holds the same parameters and buffers and take rank 0's (collectives gated by
         ``init_sync``, as in PyTorch), then plan the buckets in registration order, reversed."""
-        reduces_rows = rows_apply(
-            enabled=self.options.sparse_embedding_grads, world_size=self.world_size, device=str(self.device),
-            custom_comm_hook=False,
-        )
-        row_sparse = embedding_tables(self.module) - self.parameters_to_ignore if reduces_rows else frozenset()
+        rows = self.options.sparse_embedding_grads
+        reduces_rows = rows_apply(enabled=rows is not False, world_size=self.world_size, device=str(self.device), custom_comm_hook=False)
+        row_sparse = embedding_tables(self.module) - self.parameters_to_ignore if reduces_rows else frozenset()  # ranks compare these
         sparse = sparse_gradient_params(self.module)  # torch.sparse gradients: each alone, all-reduced sparse
 
         def spec(name: str, p: torch.Tensor, label: str = "") -> ParamSpec:
@@ -153,11 +152,14 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
         self._precision.cast_buffers(self.module, self.parameters_to_ignore)
         self._auto_caps = self._calibrate_auto_caps()
+        device = collective_device(self.process_group, self.device)
+        self._rows = RowsRule.measure(rows, self.module, self.process_group, device, applies=reduces_rows, auto_caps=self._auto_caps)
+        shapes = {n: (p.shape, self._precision.reduce_dtype_of(p)) for n, p in named if n in row_sparse}
+        row_sparse = self._rows.eager_tables(shapes)  # spec() reads it from here on: the tables that pay as rows
         plan = plan_buckets([spec(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration")
         self._channels = Channels.open(  # Note [Channels]; "auto": on the link auto caps measured, if they did
             self.process_group, self.options.channels, owner=self, bucket_bytes=[b.nbytes for b in plan.buckets],
-            link=self._auto_caps.link if self._auto_caps is not None else None,
-            device=collective_device(self.process_group, self.device),
+            link=self._auto_caps.link if self._auto_caps is not None else None, device=device,
         )
         return plan
 
@@ -179,7 +181,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.reducer = Reducer(
             named, plan, process_group=self.process_group, collective_device=self._collective_device,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, usage=self.options.usage_policy(),
-            active_ranks=active_ranks, sparse_embedding_grads=self.options.sparse_embedding_grads,
+            active_ranks=active_ranks, rows=self._rows,
             skip_unused=self.skip_all_reduce_unused_params, auto_caps=self._auto_caps, channels=self._channels,
         )  # fmt: skip
         self._join = JoinSupport(self.reducer, active_ranks, group=self.process_group, rank=self.rank, device=self._collective_device)

@@ -44,11 +44,13 @@ class BucketOptions:
     bucket_cap_mb_list: tuple[float, ...] | None = None
     """Every bucket's cap in MiB, in ready order, the last repeating (PyTorch's ``bucket_cap_mb_list``); when
     given, the other caps and the ramps are not used, as PyTorch ignores ``bucket_cap_mb`` then."""
-    sparse_embedding_grads: bool = True
+    sparse_embedding_grads: bool | str = AUTO
     """Reduce embedding tables' gradients as the rows some rank touched, and, compiled, send a tied table's other
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
     result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
-    ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense."""
+    ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense. ``"auto"``:
+    where the step cost model says rows pay on the link measured at construction (a fast link: dense, which lets
+    a compiled graph reduce in-graph; a slow one: rows); True: wherever they apply."""
     channels: int | str = 1
     """Process groups the buckets are reduced on in turn (bucket i on group ``i % channels``), so up to that many
     all-reduces are in flight at once; the groups beyond the DDP's own are made at construction, with its backend
@@ -56,9 +58,10 @@ class BucketOptions:
     the step cost model says pay on the link measured at construction (1, 2 or 4)."""
 
     def __post_init__(self) -> None:
-        for field in ("bucket_ramps", "sparse_embedding_grads"):
-            if not isinstance(getattr(self, field), bool):
-                raise TypeError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        if not isinstance(self.bucket_ramps, bool):
+            raise TypeError(f"bucket_ramps must be True or False, got {self.bucket_ramps!r}")
+        if not isinstance(self.sparse_embedding_grads, bool) and self.sparse_embedding_grads != AUTO:
+            raise TypeError(f"sparse_embedding_grads must be True, False or {AUTO!r}, got {self.sparse_embedding_grads!r}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, (int, str)):
             raise TypeError(f"channels must be a whole number of process groups or {AUTO!r}, got {self.channels!r}")
         if isinstance(self.channels, str) and self.channels != AUTO:
@@ -173,7 +176,7 @@ def from_torch_arguments(
     first_bucket_cap_mb: float | str,
     last_bucket_cap_mb: float | str,
     bucket_ramps: bool,
-    sparse_embedding_grads: bool,
+    sparse_embedding_grads: bool | str,
     check_replicas_every: int = 0,
     channels: int | str = 1,
 ) -> TorchArguments:

@@ -55,12 +55,16 @@ from .reduction import (
 )
 from .row_sparse import (
     ROW_SPARSE_MAX_DENSITY,
+    SPLIT_LAUNCHES_PER_PARAMETER,
     RowSparseParam,
+    RowsVerdict,
     embedding_tables,
     misplaced_parts,
     row_sparse_params,
     rows_apply,
+    rows_pay,
     sparse_gradient_params,
+    split_seconds,
 )
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 from .taps import place_taps, tap_parts
@@ -69,6 +73,7 @@ __all__ = [
     "ALGORITHMS",
     "REDUCTIONS",
     "ROW_SPARSE_MAX_DENSITY",
+    "SPLIT_LAUNCHES_PER_PARAMETER",
     "ReductionChoice",
     "Bucket",
     "CapsChoice",
@@ -86,6 +91,7 @@ __all__ = [
     "MiB",
     "ParamSpec",
     "RowSparseParam",
+    "RowsVerdict",
     "Segment",
     "Tap",
     "allreduce_seconds",
@@ -117,6 +123,8 @@ __all__ = [
     "ready_groups",
     "row_sparse_params",
     "rows_apply",
+    "rows_pay",
+    "split_seconds",
     "segment_backward_seconds",
     "schedule_reductions",
     "sink_waits",

@@ -20,13 +20,32 @@ goes dense ``DENSE_STREAK_LIMIT`` times in a row (a small vocabulary most of whi
 accumulated under ``no_sync``) is reduced dense from then on, and its parts are dropped from the plan
 (``BucketPlan.without_rows``), so they do not travel on top of it: again decided from all-reduced outcomes.
 
+**When rows pay** (``rows_pay``, the one rule for both paths; ``sparse_embedding_grads="auto"``, the default).
+Rows are not free. Eagerly they add a collective (the mask) per table. Compiled, a row-sparse table keeps its
+whole graph on the split path, whose per-parameter copies and per-segment wrappers in-graph reduction does
+without (Note [In-graph reduction]): on the launch-bound ``bench.overhead`` at two ranks over loopback the split
+with rows added 1.13-1.24 x what PyTorch's compiled DDP added, the same graph in-graph with the table dense
+0.78 x (``docs/benchmarks.md``, session 10). On a slow link the bytes win instead: the bench GPT's table is 134 ms
+at 1 Gbit/s. So, on the link measured at construction (the same on every rank, ``graphddp.runtime.calibration``):
+
+* the rows save ``dense - rows`` seconds a step per table: the table's all-reduce, against the mask's (one byte
+  per row) and the rows' at the worst case still reduced as rows (``ROW_SPARSE_MAX_DENSITY`` of them), both
+  with gloo's CPU per byte; that rows are all exposed at the end of backward holds for the dense table too;
+* compiled, the split costs ``SPLIT_LAUNCHES_PER_PARAMETER`` small-op launches per parameter of the graph;
+* the tables go rows when what they save exceeds what they cost (eagerly each table for itself; compiled all the
+  tables of a graph together, since one row-sparse table keeps the graph split).
+
+Only the table's shape, the graph's parameter count and agreed measurements go in, never a batch (below), so
+every rank decides alike. ``True`` keeps rows wherever they apply, without measuring; ``False`` never uses them.
+
 **What a plan may depend on.** Every rank must build the same plan, and ranks see different batches (a short
 last batch, uneven shards) and may recompile alone. So whether a table is planned as rows is a function of the
 graph's *structure* only, never of a batch: how many rows a batch touches is left to the all-reduced mask,
 every iteration. Three rules, each one function:
 
 * ``rows_apply``: is row-sparse reduction used at all (the option, several ranks, CPU buckets, the default comm
-  hook)? The DDP module, the Reducer, the compile backend and ``graphddp inspect`` all ask it.
+  hook)? The DDP module, the Reducer, the compile backend and ``graphddp inspect`` all ask it;
+* ``rows_pay`` (with ``"auto"``): do rows pay on the measured link (above)?
 * ``embedding_tables`` (eager, no graph): the weights of ``nn.Embedding`` modules that no other module shares.
 * ``row_sparse_params`` (compiled): a 2-D parameter that a captured graph brings in as an input and looks rows
   up in, not with ``torch.arange`` (a position table), whose other uses (if any) all come after the last lookup
@@ -60,15 +79,23 @@ This module is pure: no ``torch.distributed``, no graphddp runtime module.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from torch import nn
 
+from .cost import LinkModel
 from .graph_params import GraphParam, GraphUse
 from .split import GraphSplit
 
 ROW_SPARSE_MAX_DENSITY = 0.5
 """A row-sparse bucket is reduced as rows when at most this share of its rows is touched on some rank."""
+
+SPLIT_LAUNCHES_PER_PARAMETER = 20
+"""What the split path costs a compiled step per parameter of the graph over in-graph reduction, in small-op
+launches (``ComputeRates.op_launch_s``): at one rank, where no communication blurs it, ``bench.overhead``'s split
+added 3.8 ms over in-graph for 148 parameters, ~22 launches of 1.15 us each (``docs/benchmarks.md``, sessions 7
+and 10). At two ranks sharing two CPUs it measured 2-4 x that, so the rule leans to rows."""
 
 
 def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
@@ -79,6 +106,51 @@ def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook:
     hands them over).
     """
     return enabled and world_size > 1 and device.startswith("cpu") and not custom_comm_hook
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsVerdict:
+    """Whether some tables' gradients pay to be reduced as rows, and the two sides of it (see the Note)."""
+
+    rows: bool
+    saved_s: float
+    """Seconds a step the rows save over the dense all-reduce, at the worst case still reduced as rows."""
+    cost_s: float
+    """Seconds a step reducing them as rows costs besides: the split, compiled; nothing, eagerly."""
+
+    def describe(self) -> str:
+        side = "rows" if self.rows else "dense"
+        return f"{side}: rows would save {self.saved_s * 1e3:.2f} ms a step on the link, the split costs {self.cost_s * 1e3:.2f} ms"
+
+
+def rows_pay(
+    tables: Sequence[tuple[int, int]],
+    *,
+    link: LinkModel,
+    world: int,
+    cpu_seconds_per_byte: float = 0.0,
+    split_s: float = 0.0,
+) -> RowsVerdict:
+    """Do ``tables`` (each as ``(rows, bytes per row)``) pay to be reduced as rows rather than dense, on ``link``
+    between ``world`` ranks, when reducing them as rows costs ``split_s`` besides? (Note [Row-sparse gradients],
+    "When rows pay".) No table: no rows."""
+    if world < 1 or split_s < 0 or cpu_seconds_per_byte < 0:
+        raise ValueError(f"rows_pay: world must be >= 1 and costs >= 0, got world={world}, split_s={split_s}, cpu={cpu_seconds_per_byte}")
+
+    def reduce_s(nbytes: int) -> float:
+        return link.allreduce_s(nbytes, world) + cpu_seconds_per_byte * nbytes
+
+    saved = 0.0
+    for rows, row_bytes in tables:
+        worst = math.ceil(rows * ROW_SPARSE_MAX_DENSITY) * row_bytes  # the most rows still reduced as rows
+        saved += reduce_s(rows * row_bytes) - reduce_s(rows) - reduce_s(worst)
+    return RowsVerdict(bool(tables) and saved > split_s, saved, split_s)
+
+
+def split_seconds(parameters: int, op_launch_s: float) -> float:
+    """What the split path costs a compiled step of ``parameters`` parameters over in-graph reduction (see
+    ``SPLIT_LAUNCHES_PER_PARAMETER``); 0 where launches were not measured."""
+    return parameters * SPLIT_LAUNCHES_PER_PARAMETER * op_launch_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,8 @@ class Case:
     """Parameters and buffers kept local (``_set_params_and_buffers_to_ignore_for_model``); rank r's ignored
     parameters start at their initial value + 0.01 r, so they differ across ranks."""
     graphddp: tuple[tuple[str, Any], ...] = ()
-    """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for, ...)."""
+    """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for, ...), later ones
+    winning, over ``GRAPHDDP_DEFAULTS``."""
     hook: str | None = None
     """``allreduce``, ``fp16``, ``bf16`` or ``powersgd``, registered before step ``hook_at``."""
     hook_at: int = 0
@@ -108,6 +109,12 @@ class Case:
 
     def with_graphddp(self, **kwargs: Any) -> Case:
         return dataclasses.replace(self, graphddp=self.graphddp + tuple(kwargs.items()))
+
+
+GRAPHDDP_DEFAULTS = {"sparse_embedding_grads": True}
+"""What every case gives graphddp.DDP unless it says otherwise: tables as rows wherever they apply, so every
+feature is checked with them. ``"auto"``, the default, keeps these small tables dense over loopback
+(Note [Row-sparse gradients], "When rows pay"); ``tests/spawned/test_rows_auto.py`` trains with it."""
 
 
 @dataclasses.dataclass
@@ -180,7 +187,7 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
         return ddp, ddp
     if impl != "graphddp":
         raise ValueError(impl)
-    ddp = copied(graphddp.DDP(module, **ddp_kwargs(case), **dict(case.graphddp)), case.copy)
+    ddp = copied(graphddp.DDP(module, **ddp_kwargs(case), **{**GRAPHDDP_DEFAULTS, **dict(case.graphddp)}), case.copy)
     if case.compile is None:
         return ddp, ddp
     inner: Any = user_compiler if case.inner == "callable" else case.inner

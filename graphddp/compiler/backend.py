@@ -143,7 +143,7 @@ class GraphDDPBackend:
             example_inputs,
             target.params_by_id() if target is not None else _parameter_names_without_ddp(gm, example_inputs),
             caps=target.caps_for_graph if target is not None else BucketCaps(),
-            row_sparse=target is not None and target.reduces_rows,  # without a Reducer, nothing takes parts
+            row_sparse=target.rows_for_graph if target is not None else False,  # without a Reducer, nothing takes parts
             plan_for=target.plan_for_graph if target is not None else lambda params: None,
             sink=target,
             bucket_dtypes=target.bucket_dtypes() if target is not None else None,

@@ -47,6 +47,11 @@ class CompileTarget(PartSink, Protocol):
         """Row-sparse tables and parts are in use (``graphddp.passes.rows_apply``)."""
         ...
 
+    def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
+        """Are a newly captured graph's tables planned as rows (``sparse_embedding_grads``; with ``"auto"``, where
+        they pay: Note [Row-sparse gradients], "When rows pay")?"""
+        ...
+
     @property
     def events(self) -> Events: ...
 

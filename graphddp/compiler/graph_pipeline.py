@@ -54,14 +54,15 @@ def prepare_graph(
     names: Mapping[int, str],
     *,
     caps: BucketCaps | Callable[[fx.GraphModule, list[GraphParam]], BucketCaps],
-    row_sparse: bool,
+    row_sparse: bool | Callable[[list[GraphParam]], bool],
     plan_for: Callable[[frozenset[str]], BucketPlan | None] = lambda params: None,
     sink: PartSink | None = None,
     bucket_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> PreparedGraph | None:
     """Plan and cut ``gm``; None when it has no trainable parameter (``names``: ``id(param)`` to name).
 
-    ``caps``: the caps, or a function choosing them for this graph (``bucket_cap_mb="auto"``).
+    ``caps``: the caps, or a function choosing them for this graph (``bucket_cap_mb="auto"``); ``row_sparse``: are
+    its tables planned as rows, or a function deciding it for this graph (``sparse_embedding_grads="auto"``).
     ``plan_for(params)`` returns a plan already made for a graph with exactly these parameters, to cut by instead
     of planning afresh (Note [Plan agreement] in ``graphddp/runtime/plans.py``). Taps hand parts to ``sink``.
     """
@@ -71,6 +72,8 @@ def prepare_graph(
     earlier = plan_for(frozenset(p.spec.name for p in params))
     if callable(caps):  # a recompile is cut by its earlier plan: nothing to choose
         caps = caps(gm, params) if earlier is None else earlier.caps
+    if callable(row_sparse):
+        row_sparse = earlier is None and row_sparse(params)
     split = plan_graph(gm, params, caps, row_sparse=row_sparse, plan=earlier)
     split_gm = None
     if split.num_segments > 1:

@@ -36,8 +36,9 @@ collectives), and the split one otherwise: the first iteration, a ``no_sync`` mi
 the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
 rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
 good (``graphddp.passes.choose_reduction``): a comm hook other than the built-in three, unused parameters searched
-for every step, row-sparse tables, the optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an
-inner compiler that is not AOTAutograd-based.
+for every step, tables planned as rows (by default only where rows pay: Note [Row-sparse gradients]), the
+optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an inner compiler that is not
+AOTAutograd-based.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
 from .plans import PlanKeeper, planned_specs
 from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
+from .rows_rule import RowsRule
 from .skipping import SkipNeverUsed, SkipNothing
 from .stats import RuntimeStats
 from .target import ReducerTarget
@@ -77,7 +78,7 @@ class Reducer:
     def __init__(
         self, named_params: list[tuple[str, torch.nn.Parameter]], plan: BucketPlan, *, process_group: dist.ProcessGroup,
         collective_device: torch.device, gradient_as_bucket_view: bool = False, usage: UsagePolicy | None = None,
-        active_ranks: ActiveRanks | None = None, sparse_embedding_grads: bool = True, skip_unused: bool = False,
+        active_ranks: ActiveRanks | None = None, rows: RowsRule | None = None, skip_unused: bool = False,
         auto_caps: AutoCaps | None = None, channels: Channels | None = None,
     ) -> None:  # fmt: skip
         self._names = [n for n, _ in named_params]
@@ -101,7 +102,7 @@ class Reducer:
         self.stats = RuntimeStats()  # six instants per iteration, for _get_ddp_logging_data (graphddp.runtime.stats)
         self._countdown = Countdown(self, self.usage.used, self._index_of_id)  # the hooks' steady path (Note [Hook that only counts])
         self._target = ReducerTarget(self, named_params, self.plans, rank=self.rank, world_size=self.world_size,
-                                     sparse_embedding_grads=sparse_embedding_grads, auto_caps=auto_caps,
+                                     rows=rows if rows is not None else RowsRule(enabled=True), auto_caps=auto_caps,
                                      channels=self._channels, countdown=self._countdown, skip=skip_unused)
         self.adopt(plan)
 

@@ -23,6 +23,7 @@ from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
 from .plans import PlanKeeper
 from .reductions import CommHook, in_graph_wire, local_average
+from .rows_rule import RowsRule
 from .trace import Events
 from .unused import GradientUsage
 
@@ -55,7 +56,7 @@ class ReducerTarget:
         *,
         rank: int,
         world_size: int,
-        sparse_embedding_grads: bool,
+        rows: RowsRule,
         auto_caps: AutoCaps | None,
         channels: Channels,
         countdown: Countdown,
@@ -65,7 +66,8 @@ class ReducerTarget:
         self._named_params = list(named_params)
         self._plans = plans
         self.rank, self.world_size = rank, world_size
-        self._rows_enabled = sparse_embedding_grads
+        self._rows = rows  # sparse_embedding_grads (Note [Row-sparse gradients])
+        self._rows_by_graph: dict[frozenset[str], bool] = {}
         self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
         self._group = channels.groups[0]  # the DDP's own
         self.channel_names = channels.names
@@ -96,13 +98,21 @@ class ReducerTarget:
         """The caps to plan a newly captured graph with: the plan's, or the automatic choice for this graph."""
         if self._auto_caps is None:
             return self.caps
-        return self._auto_caps.for_graph(gm, params, row_sparse=self.reduces_rows)
+        return self._auto_caps.for_graph(gm, params, row_sparse=self.rows_for_graph(params))
+
+    def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
+        """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)? Decided once per
+        set of parameters (automatic caps ask before the plan does)."""
+        key = frozenset(p.spec.name for p in params)
+        if key not in self._rows_by_graph:
+            self._rows_by_graph[key] = self.reduces_rows and self._rows.for_graph(params)
+        return self._rows_by_graph[key]
 
     @property
     def reduces_rows(self) -> bool:
         """Row-sparse tables and parts are in use (``graphddp.passes.rows_apply``): the Reducer's launcher asks too."""
         return rows_apply(
-            enabled=self._rows_enabled,
+            enabled=self._rows.on,
             world_size=self.world_size,
             device=str(self._named_params[0][1].device),
             custom_comm_hook=self._reducer().comm_hook.custom,

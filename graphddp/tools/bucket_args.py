@@ -67,9 +67,15 @@ def add_bucket_arguments(parser: argparse.ArgumentParser, defaults: BucketOption
         "(Note [Bucket ramps])",
     )  # fmt: skip
     group.add_argument(
-        "--no-sparse-embedding-grads", dest="sparse_embedding_grads", action="store_false",
+        "--sparse-embedding-grads", dest="sparse_embedding_grads", type=_rows_choice, default=defaults.sparse_embedding_grads,
+        metavar="auto|on|off",
+        help="embedding tables' gradients reduced as the rows a batch touched: on, off, or auto: where the step cost "
+        "model says they pay on the link (Note [Row-sparse gradients]) (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--no-sparse-embedding-grads", dest="sparse_embedding_grads", action="store_const", const=False,
         default=defaults.sparse_embedding_grads,
-        help="every bucket all-reduced dense: no row-sparse buckets, no parts (Note [Row-sparse gradients])",
+        help="every bucket all-reduced dense: no row-sparse buckets, no parts (--sparse-embedding-grads off)",
     )  # fmt: skip
     group.add_argument(
         "--channels", type=channel_count, default=defaults.channels, metavar="K",
@@ -86,6 +92,14 @@ def bucket_options(args: argparse.Namespace) -> BucketOptions:
         sparse_embedding_grads=args.sparse_embedding_grads,
         channels=args.channels,
     )
+
+
+def _rows_choice(text: str) -> bool | str:
+    """``--sparse-embedding-grads``: ``auto``, ``on`` or ``off``."""
+    choices = {AUTO: AUTO, "on": True, "off": False}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return choices[text]
 
 
 def _field(flag: str) -> str:

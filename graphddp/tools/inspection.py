@@ -16,6 +16,7 @@ import dataclasses
 import json
 import pkgutil
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch import fx, nn
 from ..compiler.capture import capture_graphs, parameter_names
 from ..compiler.dump import DebugDump, versions
 from ..compiler.graph_pipeline import lower_graph, prepare_graph
-from ..options import BucketOptions
+from ..options import AUTO, BucketOptions
 from ..passes import (
     BucketCaps,
     BucketPlan,
@@ -56,6 +57,7 @@ from ..passes import (
 )
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from ..runtime.calibration import measure_compute_rates
+from ..runtime.rows_rule import RowsRule
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
@@ -177,7 +179,7 @@ def inspect_target(
     last_bucket_cap_mb: float | str = 1,
     bucket_ramps: bool = True,
     bucket_cap_mb_list: tuple[float, ...] | None = None,
-    sparse_embedding_grads: bool = True,
+    sparse_embedding_grads: bool | str = AUTO,
     world_size: int = 2,
     batch: int | None = None,
     size: str = "small",
@@ -216,9 +218,20 @@ def inspect_target(
     if not names:
         raise InspectError(f"{target}: the model has no parameter that requires a gradient; there is nothing to plan")
     writer = DebugDump(dump) if dump is not None else None
-    # As graphddp.DDP decides for a CPU model under the default comm hook.
-    row_sparse = rows_apply(enabled=sparse_embedding_grads, world_size=world_size, device="cpu", custom_comm_hook=False)
+    # As graphddp.DDP decides for a CPU model under the default comm hook; "auto" on the link given (without one,
+    # rows wherever they apply, as True: Note [Row-sparse gradients], "When rows pay").
+    rows_on = rows_apply(enabled=sparse_embedding_grads is not False, world_size=world_size, device="cpu", custom_comm_hook=False)
     rates = measure_compute_rates() if link_model is not None else None
+    measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
+    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, rates=rates, world=world_size)
+    decided: dict[frozenset[str], bool] = {}  # automatic caps ask before the plan does, as in a run
+
+    def row_sparse(params: list[GraphParam]) -> bool:
+        key = frozenset(p.spec.name for p in params)
+        if key not in decided:
+            decided[key] = rows_on and rows.for_graph(params)
+        return decided[key]
+
     auto = None  # with "auto": each graph's caps chosen for it, as in a compiled run
     if search is not None and link_model is not None and rates is not None:
         auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size, row_sparse=row_sparse)
@@ -240,7 +253,8 @@ def inspect_target(
         graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy, channels_choice))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)
-    tables = embedding_tables(model) if row_sparse else frozenset()
+    candidates = embedding_tables(model) if rows_on else frozenset()
+    tables = rows.eager_tables({n: (p.shape, p.dtype) for n, p in model.named_parameters() if n in candidates})
     specs = [ParamSpec.of(n, p, row_sparse=n in tables) for n, p in model.named_parameters() if p.requires_grad]
     # Graphs are captured in the order forward runs them, as the Reducer composes them (graphddp.runtime.plans),
     # with the caps in force (with "auto", the stand-ins: each graph's own plan carries its chosen caps).
@@ -254,7 +268,9 @@ class GraphCapsChooser:
     them in a compiled run (Note [Automatic caps]), with the link and world size given instead of calibrated on a
     process group. Communication's cost in CPU compute is not measured without ranks: it counts as nothing."""
 
-    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, row_sparse: bool) -> None:
+    def __init__(
+        self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, row_sparse: Callable[[list[GraphParam]], bool]
+    ) -> None:
         self.search = search
         self.link = link
         self.rates = rates
@@ -265,7 +281,7 @@ class GraphCapsChooser:
     def for_graph(self, gm: fx.GraphModule, params: list[GraphParam]) -> BucketCaps:
         """``prepare_graph``'s ``caps``: the choice for ``gm``, remembered for the report."""
         choice = choose_graph_caps(
-            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=self.row_sparse
+            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=self.row_sparse(params)
         )
         self._choices[id(gm)] = choice
         return choice.caps

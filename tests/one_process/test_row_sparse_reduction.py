@@ -24,7 +24,7 @@ def test_row_sparse_launch_in_one_process_keeps_the_table_and_falls_back_when_de
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_the_option_is_validated_and_one_rank_plans_no_rows() -> None:
-    with pytest.raises(TypeError, match="sparse_embedding_grads must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="sparse_embedding_grads must be True, False or 'auto', got 'yes'"):
         graphddp.DDP(Bag(), sparse_embedding_grads="yes")  # type: ignore[arg-type]
     # Nothing to send at world size 1: no side group, no rows, no isolated table bucket.
-    assert not any(b.row_sparse for b in graphddp.DDP(Bag()).bucket_plan.buckets)
+    assert not any(b.row_sparse for b in graphddp.DDP(Bag(), sparse_embedding_grads=True).bucket_plan.buckets)

@@ -12,7 +12,7 @@ from ranks import run_on_ranks
 import graphddp
 from graphddp.tools.workloads import build_workload
 
-CAPS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+CAPS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002, "sparse_embedding_grads": True}  # rows: the graphs stay split
 
 
 def train_with_recompile(rank: int, world: int, debug_dir: str | None) -> dict:

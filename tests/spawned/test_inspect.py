@@ -15,9 +15,10 @@ from ranks import run_on_ranks
 import graphddp
 from graphddp.compiler.capture import capture_graphs, parameter_names
 from graphddp.compiler.graph_pipeline import prepare_graph
-from graphddp.passes import BucketCaps, BucketPlan, CapsSearch, ComputeRates, MiB, rows_apply
+from graphddp.passes import BucketCaps, BucketPlan, CapsSearch, ComputeRates, MiB
 from graphddp.passes.caps_choice import MIDDLE_MB
 from graphddp.runtime.auto_caps import AutoCaps
+from graphddp.runtime.rows_rule import RowsRule
 from graphddp.tools.cli import main
 from graphddp.tools.inspection import parse_link
 from graphddp.tools.workloads import build_workload
@@ -56,7 +57,7 @@ def test_a_factory_from_a_test_module(capsys: pytest.CaptureFixture, monkeypatch
 
 def adopted_fingerprint(rank: int, world: int) -> str:
     workload = build_workload("gpt", size="tiny", seed=0)
-    ddp = graphddp.DDP(workload.model, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+    ddp = graphddp.DDP(workload.model, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002, sparse_embedding_grads=True)  # inspect without --link plans rows
     model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     data = torch.Generator().manual_seed(rank)
     for _ in range(2):
@@ -125,7 +126,7 @@ def adopted_wide_plan(rank: int, world: int) -> tuple[str, list[list[str]]]:
 
     torch._dynamo.reset()
     module, (idx, targets) = wide_tied_gpt()
-    ddp = graphddp.DDP(module, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+    ddp = graphddp.DDP(module, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002, sparse_embedding_grads=True)
     model = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     for _ in range(2):
         model(idx, targets).backward()
@@ -224,11 +225,11 @@ def compiled_run_choice(link: str, world: int) -> BucketPlan:
     (``graphddp.runtime.auto_caps.AutoCaps.for_graph`` in the backend's pipeline)."""
     workload = build_workload("gpt", size="small", seed=0)
     auto = AutoCaps(CapsSearch(), parse_link(link), RATES, cpu_seconds_per_byte=0.0, world=world, rank=0)
-    row_sparse = rows_apply(enabled=True, world_size=world, device="cpu", custom_comm_hook=False)
+    rows = RowsRule(enabled="auto", link=parse_link(link), rates=RATES, world=world)  # sparse_embedding_grads="auto"
     (captured,) = capture_graphs(workload.model, *workload.make_batch(torch.Generator().manual_seed(0)))
     prepared = prepare_graph(
         captured.gm, captured.example_inputs, parameter_names(workload.model),
-        caps=lambda gm, params: auto.for_graph(gm, params, row_sparse=row_sparse), row_sparse=row_sparse,
+        caps=lambda gm, params: auto.for_graph(gm, params, row_sparse=rows.for_graph(params)), row_sparse=rows.for_graph,
     )  # fmt: skip
     assert prepared is not None
     return prepared.plan
@@ -273,6 +274,13 @@ def test_inspect_says_how_each_graph_reduces(capsys) -> None:
     assert [str(g.reduction) for g in one_rank.graphs] == ["in_graph (traceable)"]
     two_ranks = inspect_target("gpt", size="tiny", world_size=2)  # the tied table's rows: the split serves them
     assert [str(g.reduction) for g in two_ranks.graphs] == ["split (in-graph cannot serve: row-sparse embedding gradients)"]
+    # "auto" (the default) on a link given: a fast one keeps the table dense and the graph in-graph, a slow one
+    # pays for the split with the bytes the rows save (Note [Row-sparse gradients], "When rows pay").
+    fast = inspect_target("gpt", size="tiny", world_size=2, link="100gbit")
+    assert [str(g.reduction) for g in fast.graphs] == ["in_graph (traceable)"] and not fast.plan.parts
+    slow = inspect_target("gpt", size="tiny", world_size=2, link="1mbit")
+    assert [str(g.reduction) for g in slow.graphs] == ["split (in-graph cannot serve: row-sparse embedding gradients)"]
+    assert inspect_target("gpt", size="tiny", world_size=2, link="100gbit", sparse_embedding_grads=True).plan.parts
     assert main(["inspect", "mlp", "--size", "tiny", "--reduction", "split", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["graphs"][0]["reduction"] == "split (asked for)"
     with pytest.raises(SystemExit):  # argparse's choices name the three

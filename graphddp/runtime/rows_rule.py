@@ -1,0 +1,102 @@
+"""Which embedding tables are reduced as rows: ``sparse_embedding_grads`` and, with ``"auto"``, the link measured
+when the DDP is built (Note [Row-sparse gradients] in ``graphddp/passes/row_sparse.py``, "When rows pay").
+
+One object answers for the eager plan (``eager_tables``) and for each compiled graph (``for_graph``), from data
+every rank shares: the module's structure, the graph's, and rank 0's measurements broadcast. So ranks plan alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..passes import ComputeRates, GraphParam, LinkModel, RowsVerdict, row_sparse_params, rows_pay, split_seconds
+from .auto_caps import AutoCaps
+from .calibration import compute_rates, link_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowsRule:
+    """``sparse_embedding_grads`` as the DDP applies it."""
+
+    enabled: bool | str
+    """``True``: rows wherever they apply; ``False``: never; ``"auto"``: where they pay on ``link``."""
+    link: LinkModel | None = None
+    """The link measured at construction (``"auto"``, only where rows apply to an ``nn.Embedding``); None: rows
+    wherever they apply, as ``True``."""
+    rates: ComputeRates | None = None
+    """This group's compute rates (the split's cost is counted in their small-op launches)."""
+    cpu_seconds_per_byte: float = 0.0
+    """gloo's CPU per byte, where automatic caps measured it; 0 otherwise."""
+    world: int = 1
+    rank: int = 0
+
+    @classmethod
+    def measure(
+        cls, enabled: bool | str, module: nn.Module, group: dist.ProcessGroup, device: torch.device, *, applies: bool,
+        auto_caps: AutoCaps | None,
+    ) -> RowsRule:
+        """The rule for ``module``'s DDP. Collective where ``"auto"`` must measure the link (rows ``applies`` and the
+        module has a table): every rank decides that from the same options and module structure."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if isinstance(enabled, bool) or not applies or not _has_embedding(module):  # True, False: nothing to measure
+            return cls(enabled=enabled, world=world, rank=rank)
+        if auto_caps is not None:  # measured already, gloo's CPU per byte too
+            link, rates, cpu = auto_caps.link, auto_caps.rates, auto_caps.cpu_seconds_per_byte
+        else:
+            link, rates, cpu = link_of(group, device=device), compute_rates(group, device=device), 0.0
+        return cls(enabled=enabled, link=link, rates=rates, cpu_seconds_per_byte=cpu, world=world, rank=rank)
+
+    @property
+    def on(self) -> bool:
+        """Rows may be used at all (``graphddp.passes.rows_apply`` asks the rest)."""
+        return self.enabled is not False
+
+    def verdict(self, tables: Sequence[tuple[int, int]], *, split_s: float = 0.0) -> RowsVerdict | None:
+        """``rows_pay`` on the measured link; None where nothing was measured (rows wherever they apply)."""
+        if self.link is None:
+            return None
+        return rows_pay(tables, link=self.link, world=self.world, cpu_seconds_per_byte=self.cpu_seconds_per_byte, split_s=split_s)
+
+    def eager_tables(self, candidates: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> frozenset[str]:
+        """Of ``candidates`` (``graphddp.passes.embedding_tables``: name to shape and bucket dtype), those reduced
+        as rows eagerly: each table for itself, no split to pay for."""
+        chosen = set()
+        for name, (shape, dtype) in candidates.items():
+            verdict = self.verdict([_shape(shape, dtype)])
+            if verdict is not None:
+                logger.info("[rank %d] graphddp.DDP: embedding table %s reduced %s", self.rank, name, verdict.describe())
+            if verdict is None or verdict.rows:
+                chosen.add(name)
+        return frozenset(chosen)
+
+    def for_graph(self, params: Sequence[GraphParam]) -> bool:
+        """Are a captured graph's tables planned as rows (which keeps it split)? All its tables together: one is
+        enough to keep the graph split, so the split's cost is paid once."""
+        tables = {r.name for r in row_sparse_params(params)}
+        if not tables:
+            return False
+        shapes = [_shape(p.spec.shape, p.spec.dtype) for p in params if p.spec.name in tables]
+        launch_s = self.rates.op_launch_s if self.rates is not None else 0.0
+        verdict = self.verdict(shapes, split_s=split_seconds(len(params), launch_s))
+        if verdict is None:
+            return True
+        logger.info("[rank %d] graphddp: a compiled graph's embedding tables %s reduced %s", self.rank, sorted(tables), verdict.describe())
+        return verdict.rows
+
+
+def _shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+    """``(rows, bytes per row)`` of a 2-D table."""
+    return int(shape[0]), int(shape[1]) * dtype.itemsize
+
+
+def _has_embedding(module: nn.Module) -> bool:
+    """A dense ``nn.Embedding`` that trains, tied or not: a table some plan may reduce as rows."""
+    return any(isinstance(m, nn.Embedding) and not m.sparse and m.weight.requires_grad for m in module.modules())
