@@ -119,8 +119,9 @@ class RowsVerdict:
     """Seconds a step reducing them as rows costs besides: the split, compiled; nothing, eagerly."""
 
     def describe(self) -> str:
-        side = "rows" if self.rows else "dense"
-        return f"{side}: rows would save {self.saved_s * 1e3:.2f} ms a step on the link, the split costs {self.cost_s * 1e3:.2f} ms"
+        side = "as rows" if self.rows else "dense"
+        split = f", the split would cost {self.cost_s * 1e3:.2f} ms" if self.cost_s else ""
+        return f"{side}: rows would save {self.saved_s * 1e3:.2f} ms a step on the link{split}"
 
 
 def rows_pay(

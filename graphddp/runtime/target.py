@@ -101,11 +101,13 @@ class ReducerTarget:
         return self._auto_caps.for_graph(gm, params, row_sparse=self.rows_for_graph(params))
 
     def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
-        """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)? Decided once per
-        set of parameters (automatic caps ask before the plan does)."""
+        """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)? The rule's verdict
+        is taken once per set of parameters (automatic caps ask before the plan does, and it logs)."""
+        if not self.reduces_rows:  # asked each time: a comm hook may have come since
+            return False
         key = frozenset(p.spec.name for p in params)
         if key not in self._rows_by_graph:
-            self._rows_by_graph[key] = self.reduces_rows and self._rows.for_graph(params)
+            self._rows_by_graph[key] = self._rows.for_graph(params)
         return self._rows_by_graph[key]
 
     @property

@@ -116,3 +116,10 @@ def test_a_recompile_is_cut_by_its_plan_and_asks_nothing() -> None:
 
     again = prepare_graph(gm, example_inputs, names, caps=BucketCaps(), row_sparse=never, plan_for=lambda params: first.plan)
     assert again is not None and again.plan == first.plan and again.reused_plan
+
+
+def test_the_verdict_says_both_sides() -> None:
+    compiled = rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, split_s=0.002)
+    assert compiled.describe().startswith("as rows: rows would save 66.") and "the split would cost 2.00 ms" in compiled.describe()
+    eager = rows_pay([BENCH_OVERHEAD_TABLE], link=LOOPBACK, world=2)
+    assert eager.describe().startswith("dense: rows would save -") and "split" not in eager.describe()
