@@ -215,7 +215,7 @@ def tied_gpt_under_users_compiled_autograd(rank: int, world: int) -> list[bool]:
 
     model = tied_gpt()
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ddp = graphddp.DDP(model, **dict(TINY_CAPS), **dict(RAMPED))
+    ddp = graphddp.DDP(model, **dict(TINY_CAPS), **dict(RAMPED), sparse_embedding_grads=True)
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     data = torch.Generator().manual_seed(rank)
     parts = []
