@@ -41,10 +41,10 @@ every rank decides alike. ``True`` keeps rows wherever they apply, without measu
 **What a plan may depend on.** Every rank must build the same plan, and ranks see different batches (a short
 last batch, uneven shards) and may recompile alone. So whether a table is planned as rows is a function of the
 graph's *structure* only, never of a batch: how many rows a batch touches is left to the all-reduced mask,
-every iteration. Three rules, each one function:
+every iteration. Four rules, each one function:
 
 * ``rows_apply``: is row-sparse reduction used at all (the option, several ranks, CPU buckets, the default comm
-  hook)? The DDP module, the Reducer, the compile backend and ``graphddp inspect`` all ask it;
+  hook)? The DDP module, the Reducer, the compile backend and ``graphddp inspect`` all ask it.
 * ``rows_pay`` (with ``"auto"``): do rows pay on the measured link (above)?
 * ``embedding_tables`` (eager, no graph): the weights of ``nn.Embedding`` modules that no other module shares.
 * ``row_sparse_params`` (compiled): a 2-D parameter that a captured graph brings in as an input and looks rows
@@ -94,8 +94,9 @@ ROW_SPARSE_MAX_DENSITY = 0.5
 SPLIT_LAUNCHES_PER_PARAMETER = 20
 """What the split path costs a compiled step per parameter of the graph over in-graph reduction, in small-op
 launches (``ComputeRates.op_launch_s``): at one rank, where no communication blurs it, ``bench.overhead``'s split
-added 3.8 ms over in-graph for 148 parameters, ~22 launches of 1.15 us each (``docs/benchmarks.md``, sessions 7
-and 10). At two ranks sharing two CPUs it measured 2-4 x that, so the rule leans to rows."""
+added 3.8 ms over in-graph for 148 parameters in session 7's run, ~22 launches of 1.15 us each, and 6-9 ms in
+session 10's (``docs/benchmarks.md``). At two ranks sharing two CPUs it measured more again. Charging the
+lowest figure, the rule leans to rows."""
 
 
 def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
