@@ -36,7 +36,9 @@ class RowsRule:
     cpu_seconds_per_byte: float = 0.0
     """gloo's CPU per byte, where automatic caps measured it; 0 otherwise."""
     world: int = 1
+    """Ranks of the DDP's group: the link's all-reduces are predicted for them."""
     rank: int = 0
+    """This rank, for the log lines."""
 
     @classmethod
     def measure(
