@@ -53,7 +53,7 @@ def prepare_graph(
     example_inputs: list[Any],
     names: Mapping[int, str],
     *,
-    caps: BucketCaps | Callable[[fx.GraphModule, list[GraphParam]], BucketCaps],
+    caps: BucketCaps | Callable[[fx.GraphModule, list[GraphParam], bool], BucketCaps],
     row_sparse: bool | Callable[[list[GraphParam]], bool],
     plan_for: Callable[[frozenset[str]], BucketPlan | None] = lambda params: None,
     sink: PartSink | None = None,
@@ -61,8 +61,9 @@ def prepare_graph(
 ) -> PreparedGraph | None:
     """Plan and cut ``gm``; None when it has no trainable parameter (``names``: ``id(param)`` to name).
 
-    ``caps``: the caps, or a function choosing them for this graph (``bucket_cap_mb="auto"``); ``row_sparse``: are
-    its tables planned as rows, or a function deciding it for this graph (``sparse_embedding_grads="auto"``).
+    ``row_sparse``: are its tables planned as rows, or a function deciding it for this graph
+    (``sparse_embedding_grads="auto"``); ``caps``: the caps, or a function choosing them for this graph and that
+    decision (``bucket_cap_mb="auto"``).
     ``plan_for(params)`` returns a plan already made for a graph with exactly these parameters, to cut by instead
     of planning afresh (Note [Plan agreement] in ``graphddp/runtime/plans.py``). Taps hand parts to ``sink``.
     """
@@ -70,10 +71,10 @@ def prepare_graph(
     if not params:
         return None
     earlier = plan_for(frozenset(p.spec.name for p in params))
-    if callable(caps):  # a recompile is cut by its earlier plan: nothing to choose
-        caps = caps(gm, params) if earlier is None else earlier.caps
-    if callable(row_sparse):
+    if callable(row_sparse):  # a recompile is cut by its earlier plan: nothing to choose
         row_sparse = earlier is None and row_sparse(params)
+    if callable(caps):
+        caps = caps(gm, params, row_sparse) if earlier is None else earlier.caps
     split = plan_graph(gm, params, caps, row_sparse=row_sparse, plan=earlier)
     split_gm = None
     if split.num_segments > 1:

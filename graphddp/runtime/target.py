@@ -67,7 +67,6 @@ class ReducerTarget:
         self._plans = plans
         self.rank, self.world_size = rank, world_size
         self._rows = rows  # sparse_embedding_grads (Note [Row-sparse gradients])
-        self._rows_by_graph: dict[frozenset[str], bool] = {}
         self._auto_caps = auto_caps  # bucket_cap_mb="auto" (Note [Automatic caps])
         self._group = channels.groups[0]  # the DDP's own
         self.channel_names = channels.names
@@ -94,21 +93,16 @@ class ReducerTarget:
     def caps(self) -> BucketCaps:
         return self._plans.current.caps
 
-    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam]) -> BucketCaps:
-        """The caps to plan a newly captured graph with: the plan's, or the automatic choice for this graph."""
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], row_sparse: bool) -> BucketCaps:
+        """The caps to plan a newly captured graph with (its tables as rows or not): the plan's, or the automatic
+        choice for this graph."""
         if self._auto_caps is None:
             return self.caps
-        return self._auto_caps.for_graph(gm, params, row_sparse=self.rows_for_graph(params))
+        return self._auto_caps.for_graph(gm, params, row_sparse=row_sparse)
 
     def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
-        """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)? The rule's verdict
-        is taken once per set of parameters (automatic caps ask before the plan does, and it logs)."""
-        if not self.reduces_rows:  # asked each time: a comm hook may have come since
-            return False
-        key = frozenset(p.spec.name for p in params)
-        if key not in self._rows_by_graph:
-            self._rows_by_graph[key] = self._rows.for_graph(params)
-        return self._rows_by_graph[key]
+        """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)?"""
+        return self.reduces_rows and self._rows.for_graph(params)
 
     @property
     def reduces_rows(self) -> bool:

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import pkgutil
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -224,17 +223,13 @@ def inspect_target(
     rates = measure_compute_rates() if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
     rows = RowsRule(enabled=sparse_embedding_grads, link=measured, rates=rates, world=world_size)
-    decided: dict[frozenset[str], bool] = {}  # automatic caps ask before the plan does, as in a run
 
     def row_sparse(params: list[GraphParam]) -> bool:
-        key = frozenset(p.spec.name for p in params)
-        if key not in decided:
-            decided[key] = rows_on and rows.for_graph(params)
-        return decided[key]
+        return rows_on and rows.for_graph(params)
 
     auto = None  # with "auto": each graph's caps chosen for it, as in a compiled run
     if search is not None and link_model is not None and rates is not None:
-        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size, row_sparse=row_sparse)
+        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size)
     graph_caps = auto.for_graph if auto is not None else caps
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
@@ -268,20 +263,17 @@ class GraphCapsChooser:
     them in a compiled run (Note [Automatic caps]), with the link and world size given instead of calibrated on a
     process group. Communication's cost in CPU compute is not measured without ranks: it counts as nothing."""
 
-    def __init__(
-        self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, row_sparse: Callable[[list[GraphParam]], bool]
-    ) -> None:
+    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int) -> None:
         self.search = search
         self.link = link
         self.rates = rates
         self.world = world
-        self.row_sparse = row_sparse
         self._choices: dict[int, CapsChoice] = {}  # id of the graph -> its choice
 
-    def for_graph(self, gm: fx.GraphModule, params: list[GraphParam]) -> BucketCaps:
-        """``prepare_graph``'s ``caps``: the choice for ``gm``, remembered for the report."""
+    def for_graph(self, gm: fx.GraphModule, params: list[GraphParam], row_sparse: bool) -> BucketCaps:
+        """``prepare_graph``'s ``caps``: the choice for ``gm`` (its tables as rows or not), remembered for the report."""
         choice = choose_graph_caps(
-            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=self.row_sparse(params)
+            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=row_sparse
         )
         self._choices[id(gm)] = choice
         return choice.caps

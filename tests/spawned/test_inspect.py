@@ -229,7 +229,7 @@ def compiled_run_choice(link: str, world: int) -> BucketPlan:
     (captured,) = capture_graphs(workload.model, *workload.make_batch(torch.Generator().manual_seed(0)))
     prepared = prepare_graph(
         captured.gm, captured.example_inputs, parameter_names(workload.model),
-        caps=lambda gm, params: auto.for_graph(gm, params, row_sparse=rows.for_graph(params)), row_sparse=rows.for_graph,
+        caps=lambda gm, params, rows_planned: auto.for_graph(gm, params, row_sparse=rows_planned), row_sparse=rows.for_graph,
     )  # fmt: skip
     assert prepared is not None
     return prepared.plan
