@@ -311,8 +311,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         ``graphddp/runtime/optimizer_overlap.py``). The training loop then drops its ``optimizer.step()`` and keeps
         ``zero_grad()``. Only optimizers that update each parameter from its own gradient and state (SGD, Adam,
         AdamW, ...): ``TypeError`` otherwise."""
-        self.reducer.set_after_bucket(StepPerBucket(optimizer, self.reducer.params()))
-        self.reducer.compile_target.block_in_graph("step_in_backward")  # its step runs in the Reducer's hooks
+        stepper = StepPerBucket(optimizer, self.reducer.params())
+        self.reducer.set_after_bucket(stepper)  # on the split and eagerly
+        self.reducer.compile_target.step_in_backward(stepper)  # in-graph (Note [Steps in the compiled backward])
 
     @property
     def bucket_plan(self) -> BucketPlan:

@@ -51,6 +51,7 @@ from .reduction import (
     launch_collectives_early,
     plan_blockers,
     schedule_reductions,
+    sink_bucket_steps,
     sink_waits,
 )
 from .row_sparse import (
@@ -127,6 +128,7 @@ __all__ = [
     "split_seconds",
     "segment_backward_seconds",
     "schedule_reductions",
+    "sink_bucket_steps",
     "sink_waits",
     "sparse_gradient_params",
     "split_at_buckets",

@@ -283,8 +283,8 @@ def choose_optimizer_overlap(
     """Whether stepping the optimizer per bucket inside backward (``DDP.step_in_backward``, Note [Optimizer
     overlap] in ``graphddp/runtime/optimizer_overlap.py``) pays, and both predicted steps in seconds (``"after"``,
     ``"stepped"``). ``after`` is the step as it runs with the optimizer after backward (``after_backward_s``),
-    ``stepped`` the schedule that steps per bucket (``step_per_bucket_s``): under ``torch.compile`` that one runs
-    the split, so its buckets complete where the split's do, not where the in-graph schedule's do. True only where
+    ``stepped`` the schedule that steps per bucket (``step_per_bucket_s``), its buckets completing where the
+    stepping run's do (in-graph or split, whichever the graph runs). True only where
     ``stepped`` is shorter by more than ``margin`` (a share of ``after``'s step)."""
     if after.step_per_bucket_s:
         raise ValueError("`after` must step the optimizer after backward (after_backward_s), not per bucket")

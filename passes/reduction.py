@@ -298,8 +298,35 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
         stack.extend(inputs)
 
 
+STEP_OP = "graphddp::step_bucket"
+"""A bucket's optimizer step node (Note [Steps in the compiled backward], ``graphddp/runtime/in_graph_steps.py``)."""
+
+
+def sink_bucket_steps(graph: fx.Graph) -> int:
+    """Each optimizer step node, with every node downstream of it (the zeros it returns, summed into the abandon
+    signal's gradient), moved to just before the output, in their order: the step of a bucket then runs after
+    every other computation of the backward, so nothing reads a parameter it has changed, and ``sink_waits`` puts
+    each bucket's wait right before its step. Returns how many step nodes there are."""
+    steps = [n for n in graph.nodes if _op_name(n) == STEP_OP]
+    if not steps:
+        return 0
+    downstream, frontier = set(steps), list(steps)
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op != "output" and user not in downstream:
+                downstream.add(user)
+                frontier.append(user)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for node in [n for n in graph.nodes if n in downstream]:
+        output.prepend(node)
+    graph.lint()
+    return len(steps)
+
+
 def schedule_reductions(graph: fx.Graph) -> tuple[int, int, int]:
     """The in-graph backward's order (Note [In-graph reduction], step 2): big gradients computed in pieces, each
-    collective as early and each wait as late as the graph allows. Returns (slices rewritten, nodes moved, waits
-    moved)."""
-    return compute_pieces_separately(graph), launch_collectives_early(graph), sink_waits(graph)
+    collective as early as the graph allows, optimizer step nodes last, each wait as late as the graph allows.
+    Returns (slices rewritten, nodes moved, waits moved)."""
+    pieces = compute_pieces_separately(graph)
+    sink_bucket_steps(graph)
+    return pieces, launch_collectives_early(graph), sink_waits(graph)

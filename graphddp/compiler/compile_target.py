@@ -89,6 +89,11 @@ class CompileTarget(PartSink, Protocol):
         """One rank under graphddp's own averaging: nothing to reduce, in-graph as in the Reducer."""
         ...
 
+    def in_graph_step_key(self, names: Sequence[str]) -> int | None:
+        """The key of an in-graph bucket's optimizer step node (None: no optimizer steps in backward; Note [Steps
+        in the compiled backward] in ``graphddp/runtime/in_graph_steps.py``)."""
+        ...
+
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by a compiled graph as it runs: its in-graph variant (True) or its split one? ``can``: it has an
         in-graph variant (Note [In-graph reduction])."""

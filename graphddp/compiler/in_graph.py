@@ -36,9 +36,10 @@ collectives), and the split one otherwise: the first iteration, a ``no_sync`` mi
 the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
 rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
 good (``graphddp.passes.choose_reduction``): a comm hook other than the built-in three, unused parameters searched
-for every step, tables planned as rows (by default only where rows pay: Note [Row-sparse gradients]), the
-optimizer stepping in backward, a reduce dtype of ``mixed_precision``, an inner compiler that is not
-AOTAutograd-based.
+for every step, tables planned as rows (by default only where rows pay: Note [Row-sparse gradients]), a reduce
+dtype of ``mixed_precision``, an inner compiler that is not AOTAutograd-based. An optimizer stepping in backward
+(``step_in_backward``) is stepped by one more node per bucket, after its wait (Note [Steps in the compiled
+backward] in ``graphddp/runtime/in_graph_steps.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch
 from torch import fx
 
 from ..passes import BucketPlan, GraphParam, bucket_channel, schedule_reductions
+from ..runtime import in_graph_steps  # noqa: F401  (registers graphddp::step_bucket, which step nodes call)
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -71,12 +73,14 @@ class BucketAllReduce(torch.autograd.Function):
         divisor: int,
         wire: torch.dtype | None,
         pieces: Pieces,
+        step: int | None,
         signal: torch.Tensor | None,
+        carries: bool,
         *params: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group_name, ctx.divisor, ctx.wire, ctx.pieces = group_name, divisor, wire, pieces
+        ctx.group_name, ctx.divisor, ctx.wire, ctx.pieces, ctx.step = group_name, divisor, wire, pieces, step
         ctx.shapes = [p.shape for p in params]
-        ctx.signals = 0 if signal is None else 1
+        ctx.signals = 1 if carries else 0  # this bucket's all-reduce carries the signal (the others return it 0)
         if signal is not None:
             ctx.save_for_backward(signal)
         return tuple(p.view_as(p) for p in params)
@@ -85,7 +89,7 @@ class BucketAllReduce(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         some = next((g for g in grads if g is not None), None)
         if some is None:  # no gradient for the whole bucket: the same graph on every rank, so no rank sends it
-            return (None, None, None, None, None, *grads)
+            return (None, None, None, None, None, None, None, *grads)
         flats = [
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)
@@ -98,7 +102,11 @@ class BucketAllReduce(torch.autograd.Function):
             flat = _average(torch.cat([*flats, *told]), ctx)  # [bucket numel (+ 1)]
             *chunks, summed = flat.split([*(s.numel() for s in ctx.shapes), len(told)])
             averaged = [chunk.view(s) for chunk, s in zip(chunks, ctx.shapes)]
-        return (None, None, None, None, summed.float() if ctx.signals else None, *averaged)
+        signal_grad = summed.float() if ctx.signals else None
+        if ctx.step is not None:  # Note [Steps in the compiled backward]: its zero keeps the node in the graph
+            stepped = torch.ops.graphddp.step_bucket(ctx.step, averaged)
+            signal_grad = stepped if signal_grad is None else signal_grad + stepped
+        return (None, None, None, None, None, signal_grad, None, *averaged)
 
 
 Pieces = tuple[int, tuple[int, ...]] | None
@@ -133,10 +141,17 @@ def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:
 
 
 def reduce_bucket(
-    group_name: str, divisor: int, wire: torch.dtype | None, pieces: Pieces, signal: torch.Tensor | None, *params: torch.Tensor
+    group_name: str,
+    divisor: int,
+    wire: torch.dtype | None,
+    pieces: Pieces,
+    step: int | None,
+    signal: torch.Tensor | None,
+    carries: bool,
+    *params: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
-    return BucketAllReduce.apply(group_name, divisor, wire, pieces, signal, *params)
+    return BucketAllReduce.apply(group_name, divisor, wire, pieces, step, signal, carries, *params)
 
 
 SIGNAL_INPUT = "graphddp_abandon_signal"
@@ -154,6 +169,7 @@ def insert_bucket_reductions(
     wire: torch.dtype | None = None,
     signal: bool = False,
     alone: bool = False,
+    step_key: Callable[[Sequence[str]], int | None] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note) on its channel
     of ``group_names`` (Note [Channels]), sent as ``wire`` (a compressing comm hook's dtype; None: the gradients'
@@ -161,7 +177,8 @@ def insert_bucket_reductions(
     input, last (``SIGNAL_INPUT``), which its first bucket's all-reduce carries (Note [Abandoned backward]).
     ``alone``: one rank under graphddp's own averaging (``graphddp.runtime.reductions.local_average``, as the
     Reducer's ``LocalReduction``): the average of one gradient is itself, so no bucket is reduced (and no rank is
-    there to tell: the signal input is taken, unused)."""
+    there to tell: the signal input is taken, unused). ``step_key``: the key of each bucket's optimizer step node,
+    given its parameters' names, or None for none (Note [Steps in the compiled backward]; needs ``signal``)."""
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
     signal_node = None
@@ -178,10 +195,14 @@ def insert_bucket_reductions(
         at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
         with graph.inserting_before(at):
             group_name = group_names[bucket_channel(bucket.index, len(group_names))]
-            carried = signal_node if bucket is plan.buckets[0] else None  # one bucket carries it: the one sent first
+            carries = signal_node is not None and bucket is plan.buckets[0]  # one bucket carries it: the one sent first
+            step = step_key([p.spec.name for p in members]) if step_key is not None else None
+            assert step is None or signal_node is not None, "a step node's zero goes into the signal's gradient"
             call = graph.call_function(
-                reduce_bucket, (group_name, divisor, wire, bucket.pieces, carried, *(nodes[p.node] for p in members))
-            )
+                reduce_bucket,
+                (group_name, divisor, wire, bucket.pieces, step, signal_node if carries or step is not None else None,
+                 carries, *(nodes[p.node] for p in members)),
+            )  # fmt: skip
             for k, member in enumerate(members):
                 item = graph.call_function(operator.getitem, (call, k))
                 nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient

@@ -21,10 +21,13 @@ The training loop drops its ``optimizer.step()`` (graphddp made it) and keeps ``
 ``no_sync()`` nothing is reduced and nothing is stepped: the step comes with the synchronising backward, as in
 the usual accumulation loop.
 
-Whether it pays is the step cost model's call (``graphddp.passes.choose_optimizer_overlap``): stepping per bucket
-under ``torch.compile`` runs the split, so it has to win back what the in-graph schedule would have saved. The
-model says yes only for a predicted gain above ``STEP_IN_BACKWARD_MARGIN`` (3 %); on CPU hosts the steps share
-the cores with gloo's reductions, and below that the measured sign did not follow the predicted one.
+Under ``torch.compile`` a graph reducing in-graph steps each bucket inside its compiled backward instead, by a
+node after the bucket's wait (Note [Steps in the compiled backward] in ``graphddp/runtime/in_graph_steps.py``).
+
+Whether it pays is the step cost model's call (``graphddp.passes.choose_optimizer_overlap``), from the schedule
+the stepping run recorded against the one that steps after backward. The model says yes only for a predicted
+gain above ``STEP_IN_BACKWARD_MARGIN`` (3 %); on CPU hosts the steps share the cores with gloo's reductions, and
+below that the measured sign did not follow the predicted one.
 """
 
 from __future__ import annotations
@@ -89,6 +92,19 @@ class StepPerBucket:
         if whole:
             self.step_only([params[i] for i in whole])
             events.record("stepped", k)
+
+    @torch.no_grad()
+    def step_with(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+        """Step ``params`` with ``grads`` in ``.grad`` for the call (added to what ``.grad`` holds, as autograd
+        will add them), then ``.grad`` as it was (Note [Steps in the compiled backward])."""
+        held = [p.grad for p in params]
+        try:
+            for p, g, h in zip(params, grads, held):
+                p.grad = g if h is None else h + g
+            self.step_only(params)
+        finally:
+            for p, h in zip(params, held):
+                p.grad = h
 
     @torch.no_grad()
     def step_only(self, params: Sequence[torch.nn.Parameter]) -> None:

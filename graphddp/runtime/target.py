@@ -21,6 +21,8 @@ from .auto_caps import AutoCaps
 from .channels import Channels
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
+from .in_graph_steps import bucket_key
+from .optimizer_overlap import StepPerBucket
 from .plans import PlanKeeper
 from .reductions import CommHook, in_graph_wire, local_average
 from .rows_rule import RowsRule
@@ -64,6 +66,7 @@ class ReducerTarget:
     ) -> None:
         self._owner = weakref.ref(owner)
         self._named_params = list(named_params)
+        self._by_name = dict(self._named_params)
         self._plans = plans
         self.rank, self.world_size = rank, world_size
         self._rows = rows  # sparse_embedding_grads (Note [Row-sparse gradients])
@@ -83,6 +86,8 @@ class ReducerTarget:
         """How each graph compiled for this Reducer was cut, in compile order (whatever backend the user named)."""
         self.reductions: list[ReductionChoice] = []
         """How each graph compiled for this Reducer reduces its gradients, in compile order."""
+        self._stepper: StepPerBucket | None = None  # step_in_backward's, for the in-graph variants' step nodes
+        self._in_graph_without_steps = False  # a graph compiled in-graph before an optimizer was registered
 
     def _reducer(self) -> TargetOwner:
         owner = self._owner()
@@ -134,6 +139,27 @@ class ReducerTarget:
         self.splits.append(split)
         if reduction is not None:
             self.reductions.append(reduction)
+            self._in_graph_without_steps |= reduction.strategy == "in_graph" and self._stepper is None
+
+    def step_in_backward(self, stepper: StepPerBucket) -> None:
+        """``DDP.step_in_backward``: graphs compiled from now on step each bucket inside their compiled backward
+        (Note [Steps in the compiled backward]); where that cannot be (one rank, or a graph already compiled
+        in-graph without the step nodes) every graph runs split, where the Reducer steps."""
+        self._stepper = stepper
+        if self.averages_alone():
+            self.block_in_graph("step_in_backward on one rank (the Reducer steps it)")
+        elif self._in_graph_without_steps:
+            self.block_in_graph("step_in_backward registered after a graph was compiled to reduce in-graph")
+
+    def in_graph_step_key(self, names: Sequence[str]) -> int | None:
+        """The key of the step node for a bucket of ``names`` in an in-graph variant being compiled; None: no
+        optimizer steps in backward, so no node."""
+        return bucket_key(self, names) if self._stepper is not None else None
+
+    def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """A step node runs: step these parameters with their averaged gradients."""
+        if self._stepper is not None:
+            self._stepper.step_with([self._by_name[n] for n in names], grads)
 
     def block_in_graph(self, reason: str) -> None:
         """A feature that needs the Reducer's hooks is on (``step_in_backward``): graphs compiled from now stay split."""

@@ -28,11 +28,13 @@ from graphddp.passes import (
     plan_bucket_groups,
     plan_buckets,
     schedule_reductions,
+    sink_bucket_steps,
     sink_waits,
 )
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+STEP = torch.ops.graphddp.step_bucket.default
 
 
 def test_auto_reduces_in_graph_unless_something_needs_the_reducer() -> None:
@@ -123,13 +125,13 @@ class Layers(nn.Module):
 
 
 def _backward_of_reducing_graph(
-    caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits, signal: bool = False
+    caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits, signal: bool = False, step_key: Any = None
 ) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
     model = model if model is not None else Layers()
     (captured,) = capture_graphs(model, torch.randn(5, 8))
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
     reducing = insert_bucket_reductions(
-        captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2, signal=signal
+        captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2, signal=signal, step_key=step_key
     )
     example_inputs = [*captured.example_inputs, *([torch.zeros(1, requires_grad=True)] if signal else [])]
     graphs: dict[str, fx.GraphModule] = {}
@@ -190,6 +192,54 @@ def test_the_first_bucket_carries_the_abandon_signal_and_its_sum_is_the_signals_
     assert [n.args[0].meta["val"].numel() for n in plain_backward.graph.nodes if n.target is ALL_REDUCE][0] == plan.buckets[0].numel
 
 
+def test_each_buckets_optimizer_step_runs_after_all_compute_right_after_its_wait() -> None:
+    """Note [Steps in the compiled backward]: one step node per bucket, with that bucket's parameters' averaged
+    gradients; after scheduling, every step comes after the last matmul (no kernel reads a parameter a step has
+    changed), each right behind its own bucket's wait and ahead of the next bucket's wait, so a bucket is
+    stepped while the later ones are still in flight."""
+    keys: dict[int, tuple[str, ...]] = {}
+
+    def step_key(names: list[str]) -> int:
+        keys[100 + len(keys)] = tuple(names)
+        return 100 + len(keys) - 1
+
+    caps = BucketCaps(bucket=1200, first=1200, last=1200)
+    _, backward, plan, _ = _backward_of_reducing_graph(caps, schedule=schedule_reductions, signal=True, step_key=step_key)
+    nodes = list(backward.graph.nodes)
+    steps = [i for i, n in enumerate(nodes) if n.target is STEP]
+    waits = [i for i, n in enumerate(nodes) if n.target is WAIT]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(steps) == len(waits) == len(plan.buckets) == len(keys) >= 3
+    assert {nodes[i].args[0] for i in steps} == set(keys)
+    for i in steps:  # each step hands over as many gradients as its bucket has parameters
+        assert len(nodes[i].args[1]) == len(keys[nodes[i].args[0]])
+    assert min(steps) > max(matmuls) and min(waits) > max(matmuls)
+    for wait, step, next_wait in zip(waits, steps, [*waits[1:], len(nodes)]):
+        assert wait < step < next_wait, (waits, steps)
+    (output,) = [n for n in nodes if n.op == "output"]
+    assert output.args[0][-1] is not None  # the steps' zeros reach the signal's gradient: the nodes stay
+    _, plain, _, _ = _backward_of_reducing_graph(caps, schedule=schedule_reductions, signal=True)
+    assert not any(n.target is STEP for n in plain.graph.nodes)  # no optimizer: no step node
+
+
+def test_a_step_goes_behind_compute_that_reads_the_parameter_it_changes() -> None:
+    """A bucket's step node traced right after its wait, ahead of the input gradient that reads the weight the
+    step changes in place: ``schedule_reductions`` puts the step, and the zero it feeds into the signal's gradient,
+    after that matmul (``sink_bucket_steps``); the wait follows it down."""
+    graph = fx.Graph()
+    x, w, grad_out, signal = (graph.placeholder(name) for name in ("x", "w", "grad_out", "signal"))
+    grad_w = graph.call_function(torch.ops.aten.mm.default, (graph.call_function(torch.ops.aten.t.default, (grad_out,)), x))
+    reduced = graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (grad_w, "sum", "0")),))
+    zero = graph.call_function(STEP, (7, [reduced]))
+    signal_grad = graph.call_function(torch.ops.aten.add.Tensor, (signal, zero))
+    grad_in = graph.call_function(torch.ops.aten.mm.default, (grad_out, w))  # reads w
+    graph.output((grad_in, reduced, signal_grad))
+    assert _order(graph) == ["t", "mm", "all_reduce", "wait_tensor", "step_bucket", "add", "mm"]
+    schedule_reductions(graph)
+    assert _order(graph) == ["t", "mm", "all_reduce", "mm", "wait_tensor", "step_bucket", "add"]
+    assert sink_bucket_steps(graph) == 1 and _order(graph)[-3:] == ["wait_tensor", "step_bucket", "add"]
+
+
 def test_the_reducing_graph_is_not_split() -> None:
     # The split variant of the same graph is cut into one segment per bucket; the reducing one is one graph.
     _, backward, plan, segments = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200))
@@ -221,7 +271,7 @@ def test_each_bucket_is_reduced_on_its_channel_in_turn() -> None:
     calls = [n for n in reducing.graph.nodes if n.op == "call_function" and n.target.__name__ == "reduce_bucket"]
     by_bucket = {}
     for call in calls:  # a call's parameters are one bucket's
-        members = {a.name for a in call.args[5:]}
+        members = {a.name for a in call.args[7:]}
         (bucket,) = [b.index for b in prepared.plan.buckets if members <= {p.node for p in prepared.params if p.spec in b.params}]
         by_bucket[bucket] = call.args[0]
     assert by_bucket == {b.index: ("g0", "g1", "g2")[b.index % 3] for b in prepared.plan.buckets}

@@ -1,0 +1,67 @@
+"""Optimizer steps inside the compiled backward: ``step_in_backward`` on the in-graph strategy.
+
+Note [Steps in the compiled backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On the split, the Reducer steps each bucket at the end of backward as its all-reduce completes (Note [Optimizer
+overlap] in ``graphddp/runtime/optimizer_overlap.py``). In-graph there is no Reducer in the backward, and the
+compiled backward returns every gradient at once, after the last wait: the optimizer would run after the link,
+where a link-bound step can least afford it. So a graph compiled while an optimizer is registered gets one more
+node per bucket (``graphddp/compiler/in_graph.py``): ``graphddp::step_bucket(key, averaged)``, right after the
+bucket's wait. Its Python runs the user's optimizer over the bucket's parameters, with their averaged gradients
+standing in ``.grad`` for the call (added to what ``.grad`` held, as autograd will add them); autograd then puts
+the same averages into ``.grad`` when the compiled backward returns, as without it.
+
+* **Not dropped, ordered after its wait**: the node returns a [1] zero that is added into the abandon signal's
+  gradient (Note [Abandoned backward]), so the graph needs it; it reads the waited gradients, so it runs after
+  them. ``graphddp.passes.sink_bucket_steps`` moves each one, with its wait, to the end of the backward: after
+  every other computation, so no kernel reads a parameter the step already changed. There the waits come in
+  bucket order: while bucket k is stepped, the later buckets are still on the link.
+* **When**: only where the graph was compiled with the optimizer registered and more than one rank averages
+  (one rank has no wait to hide behind: its graphs run split, where the Reducer steps). An optimizer registered
+  after a graph was compiled in-graph without these nodes sends every graph back to the split, as before.
+* **The key**: an int naming (the DDP's target, the bucket's parameter names), made when the graph is compiled.
+  The target is held weakly: a node of a freed DDP steps nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from ..passes.reduction import STEP_OP  # the passes find the nodes by this name: they import nothing of the runtime
+
+
+class StepsParameters(Protocol):
+    """What a node's key refers to: steps a bucket's parameters, given their averaged gradients."""
+
+    def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None: ...
+
+
+_keys = itertools.count()
+_buckets: dict[int, tuple[weakref.ref[StepsParameters], tuple[str, ...]]] = {}
+
+
+def bucket_key(target: StepsParameters, names: Sequence[str]) -> int:
+    """A key for one bucket of a graph being compiled: ``target.step_bucket(names, ...)`` when its node runs."""
+    key = next(_keys)
+    _buckets[key] = (weakref.ref(target), tuple(names))
+    return key
+
+
+@torch.library.custom_op(STEP_OP, mutates_args=())
+def step_bucket(key: int, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Step the parameters of bucket ``key`` with ``grads``, their averaged gradients; a [1] float32 zero."""
+    entry = _buckets.get(key)
+    target = entry[0]() if entry is not None else None
+    if target is not None:
+        target.step_bucket(entry[1], grads)  # type: ignore[index]
+    return grads[0].new_zeros(1, dtype=torch.float32)
+
+
+@step_bucket.register_fake
+def _(key: int, grads: list[torch.Tensor]) -> torch.Tensor:
+    return grads[0].new_empty(1, dtype=torch.float32)

@@ -1,0 +1,99 @@
+"""Optimizer steps inside the compiled backward (Note [Steps in the compiled backward]) on spawned gloo ranks:
+``step_in_backward`` with the graph reducing in-graph trains exactly as PyTorch's DDP followed by
+``optimizer.step()``, each bucket stepped by its node and not by the Reducer; no_sync micro-steps and the step
+after them run split and the Reducer steps; an optimizer registered after compiling sends the graph back to the
+split."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import IN, MLP, OUT
+from ranks import run_on_ranks
+from training import CAPS
+
+import graphddp
+from graphddp.runtime import optimizer_overlap
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(6, IN, generator=g), torch.randn(6, OUT, generator=g)
+
+
+def train(rank: int, world: int, inner: str, accumulate: int, register_after: int) -> list[tuple[bool, int, int]]:
+    """Per step: (gate open, buckets stepped inside the compiled backward, buckets the Reducer stepped); parameters
+    and optimizer state checked against PyTorch's DDP and ``optimizer.step()`` after every step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in (ddp, ref))
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    compiled = torch.compile(ddp, backend=graphddp.backend(inner))
+    counts = {"node": 0, "reducer": 0}
+    step_with, bucket_final = optimizer_overlap.StepPerBucket.step_with, optimizer_overlap.StepPerBucket.bucket_final
+
+    def counting_step_with(self, params, grads):  # the step nodes' way in
+        counts["node"] += 1
+        return step_with(self, params, grads)
+
+    def counting_bucket_final(self, k, whole, params, events):  # the Reducer's way in
+        counts["reducer"] += bool(whole)
+        return bucket_final(self, k, whole, params, events)
+
+    optimizer_overlap.StepPerBucket.step_with = counting_step_with
+    optimizer_overlap.StepPerBucket.bucket_final = counting_bucket_final
+    record = []
+    try:
+        for step in range(6):
+            if step == register_after:
+                ddp.step_in_backward(opt)
+            stepping = step >= register_after
+            counts.update(node=0, reducer=0)
+            for micro in range(accumulate):
+                x, y = batch(step, micro, rank)
+                for module in (compiled, ref):
+                    context = module.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+                    with context:
+                        F.mse_loss(module(x), y).backward()
+            record.append((ddp.reducer.compile_target.gate.open, counts["node"], counts["reducer"]))
+            if not stepping:
+                opt.step()
+            ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            for schedule in schedules:
+                schedule.step()
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+                torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"])
+    finally:
+        optimizer_overlap.StepPerBucket.step_with, optimizer_overlap.StepPerBucket.bucket_final = step_with, bucket_final
+    return record
+
+
+@pytest.mark.parametrize(("inner", "world"), [("aot_eager", 2), pytest.param("aot_eager", 3, marks=pytest.mark.slow),
+                                              pytest.param("inductor", 2, marks=pytest.mark.slow)])  # fmt: skip
+def test_buckets_are_stepped_inside_the_compiled_backward_as_optimizer_step_would(inner: str, world: int) -> None:
+    for record in run_on_ranks(train, world, inner, 1, 0):
+        # The first step runs split (the plan is agreed during it): the Reducer steps. From then on in-graph: every
+        # bucket by its node, none by the Reducer.
+        assert not record[0][0] and record[0][1] == 0 and record[0][2] > 1, record
+        k = record[0][2]
+        assert all(entry == (True, k, 0) for entry in record[1:]), record
+
+
+def test_no_sync_micro_steps_and_the_step_after_them_are_stepped_by_the_reducer() -> None:
+    for record in run_on_ranks(train, 2, "aot_eager", 2, 0):
+        assert all(not open_ and node == 0 and reducer > 1 for open_, node, reducer in record), record
+
+
+def test_an_optimizer_registered_after_compiling_in_graph_sends_the_graph_back_to_the_split() -> None:
+    for record in run_on_ranks(train, 2, "aot_eager", 1, 3):
+        assert [open_ for open_, _, _ in record] == [False, True, True, False, False, False], record
+        assert all(node == 0 for _, node, _ in record) and all(reducer > 1 for _, _, reducer in record[3:]), record
