@@ -303,24 +303,47 @@ STEP_OP = "graphddp::step_bucket"
 
 
 def sink_bucket_steps(graph: fx.Graph) -> int:
-    """Each optimizer step node, with every node downstream of it (the zeros it returns, summed into the abandon
-    signal's gradient), moved to just before the output, in their order: the step of a bucket then runs after
-    every other computation of the backward, so nothing reads a parameter it has changed, and ``sink_waits`` puts
-    each bucket's wait right before its step. Returns how many step nodes there are."""
+    """The optimizer step nodes, last (Note [Steps in the compiled backward]): at the end of the graph, bucket by
+    bucket in the steps' order, what a step needs of the waits (the bucket's waits, the views and copies that make
+    its averaged gradients) and then the step; after them, whatever else follows from those (the zeros the steps
+    return, summed into the abandon signal's gradient). So a bucket's step runs once its own all-reduces are
+    waited for, while the later buckets' are still in flight, and after every computation that does not need a
+    wait, so nothing reads a parameter a step has changed. Returns how many step nodes there are."""
     steps = [n for n in graph.nodes if _op_name(n) == STEP_OP]
     if not steps:
         return 0
-    downstream, frontier = set(steps), list(steps)
-    while frontier:
-        for user in frontier.pop().users:
-            if user.op != "output" and user not in downstream:
-                downstream.add(user)
-                frontier.append(user)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    after_waits = _downstream([n for n in graph.nodes if _is_wait(n)])
+    tail: list[fx.Node] = []
+    placed: set[fx.Node] = set()
+    for step in steps:
+        needed, stack = set(), [step]
+        while stack:  # what the step needs that comes from a wait
+            for node in stack.pop().all_input_nodes:
+                if node in after_waits and node not in needed and node not in placed:
+                    needed.add(node)
+                    stack.append(node)
+        for node in [*sorted(needed, key=order.__getitem__), step]:
+            tail.append(node)
+            placed.add(node)
+    following = _downstream(tail) - placed
+    tail += sorted(following, key=order.__getitem__)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for node in [n for n in graph.nodes if n in downstream]:
+    for node in tail:
         output.prepend(node)
     graph.lint()
     return len(steps)
+
+
+def _downstream(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    """``roots`` and every node computed from them, the output excepted."""
+    found, frontier = set(roots), list(roots)
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op != "output" and user not in found:
+                found.add(user)
+                frontier.append(user)
+    return found
 
 
 def schedule_reductions(graph: fx.Graph) -> tuple[int, int, int]:

@@ -192,34 +192,53 @@ def test_the_first_bucket_carries_the_abandon_signal_and_its_sum_is_the_signals_
     assert [n.args[0].meta["val"].numel() for n in plain_backward.graph.nodes if n.target is ALL_REDUCE][0] == plan.buckets[0].numel
 
 
-def test_each_buckets_optimizer_step_runs_after_all_compute_right_after_its_wait() -> None:
+@pytest.mark.parametrize("cap", [1200, 300])  # 300 B: each weight in blocks of rows, an all-reduce and wait each
+def test_each_buckets_optimizer_step_runs_after_all_compute_right_after_its_waits(cap: int) -> None:
     """Note [Steps in the compiled backward]: one step node per bucket, with that bucket's parameters' averaged
     gradients; after scheduling, every step comes after the last matmul (no kernel reads a parameter a step has
-    changed), each right behind its own bucket's wait and ahead of the next bucket's wait, so a bucket is
-    stepped while the later ones are still in flight."""
+    changed), right behind its own bucket's waits and ahead of the next bucket's, so a bucket is stepped while
+    the later ones are still in flight."""
     keys: dict[int, tuple[str, ...]] = {}
 
     def step_key(names: list[str]) -> int:
         keys[100 + len(keys)] = tuple(names)
         return 100 + len(keys) - 1
 
-    caps = BucketCaps(bucket=1200, first=1200, last=1200)
+    caps = BucketCaps(bucket=cap, first=cap, last=cap)
     _, backward, plan, _ = _backward_of_reducing_graph(caps, schedule=schedule_reductions, signal=True, step_key=step_key)
+    assert (cap == 300) == any(b.pieces for b in plan.buckets)
     nodes = list(backward.graph.nodes)
-    steps = [i for i, n in enumerate(nodes) if n.target is STEP]
-    waits = [i for i, n in enumerate(nodes) if n.target is WAIT]
+    steps = [n for n in nodes if n.target is STEP]
     matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
-    assert len(steps) == len(waits) == len(plan.buckets) == len(keys) >= 3
-    assert {nodes[i].args[0] for i in steps} == set(keys)
-    for i in steps:  # each step hands over as many gradients as its bucket has parameters
-        assert len(nodes[i].args[1]) == len(keys[nodes[i].args[0]])
-    assert min(steps) > max(matmuls) and min(waits) > max(matmuls)
-    for wait, step, next_wait in zip(waits, steps, [*waits[1:], len(nodes)]):
-        assert wait < step < next_wait, (waits, steps)
+    assert len(steps) == len(plan.buckets) == len(keys) >= 3
+    assert {n.args[0] for n in steps} == set(keys)
+    for step in steps:  # each step hands over as many gradients as its bucket has parameters
+        assert len(step.args[1]) == len(keys[step.args[0]])
+    assert min(nodes.index(n) for n in steps) > max(matmuls)
+    waits_then_step, group = [], []
+    for node in (n for n in nodes if n.target in (WAIT, STEP)):
+        if node.target is WAIT:
+            group.append(node)
+        else:
+            waits_then_step.append((group, node))
+            group = []
+    assert not group and min(nodes.index(w) for w, _ in [(g[0], s) for g, s in waits_then_step]) > max(matmuls)
+    for waits, step in waits_then_step:  # the waits just before a step are exactly the ones it needs
+        assert set(waits) == {a for a in _ancestors(step) if a.target is WAIT}, [n.name for n in waits]
     (output,) = [n for n in nodes if n.op == "output"]
     assert output.args[0][-1] is not None  # the steps' zeros reach the signal's gradient: the nodes stay
     _, plain, _, _ = _backward_of_reducing_graph(caps, schedule=schedule_reductions, signal=True)
     assert not any(n.target is STEP for n in plain.graph.nodes)  # no optimizer: no step node
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in found:
+                found.add(parent)
+                stack.append(parent)
+    return found
 
 
 def test_a_step_goes_behind_compute_that_reads_the_parameter_it_changes() -> None:
