@@ -215,7 +215,9 @@ def insert_bucket_reductions(
 # -- the inner compiler, made to keep waits late ---------------------------------------------------------------
 @functools.cache
 def _scheduling_pass() -> type:
-    from torch._inductor.custom_graph_pass import CustomGraphPass  # Inductor only when it is used
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # Inductor only when used
+
+    from ..passes import reduction as reduction_passes
 
     class ScheduleReductions(CustomGraphPass):
         """Inductor's post-grad hook running ``schedule_reductions`` (after a pass the user had set)."""
@@ -229,8 +231,10 @@ def _scheduling_pass() -> type:
             schedule_reductions(graph)
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
+            # The pass's source itself: a changed pass (an upgrade of graphddp) must not reuse a graph the old one
+            # ordered; a fixed version tag did, and ran steps after every wait (Note [Steps in the compiled backward]).
             before = self.before.uuid() if self.before is not None and hasattr(self.before, "uuid") else None
-            return ("graphddp.schedule_reductions", 2, before)
+            return ("graphddp.schedule_reductions", get_hash_for_files((reduction_passes.__file__,)), before)
 
     return ScheduleReductions
 

@@ -393,3 +393,17 @@ def test_only_blocks_that_are_sent_and_whose_matmul_is_used_nowhere_else_are_rew
     assert compute_pieces_separately(_sliced_product(whole_used=True, sent=True)) == 0
     # The model's own slicing of a matmul, sent nowhere: not graphddp's to change.
     assert compute_pieces_separately(_sliced_product(whole_used=False, sent=False)) == 0
+
+
+def test_inductors_cache_key_follows_the_scheduling_pass_source(tmp_path, monkeypatch) -> None:
+    """Inductor reuses a compiled graph whose cache key matches: the key of graphddp's post-grad pass is the hash
+    of the pass's source, so a changed pass never runs a graph the old one ordered (a fixed tag did)."""
+    from graphddp.compiler import in_graph
+    from graphddp.passes import reduction
+
+    key = in_graph._scheduling_pass()().uuid()
+    assert key == in_graph._scheduling_pass()().uuid()
+    changed = tmp_path / "reduction.py"
+    changed.write_text(open(reduction.__file__).read() + "\n# changed\n")
+    monkeypatch.setattr(reduction, "__file__", str(changed))
+    assert in_graph._scheduling_pass()().uuid() != key
