@@ -106,6 +106,9 @@ def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backwa
     result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
     assert result["step_pick"] == pytest.approx({"mode": "graphddp-compiled+step", "median_s": 0.38, "over_compiled": 0.95})
     assert "+step (0.950)" in matrix.report([result], command="c")
+    # The limit target is also checked on the mode the model picks: what a user who follows the planner runs.
+    assert result["ratios"]["model's pick / limit"] == pytest.approx(0.38 / result["limit_s"])
+    assert result["met"]["model's pick / limit"] == (0.38 <= 1.10 * result["limit_s"])
     del s["modes"]["graphddp-compiled+step"]  # no +step run: nothing to pick between
     assert "step_pick" not in predict_modes(s)["graphddp-compiled"]
 
