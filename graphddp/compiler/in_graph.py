@@ -140,18 +140,10 @@ def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(reduced).to(flat.dtype)
 
 
-def reduce_bucket(
-    group_name: str,
-    divisor: int,
-    wire: torch.dtype | None,
-    pieces: Pieces,
-    step: int | None,
-    signal: torch.Tensor | None,
-    carries: bool,
-    *params: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
-    """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce``."""
-    return BucketAllReduce.apply(group_name, divisor, wire, pieces, step, signal, carries, *params)
+def reduce_bucket(*args: Any) -> tuple[torch.Tensor, ...]:
+    """What an inserted node calls: the bucket's parameters, through ``BucketAllReduce`` (its ``forward``'s
+    arguments: group name, divisor, wire dtype, pieces, step key, signal, whether it carries it, parameters)."""
+    return BucketAllReduce.apply(*args)
 
 
 SIGNAL_INPUT = "graphddp_abandon_signal"
