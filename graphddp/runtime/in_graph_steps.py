@@ -19,6 +19,9 @@ the same averages into ``.grad`` when the compiled backward returns, as without 
 * **When**: only where the graph was compiled with the optimizer registered and more than one rank averages
   (one rank has no wait to hide behind: its graphs run split, where the Reducer steps). An optimizer registered
   after a graph was compiled in-graph without these nodes sends every graph back to the split, as before.
+* **One graph**: where the module compiles into several graphs (graph breaks), they run split and the Reducer
+  steps. A later graph's backward runs first; a parameter it shares with an earlier graph (a tied weight) would
+  be stepped on part of its gradient, before the earlier graph's backward had read it.
 * **The key**: an int naming (the DDP's target, the bucket's parameter names), made when the graph is compiled.
   The target is held weakly: a node of a freed DDP steps nothing.
 """

@@ -179,11 +179,13 @@ class ReducerTarget:
     def begin_forward(self, *, grad_enabled: bool, synchronising: bool, joining: bool) -> None:
         """Every DDP forward, after the plan switch: does this one reduce in-graph (``graphddp.runtime.in_graph``)?
         Not while a feature registered after compiling needs the hooks (a comm hook, ``step_in_backward``), nor
-        while the Reducer's events are recorded (a timeline of its buckets: as the steady hook, the full path)."""
+        while the Reducer's events are recorded (a timeline of its buckets: as the steady hook, the full path),
+        nor while an optimizer steps in backward over several graphs (Note [Steps in the compiled backward])."""
         owner = self._reducer()
         needs_hooks = (
             joining or bool(self._blockers) or owner.comm_hook is not self._traced_hook or owner.events.recording
             or owner.usage.policy.may_leave_unused  # static_graph: until its first iteration found every one used
+            or self._stepper is not None and len(self._plans.agreed_in_graph) > 1  # steps in-graph: one graph only
         )
         self.gate.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, needs_hooks=needs_hooks)
 
