@@ -106,3 +106,34 @@ def test_a_module_compiled_into_several_graphs_runs_split_and_the_reducer_steps(
     graph still reads or step a shared parameter on part of its gradient: with graph breaks, the split."""
     for record in run_on_ranks(train, 2, "aot_eager", 1, 0, True):
         assert all(not open_ and node == 0 and reducer > 1 for open_, node, reducer in record), record
+
+
+def compiled_autograd_steps(rank: int, world: int) -> list[tuple[bool, int]]:
+    """step_in_backward with the backward under compiled autograd (which traces the compiled backward again)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ddp, ref))
+    ddp.step_in_backward(opt)
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    record = []
+    for step in range(4):
+        x, y = batch(step, 0, rank)
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            F.mse_loss(compiled(x), y).backward()
+        F.mse_loss(ref(x), y).backward()
+        record.append((ddp.reducer.compile_target.gate.open, step))
+        ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    return record
+
+
+def test_stepping_inside_the_compiled_backward_under_compiled_autograd() -> None:
+    for record in run_on_ranks(compiled_autograd_steps, 2):
+        assert [open_ for open_, _ in record][1:] == [True, True, True], record
