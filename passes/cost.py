@@ -229,7 +229,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     for k, seconds in enumerate(inputs.step_per_bucket_s):
         node = f"step {k}"
         durations[node] = seconds
-        graph.add_edge(chain[-1], node)  # the Reducer's finalize steps the buckets: after backward's compute
+        graph.add_edge(chain[-1], node)  # after backward's compute (the Reducer's finalize, or in-graph step nodes)
         graph.add_edge(f"bucket {k} on the wire", node)
         if k:
             graph.add_edge(f"step {k - 1}", node)

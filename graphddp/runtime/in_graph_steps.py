@@ -50,6 +50,8 @@ _buckets: dict[int, tuple[weakref.ref[StepsParameters], tuple[str, ...]]] = {}
 
 def bucket_key(target: StepsParameters, names: Sequence[str]) -> int:
     """A key for one bucket of a graph being compiled: ``target.step_bucket(names, ...)`` when its node runs."""
+    for dead in [k for k, (ref, _) in _buckets.items() if ref() is None]:  # keys of freed DDPs' graphs
+        del _buckets[dead]
     key = next(_keys)
     _buckets[key] = (weakref.ref(target), tuple(names))
     return key
