@@ -119,6 +119,10 @@ def cell(
     limit = testbed_limit(summary)
     if limit is not None and "graphddp-compiled" in median:
         ratios["graphddp-compiled / limit"] = median["graphddp-compiled"] / limit
+    pick = modes.get("graphddp-compiled", {}).get("step_pick")
+    picked = planner_pick(pick, median) if pick is not None else None
+    if limit is not None and picked is not None:
+        ratios["model's pick / limit"] = picked["median_s"] / limit
     result: dict[str, Any] = {
         "workload": workload, "link": link, "median_s": median, "limit_s": limit, "ratios": ratios,
         "prediction_error": {m: v["prediction_error"] for m, v in modes.items() if "prediction_error" in v},
@@ -127,12 +131,8 @@ def cell(
         "below_limit": below_limit(median, limit),
         "reductions": summary.get("reductions", {}),
     }  # fmt: skip
-    if (pick := modes.get("graphddp-compiled", {}).get("step_pick")) is not None:
-        result["step_pick"] = planner_pick(pick, median)
-        if limit is not None:
-            ratios["model's pick / limit"] = result["step_pick"]["median_s"] / limit
-            if not crowded:
-                result["met"]["model's pick / limit"] = ratios["model's pick / limit"] <= TARGETS["model's pick / limit"]
+    if picked is not None:
+        result["step_pick"] = picked
     if swept is not None:
         sweep = {m.split("@", 1)[1]: v["median_s"] for m, v in swept["modes"].items()}
         fixed = {c: t for c, t in sweep.items() if c != "auto"}
