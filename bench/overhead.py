@@ -84,7 +84,7 @@ class OverheadOptions:
     """Intra-op threads per rank."""
     tables: bool | str = "auto"
     """graphddp's ``sparse_embedding_grads``: ``"auto"`` (the default: rows where they pay on the link measured at
-    construction), True (rows wherever they apply: a multi-rank compiled graph keeps the split) or False (dense,
+    construction), True (rows wherever they apply) or False (dense,
     as PyTorch's DDP reduces them)."""
     device: str = "cpu"
     out: str = "bench-overhead"

@@ -56,7 +56,6 @@ from .reduction import (
 )
 from .row_sparse import (
     ROW_SPARSE_MAX_DENSITY,
-    SPLIT_LAUNCHES_PER_PARAMETER,
     RowSparseParam,
     RowsVerdict,
     embedding_tables,
@@ -65,7 +64,6 @@ from .row_sparse import (
     rows_apply,
     rows_pay,
     sparse_gradient_params,
-    split_seconds,
 )
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 from .taps import place_taps, tap_parts
@@ -74,7 +72,6 @@ __all__ = [
     "ALGORITHMS",
     "REDUCTIONS",
     "ROW_SPARSE_MAX_DENSITY",
-    "SPLIT_LAUNCHES_PER_PARAMETER",
     "ReductionChoice",
     "Bucket",
     "CapsChoice",
@@ -125,7 +122,6 @@ __all__ = [
     "row_sparse_params",
     "rows_apply",
     "rows_pay",
-    "split_seconds",
     "segment_backward_seconds",
     "schedule_reductions",
     "sink_bucket_steps",

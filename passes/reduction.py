@@ -41,14 +41,10 @@ def check_reduction(requested: object) -> str:
 
 
 def plan_blockers(plan: BucketPlan) -> list[str]:
-    """What in ``plan`` cannot be reduced in the graph: row-sparse tables and their parts (their rows are chosen at
-    run time), ``torch.sparse`` gradients."""
-    blockers = []
-    if plan.parts or any(b.row_sparse for b in plan.buckets):
-        blockers.append("row-sparse embedding gradients")
-    if any(b.sparse_grad for b in plan.buckets):
-        blockers.append("sparse gradients")
-    return blockers
+    """What in ``plan`` cannot be reduced in the graph: ``torch.sparse`` gradients. (Tables planned as rows and
+    their parts can: an opaque node picks the rows at run time, Note [Rows in the compiled backward] in
+    ``graphddp/runtime/in_graph_rows.py``.)"""
+    return ["sparse gradients"] if any(b.sparse_grad for b in plan.buckets) else []
 
 
 def choose_reduction(requested: str, blockers: Sequence[str]) -> ReductionChoice:

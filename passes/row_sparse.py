@@ -21,21 +21,18 @@ accumulated under ``no_sync``) is reduced dense from then on, and its parts are 
 (``BucketPlan.without_rows``), so they do not travel on top of it: again decided from all-reduced outcomes.
 
 **When rows pay** (``rows_pay``, the one rule for both paths; ``sparse_embedding_grads="auto"``, the default).
-Rows are not free. Eagerly they add a collective (the mask) per table. Compiled, a row-sparse table keeps its
-whole graph on the split path, whose per-parameter copies and per-segment wrappers in-graph reduction does
-without (Note [In-graph reduction]): on the launch-bound ``bench.overhead`` at two ranks over loopback the split
-with rows added 1.13-1.24 x what PyTorch's compiled DDP added, the same graph in-graph with the table dense
-0.78 x (``docs/benchmarks.md``, session 10). On a slow link the bytes win instead: the bench GPT's table is 134 ms
-at 1 Gbit/s. So, on the link measured at construction (the same on every rank, ``graphddp.runtime.calibration``):
+Rows are not free: they add a collective (the mask) per table, a round trip that a fast link measures at about
+1 ms over loopback, more than the bytes of a small table. On a slow link the bytes win instead: the bench GPT's
+table is 134 ms at 1 Gbit/s. So, on the link measured at construction (the same on every rank,
+``graphddp.runtime.calibration``), the rows save ``dense - rows`` seconds a step per table: the table's
+all-reduce, against the mask's (one byte per row) and the rows' at the worst case still reduced as rows
+(``ROW_SPARSE_MAX_DENSITY`` of them), both with gloo's CPU per byte; that rows are all exposed at the end of
+backward holds for the dense table too. The tables go rows when that is positive (eagerly each table for itself;
+compiled all the tables of a graph together). Compiled, rows no longer keep a graph on the split: in-graph, an
+opaque node reduces them (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); until
+then (session 10) the rule also charged the split's launches, and the matrix's GPT ran split.
 
-* the rows save ``dense - rows`` seconds a step per table: the table's all-reduce, against the mask's (one byte
-  per row) and the rows' at the worst case still reduced as rows (``ROW_SPARSE_MAX_DENSITY`` of them), both
-  with gloo's CPU per byte; that rows are all exposed at the end of backward holds for the dense table too;
-* compiled, the split costs ``SPLIT_LAUNCHES_PER_PARAMETER`` small-op launches per parameter of the graph;
-* the tables go rows when what they save exceeds what they cost (eagerly each table for itself; compiled all the
-  tables of a graph together, since one row-sparse table keeps the graph split).
-
-Only the table's shape, the graph's parameter count and agreed measurements go in, never a batch (below), so
+Only the table's shape and agreed measurements go in, never a batch (below), so
 every rank decides alike. ``True`` keeps rows wherever they apply, without measuring; ``False`` never uses them.
 
 **What a plan may depend on.** Every rank must build the same plan, and ranks see different batches (a short
@@ -59,7 +56,8 @@ parameter to that segment; the tap's backward hands the segment's contribution t
 on to ``.grad``. The part is all-reduced early, hidden behind the rest of backward; the lookups' rows go last,
 and they are few. Once both are reduced, the Reducer adds the part into the parameter's gradient: all-reduce is
 linear, so the result is the all-reduce of the sum, as in PyTorch's DDP. The bench GPT sends 2 MB after backward
-instead of 16.8 MB.
+instead of 16.8 MB. In-graph there is no tap and no Reducer: the part's use goes through its bucket's call, and
+the table's own call adds the part's average to the rows' (Note [Rows in the compiled backward]).
 
 A use that sends no gradient back (a ``.detach()``, anything under ``no_grad``) does not count. Once the graph
 is cut, each part must sit in a segment of its own, apart from the lookups' segments (a tap feeds one segment's
@@ -91,14 +89,6 @@ from .split import GraphSplit
 ROW_SPARSE_MAX_DENSITY = 0.5
 """A row-sparse bucket is reduced as rows when at most this share of its rows is touched on some rank."""
 
-SPLIT_LAUNCHES_PER_PARAMETER = 20
-"""What the split path costs a compiled step per parameter of the graph over in-graph reduction, in small-op
-launches (``ComputeRates.op_launch_s``): at one rank, where no communication blurs it, ``bench.overhead``'s split
-added 3.8 ms over in-graph for 148 parameters in session 7's run, ~22 launches of 1.15 us each, and 6-9 ms in
-session 10's (``docs/benchmarks.md``). At two ranks sharing two CPUs it measured more again. Charging the
-lowest figure, the rule leans to rows."""
-
-
 def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
     """Is row-sparse reduction (and, compiled, splitting tied tables into parts) used at all?
 
@@ -111,33 +101,23 @@ def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook:
 
 @dataclasses.dataclass(frozen=True)
 class RowsVerdict:
-    """Whether some tables' gradients pay to be reduced as rows, and the two sides of it (see the Note)."""
+    """Whether some tables' gradients pay to be reduced as rows, and by how much (see the Note)."""
 
     rows: bool
     saved_s: float
     """Seconds a step the rows save over the dense all-reduce, at the worst case still reduced as rows."""
-    cost_s: float
-    """Seconds a step reducing them as rows costs besides: the split, compiled; nothing, eagerly."""
 
     def describe(self) -> str:
-        side = "as rows" if self.rows else "dense"
-        split = f", the split would cost {self.cost_s * 1e3:.2f} ms" if self.cost_s else ""
-        return f"{side}: rows would save {self.saved_s * 1e3:.2f} ms a step on the link{split}"
+        return f"{'as rows' if self.rows else 'dense'}: rows would save {self.saved_s * 1e3:.2f} ms a step on the link"
 
 
 def rows_pay(
-    tables: Sequence[tuple[int, int]],
-    *,
-    link: LinkModel,
-    world: int,
-    cpu_seconds_per_byte: float = 0.0,
-    split_s: float = 0.0,
+    tables: Sequence[tuple[int, int]], *, link: LinkModel, world: int, cpu_seconds_per_byte: float = 0.0
 ) -> RowsVerdict:
     """Do ``tables`` (each as ``(rows, bytes per row)``) pay to be reduced as rows rather than dense, on ``link``
-    between ``world`` ranks, when reducing them as rows costs ``split_s`` besides? (Note [Row-sparse gradients],
-    "When rows pay".) No table: no rows."""
-    if world < 1 or split_s < 0 or cpu_seconds_per_byte < 0:
-        raise ValueError(f"rows_pay: world must be >= 1 and costs >= 0, got world={world}, split_s={split_s}, cpu={cpu_seconds_per_byte}")
+    between ``world`` ranks? (Note [Row-sparse gradients], "When rows pay".) No table: no rows."""
+    if world < 1 or cpu_seconds_per_byte < 0:
+        raise ValueError(f"rows_pay: world must be >= 1 and costs >= 0, got world={world}, cpu={cpu_seconds_per_byte}")
 
     def reduce_s(nbytes: int) -> float:
         return link.allreduce_s(nbytes, world) + cpu_seconds_per_byte * nbytes
@@ -146,13 +126,7 @@ def rows_pay(
     for rows, row_bytes in tables:
         worst = math.ceil(rows * ROW_SPARSE_MAX_DENSITY) * row_bytes  # the most rows still reduced as rows
         saved += reduce_s(rows * row_bytes) - reduce_s(rows) - reduce_s(worst)
-    return RowsVerdict(bool(tables) and saved > split_s, saved, split_s)
-
-
-def split_seconds(parameters: int, op_launch_s: float) -> float:
-    """What the split path costs a compiled step of ``parameters`` parameters over in-graph reduction (see
-    ``SPLIT_LAUNCHES_PER_PARAMETER``); 0 where launches were not measured."""
-    return parameters * SPLIT_LAUNCHES_PER_PARAMETER * op_launch_s
+    return RowsVerdict(bool(tables) and saved > 0, saved)
 
 
 @dataclasses.dataclass(frozen=True)

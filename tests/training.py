@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import logging
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from models import VOCAB, build_model, compute_loss, default_batch, make_batch
 from torch import nn
 
 import graphddp
+from graphddp.runtime import countdown
 from graphddp.runtime.trace import EventLog
 
 IMPLS = ("graphddp", "torch")
@@ -329,3 +331,25 @@ def graphddp_warnings() -> Iterator[list[str]]:
         yield messages
     finally:
         logging.getLogger("graphddp").removeHandler(handler)
+
+
+@contextlib.contextmanager
+def counted_hooks():
+    """Count every call of graphddp's Python hooks: the per-gradient one, and a bucket counted in C's one (Note
+    [Counting without a frame]). Hooks made while this is active."""
+    calls = [0]
+    originals = countdown.gradient_ready, countdown.sentinel_ready
+
+    def counting(original):
+        @functools.wraps(original)
+        def counted(*args):
+            calls[0] += 1
+            return original(*args)
+
+        return counted
+
+    countdown.gradient_ready, countdown.sentinel_ready = map(counting, originals)
+    try:
+        yield calls
+    finally:
+        countdown.gradient_ready, countdown.sentinel_ready = originals

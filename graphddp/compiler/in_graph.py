@@ -36,8 +36,10 @@ collectives), and the split one otherwise: the first iteration, a ``no_sync`` mi
 the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
 rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
 good (``graphddp.passes.choose_reduction``): a comm hook other than the built-in three, unused parameters searched
-for every step, tables planned as rows (by default only where rows pay: Note [Row-sparse gradients]), a reduce
-dtype of ``mixed_precision``, an inner compiler that is not AOTAutograd-based. An optimizer stepping in backward
+for every step, ``torch.sparse`` gradients, a reduce dtype of ``mixed_precision``, an inner compiler that is not
+AOTAutograd-based. A table planned as rows goes through ``RowsAllReduce`` instead, whose backward runs an opaque
+rows node (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); a tied table's parts
+go through their own buckets' calls, fed from it. An optimizer stepping in backward
 (``step_in_backward``) is stepped by one more node per bucket, after its wait (Note [Steps in the compiled
 backward] in ``graphddp/runtime/in_graph_steps.py``).
 """
@@ -54,8 +56,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..passes import BucketPlan, GraphParam, bucket_channel, schedule_reductions
-from ..runtime import in_graph_steps  # noqa: F401  (registers graphddp::step_bucket, which step nodes call)
+from ..passes import Bucket, BucketPlan, GraphParam, GraphUse, ParamSpec, bucket_channel, schedule_reductions
+from ..runtime import in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp::reduce_rows, ::step_bucket)
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -73,7 +75,7 @@ class BucketAllReduce(torch.autograd.Function):
         divisor: int,
         wire: torch.dtype | None,
         pieces: Pieces,
-        step: int | None,
+        step: StepSpec,
         signal: torch.Tensor | None,
         carries: bool,
         *params: torch.Tensor,
@@ -104,9 +106,55 @@ class BucketAllReduce(torch.autograd.Function):
             averaged = [chunk.view(s) for chunk, s in zip(chunks, ctx.shapes)]
         signal_grad = summed.float() if ctx.signals else None
         if ctx.step is not None:  # Note [Steps in the compiled backward]: its zero keeps the node in the graph
-            stepped = torch.ops.graphddp.step_bucket(ctx.step, averaged)
+            key, whole = ctx.step
+            stepped = torch.ops.graphddp.step_bucket(key, [averaged[k] for k in whole])
             signal_grad = stepped if signal_grad is None else signal_grad + stepped
         return (None, None, None, None, None, signal_grad, None, *averaged)
+
+
+StepSpec = tuple[int, tuple[int, ...]] | None
+"""A bucket's step node: its key (Note [Steps in the compiled backward]) and the positions of the parameters it
+steps (not the parts of tied tables: a table is stepped with its whole gradient, by ``RowsAllReduce``); or None."""
+
+
+class RowsAllReduce(torch.autograd.Function):
+    """A table planned as rows (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``):
+    identity in forward, twice, the table for its lookups and for its parts' buckets; in backward, the lookups'
+    gradient averaged as rows (``graphddp::reduce_rows``) plus the parts' gradients (averaged by their buckets):
+    the table's whole averaged gradient, stepped here when an optimizer steps in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group_name: str, divisor: int, step: int | None, signal: torch.Tensor | None, carries: bool, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group_name, ctx.divisor, ctx.wire, ctx.step, ctx.shape = group_name, divisor, None, step, table.shape
+        ctx.signals = 1 if carries else 0
+        if signal is not None:
+            ctx.save_for_backward(signal)
+        return table.view_as(table), table.view_as(table)
+
+    @staticmethod
+    def backward(ctx: Any, lookups: torch.Tensor | None, parts: torch.Tensor | None) -> tuple[Any, ...]:
+        some = lookups if lookups is not None else parts
+        if some is None:  # no gradient at all: the same graph on every rank, so no rank sends
+            return (None, None, None, None, None, None)
+        rows = lookups.contiguous() if lookups is not None else some.new_zeros(ctx.shape)  # [rows, C]
+        averaged = torch.ops.graphddp.reduce_rows(rows, ctx.group_name, ctx.divisor)
+        if parts is not None:  # averaged by the parts' buckets: all-reduce is linear, so this is the sum's average
+            averaged = averaged + parts
+        signal_grad = None
+        if ctx.signals:  # the plan's first bucket: its all-reduce carries the abandon signal (here, one of its own)
+            signal_grad = _average(ctx.saved_tensors[0].to(some.dtype) * ctx.divisor, ctx).float()
+        if ctx.step is not None:
+            stepped = torch.ops.graphddp.step_bucket(ctx.step, [averaged])
+            signal_grad = stepped if signal_grad is None else signal_grad + stepped
+        return (None, None, None, signal_grad, None, averaged)
+
+
+def reduce_table_rows(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an inserted rows node calls: the table through ``RowsAllReduce`` (group name, divisor, step key, signal,
+    whether it carries it, table)."""
+    return RowsAllReduce.apply(*args)
 
 
 Pieces = tuple[int, tuple[int, ...]] | None
@@ -170,38 +218,108 @@ def insert_bucket_reductions(
     ``alone``: one rank under graphddp's own averaging (``graphddp.runtime.reductions.local_average``, as the
     Reducer's ``LocalReduction``): the average of one gradient is itself, so no bucket is reduced (and no rank is
     there to tell: the signal input is taken, unused). ``step_key``: the key of each bucket's optimizer step node,
-    given its parameters' names, or None for none (Note [Steps in the compiled backward]; needs ``signal``)."""
+    given its parameters' names, or None for none (Note [Steps in the compiled backward]; needs ``signal``).
+    A table planned as rows goes through ``RowsAllReduce`` (Note [Rows in the compiled backward]), and each of its
+    parts through its own bucket's call, fed from the table's call."""
     graph = copy.deepcopy(gm.graph)
-    nodes = {n.name: n for n in graph.nodes}
     signal_node = None
     if signal:
         with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
             signal_node = graph.placeholder(SIGNAL_INPUT)
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    by_name = {p.spec.name: p for p in params}
-    for bucket in () if alone else plan.buckets:
-        members = [by_name[s.name] for s in bucket.params]
-        # Before the earliest use a gradient flows through: a use under no_grad would make the bucket's outputs
-        # carry none (a parameter with no such use gets its zeros through the same call).
-        uses = [u for p in members for u in p.uses if u.differentiable] or [u for p in members for u in p.uses]
-        at = nodes[min(uses, key=lambda u: u.position).node] if uses else nodes[min(members, key=lambda p: p.first_use).first_user]
-        with graph.inserting_before(at):
-            group_name = group_names[bucket_channel(bucket.index, len(group_names))]
-            carries = signal_node is not None and bucket is plan.buckets[0]  # one bucket carries it: the one sent first
-            step = step_key([p.spec.name for p in members]) if step_key is not None else None
-            assert step is None or signal_node is not None, "a step node's zero goes into the signal's gradient"
-            call = graph.call_function(
-                reduce_bucket,
-                (group_name, divisor, wire, bucket.pieces, step, signal_node if carries or step is not None else None,
-                 carries, *(nodes[p.node] for p in members)),
-            )  # fmt: skip
-            for k, member in enumerate(members):
-                item = graph.call_function(operator.getitem, (call, k))
-                nodes[member.node].replace_all_uses_with(  # the uses from here on: earlier ones carry no gradient
-                    item, delete_user_cb=lambda user, call=call, at=at: user is not call and position.get(user, -1) >= position[at]
-                )
+    inserting = _Inserting(graph, {p.spec.name: p for p in params}, plan.parts, signal_node, group_names, divisor, step_key)
+    if not alone:
+        assert wire is None or not plan.parts, "rows apply under graphddp's own averaging only (rows_apply)"
+        for bucket in plan.buckets:  # first the tables: their parts' buckets take the table from their calls
+            if bucket.row_sparse:
+                inserting.rows(bucket, carries=signal_node is not None and bucket is plan.buckets[0])
+        for bucket in plan.buckets:
+            if not bucket.row_sparse:
+                inserting.bucket(bucket, wire, carries=signal_node is not None and bucket is plan.buckets[0])
     graph.lint()
     return fx.GraphModule(gm, graph)
+
+
+class _Inserting:
+    """``insert_bucket_reductions``' state: the graph being changed and where each parameter now comes from."""
+
+    def __init__(
+        self, graph: fx.Graph, by_name: dict[str, GraphParam], parts: Sequence[ParamSpec], signal_node: fx.Node | None,
+        group_names: Sequence[str], divisor: int, step_key: Callable[[Sequence[str]], int | None] | None,
+    ) -> None:
+        self.graph, self.by_name, self.signal_node = graph, by_name, signal_node
+        self.group_names, self.divisor, self.step_key = group_names, divisor, step_key
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.part_sources: dict[str, fx.Node] = {}  # a table's name: its RowsAllReduce output its parts take
+        self.part_nodes: dict[str, frozenset[str]] = {}  # a table's name: the nodes whose contributions are parts
+        for part in parts:
+            self.part_nodes[part.name] = self.part_nodes.get(part.name, frozenset()) | {part.part}
+
+    def _step(self, names: Sequence[str]) -> int | None:
+        step = self.step_key(names) if self.step_key is not None and names else None
+        assert step is None or self.signal_node is not None, "a step node's zero goes into the signal's gradient"
+        return step
+
+    def _at(self, uses: Sequence[GraphUse], members: Sequence[GraphParam]) -> fx.Node:
+        # Before the earliest use a gradient flows through: a use under no_grad would make the bucket's outputs
+        # carry none (a parameter with no such use gets its zeros through the same call).
+        usable = [u for u in uses if u.differentiable] or list(uses)
+        if usable:
+            return self.nodes[min(usable, key=lambda u: u.position).node]
+        return self.nodes[min(members, key=lambda p: p.first_use).first_user]
+
+    def _replace(self, source: fx.Node, item: fx.Node, call: fx.Node, at: fx.Node, only: frozenset[str] | None, skip: frozenset[str]) -> None:
+        """``source``'s uses from ``at`` on (earlier ones carry no gradient) by ``item``: only those in nodes
+        named in ``only`` where given, none in ``skip``."""
+        def chosen(user: fx.Node) -> bool:
+            if user is call or self.position.get(user, -1) < self.position[at] or user.name in skip:
+                return False
+            return only is None or user.name in only
+
+        source.replace_all_uses_with(item, delete_user_cb=chosen)
+
+    def bucket(self, bucket: Bucket, wire: torch.dtype | None, *, carries: bool) -> None:
+        """One ``BucketAllReduce`` call for a dense bucket (parts of tied tables included)."""
+        specs = bucket.params
+        members = [self.by_name[s.name] for s in specs]
+        uses = [u for s, p in zip(specs, members) for u in p.uses if not s.part or u.node == s.part]
+        at = self._at(uses, members)
+        whole = [k for k, s in enumerate(specs) if not s.part]  # a part is stepped with its table, not here
+        step = self._step([specs[k].name for k in whole])
+        sources = [self.part_sources[s.name] if s.part else self.nodes[p.node] for s, p in zip(specs, members)]
+        with self.graph.inserting_before(at):
+            group_name = self.group_names[bucket_channel(bucket.index, len(self.group_names))]
+            call = self.graph.call_function(
+                reduce_bucket,
+                (group_name, self.divisor, wire, bucket.pieces, None if step is None else (step, tuple(whole)),
+                 self.signal_node if carries or step is not None else None, carries, *sources),
+            )  # fmt: skip
+            for k, (spec, source) in enumerate(zip(specs, sources)):
+                item = self.graph.call_function(operator.getitem, (call, k))
+                only = frozenset({spec.part}) if spec.part else None
+                self._replace(source, item, call, at, only, frozenset())
+
+    def rows(self, bucket: Bucket, *, carries: bool) -> None:
+        """One ``RowsAllReduce`` call for a table planned as rows, before its first lookup; its parts' uses are
+        handed its second output, which their own buckets' calls then take."""
+        (spec,) = bucket.params
+        table = self.by_name[spec.name]
+        parts = self.part_nodes.get(spec.name, frozenset())
+        uses = [u for u in table.uses if u.node not in parts]
+        at = self._at(uses, [table])
+        step = self._step([spec.name])
+        source = self.nodes[table.node]
+        with self.graph.inserting_before(at):
+            group_name = self.group_names[bucket_channel(bucket.index, len(self.group_names))]
+            call = self.graph.call_function(
+                reduce_table_rows,
+                (group_name, self.divisor, step, self.signal_node if carries or step is not None else None, carries, source),
+            )
+            lookups = self.graph.call_function(operator.getitem, (call, 0))
+            for_parts = self.graph.call_function(operator.getitem, (call, 1))
+        self._replace(source, lookups, call, at, None, parts)
+        self._replace(source, for_parts, call, at, parts, frozenset())
+        self.part_sources[spec.name] = for_parts
 
 
 # -- the inner compiler, made to keep waits late ---------------------------------------------------------------

@@ -147,8 +147,8 @@ def measure_compute_rates(
 
 
 def op_launch_seconds(device: torch.device | None = None, launches: int = 2_000) -> float:
-    """One launch of a small op (an add of 16 elements), best of 5 loops: what the split path's per-parameter work
-    is counted in (``graphddp.passes.split_seconds``)."""
+    """One launch of a small op (an add of 16 elements), best of 5 loops: what the cost model counts per-op work
+    in."""
     small = torch.ones(16, device=device)
     best = float("inf")
     for _ in range(5):

@@ -294,6 +294,18 @@ class SkippedInFlight:
         return self._buffer
 
 
+def touched_rows_mask(table: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` uint8: 1 where this rank's gradient ``table`` (``[rows, C]``) touches the row, to be max-reduced.
+    ``|x|``'s max per row is 0 exactly for an untouched row; a NaN row stays touched (NaN != 0), so NaNs travel."""
+    return table.abs().amax(dim=1).ne(0).to(torch.uint8)
+
+
+def goes_as_rows(touched: int, rows: int) -> bool:
+    """The one rule, eager and in-graph alike: ``touched`` rows of a ``rows``-row table (the all-reduced mask's
+    count, the same on every rank) travel as rows, else the table goes dense (``ROW_SPARSE_MAX_DENSITY``)."""
+    return touched <= ROW_SPARSE_MAX_DENSITY * rows
+
+
 class RowSparseReduction:
     """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
 
@@ -329,8 +341,7 @@ class RowSparseInFlight:
         self._dense: InFlight | None = None
         self._rows: torch.Tensor | None = None
         self._packed: torch.Tensor | None = None
-        # |x| max per row is 0 exactly for untouched rows; a NaN row stays "touched" (NaN != 0), so NaNs travel.
-        self._mask = self.table.abs().amax(dim=1).ne(0).to(torch.uint8)  # [rows]
+        self._mask = touched_rows_mask(self.table)  # [rows]
         self._mask_work = dist.all_reduce(self._mask, op=dist.ReduceOp.MAX, group=reduction.group, async_op=True)
 
     def commit(self) -> None:
@@ -339,7 +350,7 @@ class RowSparseInFlight:
         self._mask_work.wait()
         rows = self._mask.nonzero().squeeze(1)  # [U], the same on every rank
         self.touched = rows.numel()
-        sparse = self.touched <= ROW_SPARSE_MAX_DENSITY * self.table.shape[0]
+        sparse = goes_as_rows(self.touched, self.table.shape[0])
         self._reduction.observe(sparse)
         self.outcome = ("rows" if sparse else "dense", f"{self.touched}/{self.table.shape[0]}")
         if not sparse:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..passes import ComputeRates, GraphParam, LinkModel, RowsVerdict, row_sparse_params, rows_pay, split_seconds
+from ..passes import GraphParam, LinkModel, RowsVerdict, row_sparse_params, rows_pay
 from .auto_caps import AutoCaps
-from .calibration import compute_rates, link_of
+from .calibration import link_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ class RowsRule:
     link: LinkModel | None = None
     """The link measured at construction (``"auto"``, only where rows apply to an ``nn.Embedding``); None: rows
     wherever they apply, as ``True``."""
-    rates: ComputeRates | None = None
-    """This group's compute rates (the split's cost is counted in their small-op launches)."""
     cpu_seconds_per_byte: float = 0.0
     """gloo's CPU per byte, where automatic caps measured it; 0 otherwise."""
     world: int = 1
@@ -51,25 +49,25 @@ class RowsRule:
         if isinstance(enabled, bool) or not applies or not _has_embedding(module):  # True, False: nothing to measure
             return cls(enabled=enabled, world=world, rank=rank)
         if auto_caps is not None:  # measured already, gloo's CPU per byte too
-            link, rates, cpu = auto_caps.link, auto_caps.rates, auto_caps.cpu_seconds_per_byte
+            link, cpu = auto_caps.link, auto_caps.cpu_seconds_per_byte
         else:
-            link, rates, cpu = link_of(group, device=device), compute_rates(group, device=device), 0.0
-        return cls(enabled=enabled, link=link, rates=rates, cpu_seconds_per_byte=cpu, world=world, rank=rank)
+            link, cpu = link_of(group, device=device), 0.0
+        return cls(enabled=enabled, link=link, cpu_seconds_per_byte=cpu, world=world, rank=rank)
 
     @property
     def on(self) -> bool:
         """Rows may be used at all (``graphddp.passes.rows_apply`` asks the rest)."""
         return self.enabled is not False
 
-    def verdict(self, tables: Sequence[tuple[int, int]], *, split_s: float = 0.0) -> RowsVerdict | None:
+    def verdict(self, tables: Sequence[tuple[int, int]]) -> RowsVerdict | None:
         """``rows_pay`` on the measured link; None where nothing was measured (rows wherever they apply)."""
         if self.link is None:
             return None
-        return rows_pay(tables, link=self.link, world=self.world, cpu_seconds_per_byte=self.cpu_seconds_per_byte, split_s=split_s)
+        return rows_pay(tables, link=self.link, world=self.world, cpu_seconds_per_byte=self.cpu_seconds_per_byte)
 
     def eager_tables(self, candidates: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> frozenset[str]:
         """Of ``candidates`` (``graphddp.passes.embedding_tables``: name to shape and bucket dtype), those reduced
-        as rows eagerly: each table for itself, no split to pay for."""
+        as rows eagerly: each table for itself."""
         chosen = set()
         for name, (shape, dtype) in candidates.items():
             verdict = self.verdict([_shape(shape, dtype)])
@@ -80,14 +78,13 @@ class RowsRule:
         return frozenset(chosen)
 
     def for_graph(self, params: Sequence[GraphParam]) -> bool:
-        """Are a captured graph's tables planned as rows (which keeps it split)? All its tables together: one is
-        enough to keep the graph split, so the split's cost is paid once."""
+        """Are a captured graph's tables planned as rows? All its tables together (one plan of the graph: the
+        rows go in-graph or on the split alike, Note [Rows in the compiled backward])."""
         tables = {r.name for r in row_sparse_params(params)}
         if not tables:
             return False
         shapes = [_shape(p.spec.shape, p.spec.dtype) for p in params if p.spec.name in tables]
-        launch_s = self.rates.op_launch_s if self.rates is not None else 0.0
-        verdict = self.verdict(shapes, split_s=split_seconds(len(params), launch_s))
+        verdict = self.verdict(shapes)
         if verdict is None:
             return True
         logger.info("[rank %d] graphddp: a compiled graph's embedding tables %s reduced %s", self.rank, sorted(tables), verdict.describe())

@@ -222,7 +222,7 @@ def inspect_target(
     rows_on = rows_apply(enabled=sparse_embedding_grads is not False, world_size=world_size, device="cpu", custom_comm_hook=False)
     rates = measure_compute_rates() if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
-    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, rates=rates, world=world_size)
+    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size)
 
     def row_sparse(params: list[GraphParam]) -> bool:
         return rows_on and rows.for_graph(params)

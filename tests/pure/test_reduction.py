@@ -48,12 +48,14 @@ def test_auto_reduces_in_graph_unless_something_needs_the_reducer() -> None:
         choose_reduction("ingraph", [])
 
 
-def test_row_sparse_and_sparse_buckets_block_in_graph_reduction() -> None:
+def test_sparse_buckets_block_in_graph_reduction_and_rows_do_not() -> None:
     table = torch.nn.Parameter(torch.zeros(10, 4))
     dense = plan_buckets([ParamSpec.of("emb.weight", table)], caps=BucketCaps())
     assert plan_blockers(dense) == []
     rows = plan_buckets([ParamSpec.of("emb.weight", table, row_sparse=True)], caps=BucketCaps())
-    assert plan_blockers(rows) == ["row-sparse embedding gradients"]
+    assert plan_blockers(rows) == []  # an opaque node reduces them in-graph (Note [Rows in the compiled backward])
+    sparse = plan_buckets([ParamSpec.of("emb.weight", table, sparse_grad=True)], caps=BucketCaps())
+    assert plan_blockers(sparse) == ["sparse gradients"]
 
 
 def _collective_graph() -> fx.Graph:

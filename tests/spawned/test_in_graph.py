@@ -6,39 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from models import IN, MLP, OUT
 from ranks import run_on_ranks
-from training import CAPS
+from training import CAPS, counted_hooks
 
 import graphddp
-from graphddp.runtime import countdown
-
-
-@contextlib.contextmanager
-def counted_hooks():
-    """Count every call of graphddp's Python hooks: the per-gradient one, and a bucket counted in C's one (Note
-    [Counting without a frame]). Hooks made while this is active."""
-    calls = [0]
-    originals = countdown.gradient_ready, countdown.sentinel_ready
-
-    def counting(original):
-        @functools.wraps(original)
-        def counted(*args):
-            calls[0] += 1
-            return original(*args)
-
-        return counted
-
-    countdown.gradient_ready, countdown.sentinel_ready = map(counting, originals)
-    try:
-        yield calls
-    finally:
-        countdown.gradient_ready, countdown.sentinel_ready = originals
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,7 +225,7 @@ def compiled_run_choice(link: str, world: int) -> BucketPlan:
     (``graphddp.runtime.auto_caps.AutoCaps.for_graph`` in the backend's pipeline)."""
     workload = build_workload("gpt", size="small", seed=0)
     auto = AutoCaps(CapsSearch(), parse_link(link), RATES, cpu_seconds_per_byte=0.0, world=world, rank=0)
-    rows = RowsRule(enabled="auto", link=parse_link(link), rates=RATES, world=world)  # sparse_embedding_grads="auto"
+    rows = RowsRule(enabled="auto", link=parse_link(link), world=world)  # sparse_embedding_grads="auto"
     (captured,) = capture_graphs(workload.model, *workload.make_batch(torch.Generator().manual_seed(0)))
     prepared = prepare_graph(
         captured.gm, captured.example_inputs, parameter_names(workload.model),
@@ -272,14 +272,14 @@ def test_inspect_says_how_each_graph_reduces(capsys) -> None:
 
     one_rank = inspect_target("gpt", size="tiny", world_size=1)
     assert [str(g.reduction) for g in one_rank.graphs] == ["in_graph (traceable)"]
-    two_ranks = inspect_target("gpt", size="tiny", world_size=2)  # the tied table's rows: the split serves them
-    assert [str(g.reduction) for g in two_ranks.graphs] == ["split (in-graph cannot serve: row-sparse embedding gradients)"]
-    # "auto" (the default) on a link given: a fast one keeps the table dense and the graph in-graph, a slow one
-    # pays for the split with the bytes the rows save (Note [Row-sparse gradients], "When rows pay").
+    two_ranks = inspect_target("gpt", size="tiny", world_size=2)  # the tied table's rows, in-graph too
+    assert [str(g.reduction) for g in two_ranks.graphs] == ["in_graph (traceable)"] and two_ranks.plan.parts
+    # "auto" (the default) on a link given: a fast one keeps the table dense, a slow one sends rows (Note
+    # [Row-sparse gradients], "When rows pay"); in-graph either way (Note [Rows in the compiled backward]).
     fast = inspect_target("gpt", size="tiny", world_size=2, link="100gbit")
     assert [str(g.reduction) for g in fast.graphs] == ["in_graph (traceable)"] and not fast.plan.parts
     slow = inspect_target("gpt", size="tiny", world_size=2, link="1mbit")
-    assert [str(g.reduction) for g in slow.graphs] == ["split (in-graph cannot serve: row-sparse embedding gradients)"]
+    assert [str(g.reduction) for g in slow.graphs] == ["in_graph (traceable)"] and slow.plan.parts
     assert inspect_target("gpt", size="tiny", world_size=2, link="100gbit", sparse_embedding_grads=True).plan.parts
     assert main(["inspect", "mlp", "--size", "tiny", "--reduction", "split", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["graphs"][0]["reduction"] == "split (asked for)"

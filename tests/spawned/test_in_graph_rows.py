@@ -1,0 +1,120 @@
+"""Tables planned as rows, reduced inside the compiled backward (Note [Rows in the compiled backward]) on spawned
+gloo ranks: the op against the dense all-reduce; a tied GPT and an untied table trained in-graph exactly as
+PyTorch's DDP (with and without an optimizer stepping in backward), no hook called; the backward graph's order."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import Bag, tied_gpt
+from models import tokens as draw_tokens
+from ranks import run_on_ranks
+from training import CAPS, counted_hooks
+
+import graphddp
+
+
+def rows_op_against_dense(rank: int, world: int) -> list[str]:
+    """The op's average equals the dense all-reduce's, for tables whose rows overlap, differ, hold a NaN on one
+    rank, are all zero, or are touched densely (the dense branch)."""
+    tables = {
+        "overlapping": torch.zeros(16, 4).index_fill_(0, torch.tensor([1, 2 + rank]), float(rank + 1)),
+        "nan_on_rank_0": torch.zeros(16, 4).index_fill_(0, torch.tensor([3]), float("nan") if rank == 0 else 2.0),
+        "untouched": torch.zeros(16, 4),
+        "dense": torch.randn(16, 4, generator=torch.Generator().manual_seed(rank)),
+    }
+    group_name = dist.group.WORLD.group_name
+    seen = []
+    for name, table in tables.items():
+        dense = table / world
+        dist.all_reduce(dense)
+        result = torch.ops.graphddp.reduce_rows(table, group_name, world)
+        torch.testing.assert_close(result, dense, equal_nan=True, msg=name)
+        assert result.data_ptr() != table.data_ptr(), "a new tensor: the op mutates nothing"
+        seen.append(f"{name}:{int(result.isnan().any(dim=1).logical_or(result.ne(0).any(dim=1)).sum())}")
+    return seen
+
+
+def test_the_rows_op_averages_as_the_dense_all_reduce() -> None:
+    seen = run_on_ranks(rows_op_against_dense, 2, timeout=120)
+    assert seen[0] == seen[1] == ["overlapping:3", "nan_on_rank_0:1", "untouched:0", "dense:16"]
+
+
+def train(rank: int, world: int, model_name: str, inner: str, stepping: bool, dump: str | None) -> dict:
+    """Five steps of ``model_name`` compiled with rows on, against PyTorch's DDP: gradients (or, stepping in
+    backward, parameters and AdamW's state) checked every step; per step the gate and the hook calls."""
+    torch._dynamo.reset()
+    vocab = 512
+    model = tied_gpt(vocab) if model_name == "gpt" else Bag(vocab)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in (model, ref))
+    record = []
+    with counted_hooks() as calls:
+        ddp = graphddp.DDP(model, **CAPS, sparse_embedding_grads=True)
+        if stepping:
+            ddp.step_in_backward(opt)
+        compiled = torch.compile(ddp, backend=graphddp.backend(inner, debug_dir=dump))
+        for step in range(5):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            inputs = draw_tokens(model_name, g, 4, vocab)
+            before = calls[0]
+            compiled(*inputs).backward()
+            ref(*inputs).backward()
+            record.append((ddp.reducer.compile_target.gate.open, calls[0] - before))
+            if not stepping:
+                for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, msg=name)
+                opt.step()
+            ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+                torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"])
+    return {
+        "steps": record,
+        "reductions": {str(r) for r in ddp.reducer.compile_target.reductions},
+        "buckets": [b.names for b in ddp.bucket_plan.buckets],
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "model", "inner", "stepping"),
+    [
+        (2, "gpt", "aot_eager", False),
+        (2, "gpt", "aot_eager", True),
+        (2, "bag", "aot_eager", False),
+        pytest.param(3, "gpt", "inductor", True, marks=pytest.mark.slow),
+        pytest.param(2, "gpt", "inductor", False, marks=pytest.mark.slow),
+    ],
+)
+def test_tables_as_rows_reduce_in_graph_and_train_as_pytorchs_ddp(world: int, model: str, inner: str, stepping: bool) -> None:
+    for result in run_on_ranks(train, world, model, inner, stepping, None, timeout=600):
+        assert result["reductions"] == {"in_graph (traceable)"}
+        table = "wte.weight" if model == "gpt" else "emb.weight"
+        assert (f"{table}[rows]",) == result["buckets"][-1]
+        if model == "gpt":  # the output layer's part goes first, in a bucket of the in-graph variant too
+            assert result["buckets"][0][0] == "wte.weight@logits"
+        # Step 0 runs split while the ranks agree; then in-graph, with no hook call (Note [In-graph reduction]).
+        assert not result["steps"][0][0] and result["steps"][0][1] > 0
+        assert result["steps"][1:] == [(True, 0)] * 4, result["steps"]
+
+
+def test_the_in_graph_backward_sends_the_part_early_and_the_rows_last(tmp_path: pathlib.Path) -> None:
+    run_on_ranks(train, 2, "gpt", "aot_eager", False, str(tmp_path), timeout=300)
+    (folder,) = (tmp_path / "rank0").glob("graph*_in_graph")
+    backward = (folder / "aot" / "in_graph.backward.py").read_text()
+    lines = backward.splitlines()
+    rows = [k for k, line in enumerate(lines) if "= torch.ops.graphddp.reduce_rows" in line]
+    reduces = [k for k, line in enumerate(lines) if "= torch.ops._c10d_functional.all_reduce.default" in line]
+    assert len(rows) == 1 and reduces, backward
+    lookups = [k for k, line in enumerate(lines) if "= torch.ops.aten.embedding_dense_backward" in line]
+    matmuls = [k for k, line in enumerate(lines) if "= torch.ops.aten.mm.default" in line]
+    # The part's all-reduce goes first, right after its one matmul (the output layer's weight gradient), before
+    # the output layer's input gradient; the rows go after every bucket's all-reduce, and after the lookups'
+    # gradient, which they take.
+    assert matmuls[0] < reduces[0] < matmuls[1], backward
+    assert max(reduces) < rows[0] and max(lookups) < rows[0], backward
