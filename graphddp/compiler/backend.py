@@ -181,6 +181,7 @@ class GraphDDPBackend:
             reducing = insert_bucket_reductions(
                 gm, prepared.params, prepared.plan, group_names=target.channel_names, divisor=target.world_size,
                 wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
+                rows_key=target.in_graph_rows_key,
             )
             signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes it last
             in_graph = compiler(reducing, signalled)

@@ -94,6 +94,11 @@ class CompileTarget(PartSink, Protocol):
         in the compiled backward] in ``graphddp/runtime/in_graph_steps.py``)."""
         ...
 
+    def in_graph_rows_key(self, table: str) -> int:
+        """The key of a table's dense streak, for in-graph rows nodes (Note [Rows in the compiled backward] in
+        ``graphddp/runtime/in_graph_rows.py``)."""
+        ...
+
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by a compiled graph as it runs: its in-graph variant (True) or its split one? ``can``: it has an
         in-graph variant (Note [In-graph reduction])."""

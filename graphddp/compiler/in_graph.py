@@ -125,9 +125,11 @@ class RowsAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, group_name: str, divisor: int, step: int | None, signal: torch.Tensor | None, carries: bool, table: torch.Tensor
+        ctx: Any, group_name: str, divisor: int, streak: int, step: int | None, signal: torch.Tensor | None, carries: bool,
+        table: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.group_name, ctx.divisor, ctx.wire, ctx.step, ctx.shape = group_name, divisor, None, step, table.shape
+        ctx.streak = streak
         ctx.signals = 1 if carries else 0
         if signal is not None:
             ctx.save_for_backward(signal)
@@ -137,9 +139,9 @@ class RowsAllReduce(torch.autograd.Function):
     def backward(ctx: Any, lookups: torch.Tensor | None, parts: torch.Tensor | None) -> tuple[Any, ...]:
         some = lookups if lookups is not None else parts
         if some is None:  # no gradient at all: the same graph on every rank, so no rank sends
-            return (None, None, None, None, None, None)
+            return (None, None, None, None, None, None, None)
         rows = lookups.contiguous() if lookups is not None else some.new_zeros(ctx.shape)  # [rows, C]
-        averaged = torch.ops.graphddp.reduce_rows(rows, ctx.group_name, ctx.divisor)
+        averaged = torch.ops.graphddp.reduce_rows(rows, ctx.group_name, ctx.divisor, ctx.streak)
         if parts is not None:  # averaged by the parts' buckets: all-reduce is linear, so this is the sum's average
             averaged = averaged + parts
         signal_grad = None
@@ -148,12 +150,12 @@ class RowsAllReduce(torch.autograd.Function):
         if ctx.step is not None:
             stepped = torch.ops.graphddp.step_bucket(ctx.step, [averaged])
             signal_grad = stepped if signal_grad is None else signal_grad + stepped
-        return (None, None, None, signal_grad, None, averaged)
+        return (None, None, None, None, signal_grad, None, averaged)
 
 
 def reduce_table_rows(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an inserted rows node calls: the table through ``RowsAllReduce`` (group name, divisor, step key, signal,
-    whether it carries it, table)."""
+    """What an inserted rows node calls: the table through ``RowsAllReduce`` (group name, divisor, streak key, step
+    key, signal, whether it carries it, table)."""
     return RowsAllReduce.apply(*args)
 
 
@@ -210,6 +212,7 @@ def insert_bucket_reductions(
     signal: bool = False,
     alone: bool = False,
     step_key: Callable[[Sequence[str]], int | None] | None = None,
+    rows_key: Callable[[str], int] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``gm`` in which each bucket of ``plan`` is reduced in backward (step 1 of the Note) on its channel
     of ``group_names`` (Note [Channels]), sent as ``wire`` (a compressing comm hook's dtype; None: the gradients'
@@ -220,13 +223,16 @@ def insert_bucket_reductions(
     there to tell: the signal input is taken, unused). ``step_key``: the key of each bucket's optimizer step node,
     given its parameters' names, or None for none (Note [Steps in the compiled backward]; needs ``signal``).
     A table planned as rows goes through ``RowsAllReduce`` (Note [Rows in the compiled backward]), and each of its
-    parts through its own bucket's call, fed from the table's call."""
+    parts through its own bucket's call, fed from the table's call; ``rows_key`` gives a table's dense streak
+    (None: none kept, rows tried every step)."""
     graph = copy.deepcopy(gm.graph)
     signal_node = None
     if signal:
         with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
             signal_node = graph.placeholder(SIGNAL_INPUT)
-    inserting = _Inserting(graph, {p.spec.name: p for p in params}, plan.parts, signal_node, group_names, divisor, step_key)
+    inserting = _Inserting(
+        graph, {p.spec.name: p for p in params}, plan.parts, signal_node, group_names, divisor, step_key, rows_key
+    )
     if not alone:
         assert wire is None or not plan.parts, "rows apply under graphddp's own averaging only (rows_apply)"
         for bucket in plan.buckets:  # first the tables: their parts' buckets take the table from their calls
@@ -245,9 +251,10 @@ class _Inserting:
     def __init__(
         self, graph: fx.Graph, by_name: dict[str, GraphParam], parts: Sequence[ParamSpec], signal_node: fx.Node | None,
         group_names: Sequence[str], divisor: int, step_key: Callable[[Sequence[str]], int | None] | None,
+        rows_key: Callable[[str], int] | None,
     ) -> None:
         self.graph, self.by_name, self.signal_node = graph, by_name, signal_node
-        self.group_names, self.divisor, self.step_key = group_names, divisor, step_key
+        self.group_names, self.divisor, self.step_key, self.rows_key = group_names, divisor, step_key, rows_key
         self.nodes = {n.name: n for n in graph.nodes}
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self.part_sources: dict[str, fx.Node] = {}  # a table's name: its RowsAllReduce output its parts take
@@ -313,8 +320,9 @@ class _Inserting:
             group_name = self.group_names[bucket_channel(bucket.index, len(self.group_names))]
             call = self.graph.call_function(
                 reduce_table_rows,
-                (group_name, self.divisor, step, self.signal_node if carries or step is not None else None, carries, source),
-            )
+                (group_name, self.divisor, self.rows_key(spec.name) if self.rows_key is not None else -1, step,
+                 self.signal_node if carries or step is not None else None, carries, source),
+            )  # fmt: skip
             lookups = self.graph.call_function(operator.getitem, (call, 0))
             for_parts = self.graph.call_function(operator.getitem, (call, 1))
         self._replace(source, lookups, call, at, None, parts)

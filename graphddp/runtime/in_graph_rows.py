@@ -4,7 +4,7 @@ Note [Rows in the compiled backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Which rows travel is known only at run time: the union, over the ranks, of the rows each rank's batch touched
 (Note [Row-sparse gradients] in ``graphddp/passes/row_sparse.py``). No functional collective can trace that, but
-an opaque op can run it: ``graphddp::reduce_rows(grad, group_name, divisor)`` takes a table's gradient (the
+an opaque op can run it: ``graphddp::reduce_rows(grad, group_name, divisor, streak)`` takes a table's gradient (the
 lookups' contribution, ``[rows, C]``), max-reduces the byte mask of the rows it touches, and all-reduces the touched
 rows only, packed, divided by ``divisor`` first as the in-graph buckets are; or the whole table, when the union
 is over ``ROW_SPARSE_MAX_DENSITY`` of the rows (``goes_as_rows``, the Reducer's rule). It returns the averaged
@@ -17,35 +17,62 @@ table, zero outside the rows. Both collectives are issued and waited inside the 
 * **Tied tables**: the in-graph ``RowsAllReduce`` (``graphddp/compiler/in_graph.py``) also carries the parts (the
   output layer's contribution, reduced early in a bucket of its own) and adds their average to the rows': the
   parameter's gradient leaves the graph whole and averaged, as from the Reducer.
-* **Not kept**: the Reducer's streak (a table that goes dense ``DENSE_STREAK_LIMIT`` times in a row gives up rows
-  and its parts); in-graph the mask's round trip is paid each step. ``rows_pay`` plans rows only where the table is
-  large against the rows a batch can touch.
+* **Giving up**: as the Reducer's ``RowSparseReduction``, a table that goes dense ``DENSE_STREAK_LIMIT`` times in a
+  row is reduced dense from then on, without its mask (``DenseStreak``, fed the all-reduced outcome, so every rank
+  gives up on the same step). The streak is the DDP's, per table (``streak_key``): a graph one rank recompiled
+  alone counts on from where the others are. Unlike the Reducer, the in-graph variant cannot drop a tied table's
+  part from its graph: the part still travels on its own, early (``sparse_embedding_grads=False`` avoids it).
 """
 
 from __future__ import annotations
+
+import itertools
+import logging
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .reductions import goes_as_rows, touched_rows_mask
+from .reductions import DENSE_STREAK_LIMIT, DenseStreak, goes_as_rows, touched_rows_mask
+
+logger = logging.getLogger(__name__)
 
 ROWS_OP = "graphddp::reduce_rows"
 
+_keys = itertools.count()
+_streaks: dict[int, tuple[DenseStreak, str]] = {}
+
+
+def streak_key(table: str) -> int:
+    """A new key for the dense streak of ``table`` (one per DDP and table: the DDP keeps it for its graphs)."""
+    key = next(_keys)
+    _streaks[key] = (DenseStreak(), table)
+    return key
+
 
 @torch.library.custom_op(ROWS_OP, mutates_args=())
-def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int) -> torch.Tensor:
+def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
     """``grad`` (``[rows, ...]``) averaged over the group ``group_name``, sent as the rows some rank touched (see
-    the Note); a new tensor of ``grad``'s shape, zero in the rows no rank touched."""
+    the Note); a new tensor of ``grad``'s shape, zero in the rows no rank touched. ``streak``: the table's
+    ``streak_key``, or -1 for none (always try rows)."""
     group = _resolve_process_group(group_name)
     table = grad.reshape(grad.shape[0], -1)  # [rows, C]
+    counted = _streaks.get(streak)
+    if counted is not None and counted[0].gave_up:
+        return _dense(table, group, divisor).reshape(grad.shape)
     mask = touched_rows_mask(table)  # [rows]
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
     rows = mask.nonzero().squeeze(1)  # [U], the same on every rank
-    if not goes_as_rows(rows.numel(), table.shape[0]):
-        dense = table.div(divisor)
-        dist.all_reduce(dense, group=group)
-        return dense.reshape(grad.shape)
+    sparse = goes_as_rows(rows.numel(), table.shape[0])
+    if counted is not None:
+        counted[0].observe(sparse)
+        if counted[0].gave_up:
+            logger.info(
+                "[rank %d] graphddp: embedding table %s went dense %d times in a row in the compiled backward; it is "
+                "reduced dense from now on (Note [Rows in the compiled backward])", dist.get_rank(group), counted[1], DENSE_STREAK_LIMIT,
+            )
+    if not sparse:
+        return _dense(table, group, divisor).reshape(grad.shape)
     averaged = torch.zeros_like(table)
     if rows.numel():  # no rank touched a row: nothing to send (every rank knows it)
         packed = table.index_select(0, rows).div_(divisor)  # [U, C]
@@ -54,6 +81,12 @@ def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int) -> torch.Tens
     return averaged.reshape(grad.shape)
 
 
+def _dense(table: torch.Tensor, group: dist.ProcessGroup, divisor: int) -> torch.Tensor:
+    dense = table.div(divisor)
+    dist.all_reduce(dense, group=group)
+    return dense
+
+
 @reduce_rows.register_fake
-def _(grad: torch.Tensor, group_name: str, divisor: int) -> torch.Tensor:
+def _(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
     return torch.empty_like(grad)

@@ -306,16 +306,31 @@ def goes_as_rows(touched: int, rows: int) -> bool:
     return touched <= ROW_SPARSE_MAX_DENSITY * rows
 
 
+class DenseStreak:
+    """A table's outcomes, counted: after ``DENSE_STREAK_LIMIT`` dense ones in a row it gives up rows. Fed only
+    all-reduced outcomes, so it gives up on the same iteration on every rank."""
+
+    def __init__(self) -> None:
+        self._dense = 0
+
+    @property
+    def gave_up(self) -> bool:
+        return self._dense >= DENSE_STREAK_LIMIT
+
+    def observe(self, sparse: bool) -> None:
+        self._dense = 0 if sparse else self._dense + 1
+
+
 class RowSparseReduction:
     """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
 
     def __init__(self, dense: DenseReduction, *, group: dist.ProcessGroup) -> None:
         self.dense, self.group = dense, group
-        self._dense_streak = 0
+        self._streak = DenseStreak()
 
     @property
     def gave_up(self) -> bool:
-        return self._dense_streak >= DENSE_STREAK_LIMIT
+        return self._streak.gave_up
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> InFlight:
         if self.gave_up:
@@ -323,7 +338,7 @@ class RowSparseReduction:
         return RowSparseInFlight(self, bucket, buffer, is_last)
 
     def observe(self, sparse: bool) -> None:
-        self._dense_streak = 0 if sparse else self._dense_streak + 1
+        self._streak.observe(sparse)
 
 
 class RowSparseInFlight:

@@ -21,6 +21,7 @@ from .auto_caps import AutoCaps
 from .channels import Channels
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
+from .in_graph_rows import streak_key
 from .in_graph_steps import bucket_key
 from .optimizer_overlap import StepPerBucket
 from .plans import PlanKeeper
@@ -88,6 +89,7 @@ class ReducerTarget:
         """How each graph compiled for this Reducer reduces its gradients, in compile order."""
         self._stepper: StepPerBucket | None = None  # step_in_backward's, for the in-graph variants' step nodes
         self._in_graph_without_steps = False  # a graph compiled in-graph before an optimizer was registered
+        self._streak_keys: dict[str, int] = {}  # a table's dense streak in the compiled backward, per table
 
     def _reducer(self) -> TargetOwner:
         owner = self._owner()
@@ -155,6 +157,13 @@ class ReducerTarget:
         """The key of the step node for a bucket of ``names`` in an in-graph variant being compiled; None: no
         optimizer steps in backward, so no node."""
         return bucket_key(self, names) if self._stepper is not None else None
+
+    def in_graph_rows_key(self, table: str) -> int:
+        """The key of ``table``'s dense streak, for the rows node of every in-graph variant compiled for this DDP
+        (Note [Rows in the compiled backward])."""
+        if table not in self._streak_keys:
+            self._streak_keys[table] = streak_key(table)
+        return self._streak_keys[table]
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
         """A step node runs: step these parameters with their averaged gradients."""

@@ -16,6 +16,8 @@ from ranks import run_on_ranks
 from training import CAPS, counted_hooks
 
 import graphddp
+from graphddp.runtime import in_graph_rows
+from graphddp.runtime.reductions import DENSE_STREAK_LIMIT
 
 
 def rows_op_against_dense(rank: int, world: int) -> list[str]:
@@ -32,7 +34,7 @@ def rows_op_against_dense(rank: int, world: int) -> list[str]:
     for name, table in tables.items():
         dense = table / world
         dist.all_reduce(dense)
-        result = torch.ops.graphddp.reduce_rows(table, group_name, world)
+        result = torch.ops.graphddp.reduce_rows(table, group_name, world, -1)  # no streak: rows tried every time
         torch.testing.assert_close(result, dense, equal_nan=True, msg=name)
         assert result.data_ptr() != table.data_ptr(), "a new tensor: the op mutates nothing"
         seen.append(f"{name}:{int(result.isnan().any(dim=1).logical_or(result.ne(0).any(dim=1)).sum())}")
@@ -118,3 +120,40 @@ def test_the_in_graph_backward_sends_the_part_early_and_the_rows_last(tmp_path: 
     # gradient, which they take.
     assert matmuls[0] < reduces[0] < matmuls[1], backward
     assert max(reduces) < rows[0] and max(lookups) < rows[0], backward
+
+
+def train_dense_table(rank: int, world: int) -> list[int]:
+    """A 16-row table every batch touches densely, in-graph: the masks computed per step; parity throughout."""
+    torch._dynamo.reset()
+    model = Bag(16)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS, sparse_embedding_grads=True)
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    masks, counted = [0], in_graph_rows.touched_rows_mask
+
+    def counting(table: torch.Tensor) -> torch.Tensor:
+        masks[0] += 1
+        return counted(table)
+
+    in_graph_rows.touched_rows_mask = counting
+    per_step = []
+    try:
+        for step in range(6):
+            inputs = draw_tokens("bag", torch.Generator().manual_seed(100 * step + rank), 8, 16)
+            before = masks[0]
+            compiled(*inputs).backward()
+            ref(*inputs).backward()
+            assert ddp.reducer.compile_target.gate.open == (step > 0)
+            per_step.append(masks[0] - before)
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+                p.grad = q.grad = None
+    finally:
+        in_graph_rows.touched_rows_mask = counted
+    return per_step
+
+
+def test_a_table_that_goes_dense_in_graph_stops_sending_its_mask() -> None:
+    for per_step in run_on_ranks(train_dense_table, 2, timeout=300):
+        # Step 0 runs split (the Reducer's own rows); in-graph, the mask goes out until the streak gives up.
+        assert per_step[1:] == [1] * DENSE_STREAK_LIMIT + [0] * (5 - DENSE_STREAK_LIMIT), per_step
