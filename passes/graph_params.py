@@ -41,6 +41,8 @@ class GraphUse:
     sparse_grad: bool = False
     """An embedding (or embedding-bag) lookup with ``sparse=True``: the table's gradient is a ``torch.sparse``
     tensor (``ParamSpec.sparse_grad``)."""
+    matmul: bool = False
+    """A linear layer or matmul by the parameter: its contribution is one matmul's (Note [Gradient pieces])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,7 @@ def ready_groups(
         spec = p.spec
         if spec.name in row_sparse:
             for use in row_sparse[spec.name]:
-                by_node.setdefault(use.position, []).append(spec.part_at(use.node))
+                by_node.setdefault(use.position, []).append(spec.part_at(use.node, one_matmul=use.matmul))
             spec = dataclasses.replace(spec, row_sparse=True)
         by_node.setdefault(p.first_use, []).append(spec)
     return [by_node[pos] for pos in sorted(by_node, reverse=True)]
@@ -149,6 +151,7 @@ def _use(user: fx.Node, table: fx.Node, position: int) -> GraphUse:
         _carries_gradient(user),
         lookup and _is_arange(_lookup_input(user)),
         sparse_grad=bool((args := _embedding_args(user, table)) and args.get("sparse", False)),
+        matmul=_is_matmul(user, table),
     )
 
 

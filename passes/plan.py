@@ -39,8 +39,9 @@ weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so ``launch_collectives_earl
 is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
 the matmul; every rank cuts the same blocks, as they follow from the agreed plan. The split strategy sends whole
 gradients (its hooks see whole ones). Only a gradient that is one matmul's is cut (``ParamSpec.one_matmul``): a
-tied table's (a lookup's rows plus the head's matmul) or a convolution's is whole before any block of it could
-go, and cutting it only adds collectives and copies (on the launch-bound GPT of ``bench.overhead``, whose
+tied table's whole gradient (a lookup's rows plus the head's matmul) or a convolution's is whole before any block
+of it could go, and cutting it only adds collectives and copies; a tied table's part (the head's matmul alone,
+Note [Row-sparse gradients]) is one matmul's and is cut (on the launch-bound GPT of ``bench.overhead``, whose
 2 MiB tied table exceeds its 1 MiB cap, in-graph reduction went from 0.94 to 1.12 × PyTorch's compiled step).
 
 Note [Bucket ramps]
@@ -172,9 +173,10 @@ class ParamSpec:
             name, tuple(tensor.shape), dtype or tensor.dtype, str(tensor.device), row_sparse=row_sparse, sparse_grad=sparse_grad
         )
 
-    def part_at(self, node: str) -> ParamSpec:
-        """The part of this parameter's gradient that graph node ``node`` contributes."""
-        return dataclasses.replace(self, part=node, row_sparse=False)
+    def part_at(self, node: str, *, one_matmul: bool = False) -> ParamSpec:
+        """The part of this parameter's gradient that graph node ``node`` contributes (``one_matmul``: by one
+        matmul, so it may go in pieces in-graph, as the output layer's part of a tied table)."""
+        return dataclasses.replace(self, part=node, row_sparse=False, one_matmul=one_matmul)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -293,7 +295,7 @@ class Bucket:
         big = [
             k for k, p in enumerate(self.params)
             if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
-            and not (p.part or p.row_sparse or p.sparse_grad)
+            and not (p.row_sparse or p.sparse_grad)
         ]  # fmt: skip
         if len(big) != 1:
             return None

@@ -114,7 +114,10 @@ def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() ->
     plan = split.plan
     assert plan.buckets[0].names == ("wte.weight@logits",)  # ready first: the output layer's backward
     assert plan.buckets[-1].names == ("wte.weight[rows]",) and plan.buckets[-1].row_sparse
-    assert plan.parts == (ParamSpec.of("wte.weight", model.wte.weight).part_at("logits"),)
+    assert plan.parts == (ParamSpec.of("wte.weight", model.wte.weight).part_at("logits", one_matmul=True),)
+    # In-graph, the part (the output layer's one matmul) goes in pieces over its cap; the rows never do.
+    assert plan.buckets[0].pieces is not None and len(plan.buckets[0].pieces[1]) == plan.buckets[0].in_graph_collectives > 1
+    assert plan.buckets[-1].pieces is None and plan.buckets[-1].in_graph_collectives == 1
     assert sorted(plan.param_names) == sorted(n for n, _ in model.named_parameters())  # parts are not params
     assert len(split.taps) == 1 and split.taps[0].segment == split.num_segments - 1  # feeds the last segment
     assert split.segments[-1].buckets == (0,) and split.segments[0].buckets == (len(plan.buckets) - 1,)
