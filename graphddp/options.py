@@ -49,8 +49,8 @@ class BucketOptions:
     contributions early as parts of their own (Note [Row-sparse gradients] in ``graphddp.passes.row_sparse``). The
     result equals the dense all-reduce up to the order of floating-point sums. Applies to CPU buckets, several
     ranks and the default comm hook; elsewhere, and with False, every bucket is all-reduced dense. ``"auto"``:
-    where the step cost model says rows pay on the link measured at construction (a fast link: dense, which lets
-    a compiled graph reduce in-graph; a slow one: rows); True: wherever they apply."""
+    where the step cost model says rows pay on the link measured at construction (a fast link: dense; a slow one:
+    rows; a compiled graph reduces in-graph either way); True: wherever they apply."""
     channels: int | str = 1
     """Process groups the buckets are reduced on in turn (bucket i on group ``i % channels``), so up to that many
     all-reduces are in flight at once; the groups beyond the DDP's own are made at construction, with its backend

@@ -38,12 +38,9 @@ class ComputeRates:
     python_call_s: float = 0.0
     """Seconds of one Python function call: graphddp's per-bucket work is counted in calls
     (``graphddp.passes.cost.REDUCER_CALLS_PER_BUCKET``); 0: not measured."""
-    op_launch_s: float = 0.0
-    """Seconds to launch one small tensor op (an add of 16 elements): the split path's per-parameter cost is
-    counted in them (``graphddp.passes.row_sparse.SPLIT_LAUNCHES_PER_PARAMETER``); 0: not measured."""
 
     def __post_init__(self) -> None:
-        if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0 or self.op_launch_s < 0:
+        if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0:
             raise ValueError(f"compute rates must be > 0, got {self}")
 
     @property

@@ -40,9 +40,9 @@ is computed. The blocks' gradients are the whole gradient's rows, up to the orde
 the matmul; every rank cuts the same blocks, as they follow from the agreed plan. The split strategy sends whole
 gradients (its hooks see whole ones). Only a gradient that is one matmul's is cut (``ParamSpec.one_matmul``): a
 tied table's whole gradient (a lookup's rows plus the head's matmul) or a convolution's is whole before any block
-of it could go, and cutting it only adds collectives and copies; a tied table's part (the head's matmul alone,
-Note [Row-sparse gradients]) is one matmul's and is cut (on the launch-bound GPT of ``bench.overhead``, whose
-2 MiB tied table exceeds its 1 MiB cap, in-graph reduction went from 0.94 to 1.12 × PyTorch's compiled step).
+of it could go, and cutting it only adds collectives and copies (cutting the whole tied table of ``bench.overhead``'s
+launch-bound GPT, 2 MiB over a 1 MiB cap, took in-graph reduction from 0.94 to 1.12 × PyTorch's compiled step). A
+tied table's part (the output layer's matmul alone, Note [Row-sparse gradients]) is one matmul's, and is cut.
 
 Note [Bucket ramps]
 ~~~~~~~~~~~~~~~~~~~
@@ -123,7 +123,7 @@ class ParamSpec:
     does (``sparse_gradient_params`` in ``passes/row_sparse.py`` says which)."""
     one_matmul: bool = False
     """Its gradient is one matmul's: the only use in the captured graph that sends a gradient back is a linear or
-    matmul (``find_graph_params``; False in eager plans). Only such a gradient is sent in pieces, each block
+    matmul (``find_graph_params``), or, for a part, its use is (``part_at``); False in eager plans. Only such a gradient is sent in pieces, each block
     computed by a matmul of its own (Note [Gradient pieces]); another one (a tied table's sum of a lookup and a
     matmul, a convolution's) would only be sliced after it is whole: more collectives, no earlier start."""
 

@@ -15,7 +15,9 @@ from typing import Literal
 import torch
 from torch import fx
 
+from .graph_params import GraphParam
 from .plan import BucketPlan
+from .row_sparse import parts_missing
 
 Strategy = Literal["split", "in_graph"]
 REDUCTIONS = ("auto", "split", "in_graph")
@@ -40,16 +42,28 @@ def check_reduction(requested: object) -> str:
     return str(requested)
 
 
-def plan_blockers(plan: BucketPlan) -> list[str]:
-    """What in ``plan`` cannot be reduced in the graph: ``torch.sparse`` gradients. (Tables planned as rows and
-    their parts can: an opaque node picks the rows at run time, Note [Rows in the compiled backward] in
-    ``graphddp/runtime/in_graph_rows.py``.)"""
-    return ["sparse gradients"] if any(b.sparse_grad for b in plan.buckets) else []
+def plan_blockers(plan: BucketPlan, params: Sequence[GraphParam] | None = None, *, rows_in_use: bool = True) -> list[str]:
+    """What in ``plan`` cannot be reduced in the graph of ``params``: ``torch.sparse`` gradients; tables planned
+    as rows once rows are no longer in use (``rows_in_use`` False: a comm hook registered since, which the Reducer
+    runs on them dense); a part no use in this graph contributes (a recompile cut by an earlier plan: its bucket
+    would send nothing here while other ranks' graphs send it). Tables planned as rows and their parts are
+    otherwise reduced in-graph: an opaque node picks the rows at run time (Note [Rows in the compiled backward]
+    in ``graphddp/runtime/in_graph_rows.py``)."""
+    blockers = []
+    rows = bool(plan.parts) or any(b.row_sparse for b in plan.buckets)
+    if rows and not rows_in_use:
+        blockers.append("tables planned as rows, and a comm hook registered since")
+    missing = parts_missing(plan, params) if params is not None else []
+    if missing:
+        blockers.append(f"parts of the plan that no use in this graph contributes ({', '.join(missing)})")
+    if any(b.sparse_grad for b in plan.buckets):
+        blockers.append("sparse gradients")
+    return blockers
 
 
 def choose_reduction(requested: str, blockers: Sequence[str]) -> ReductionChoice:
     """The strategy for one graph: the one asked for, else in-graph unless something in ``blockers`` needs the
-    Reducer (a Python comm hook, unused parameters, row-sparse tables, ...), which the split path serves.
+    Reducer (a Python comm hook, unused parameters, sparse gradients, ...), which the split path serves.
 
     The step cost model predicts the same communication for both (each bucket's all-reduce starts once its last
     gradient exists, in the same order) and less CPU per bucket for in-graph, so ``"auto"`` takes in-graph
@@ -297,6 +311,10 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 STEP_OP = "graphddp::step_bucket"
 """A bucket's optimizer step node (Note [Steps in the compiled backward], ``graphddp/runtime/in_graph_steps.py``)."""
 
+ROWS_OP = "graphddp::reduce_rows"
+"""A table's rows node (Note [Rows in the compiled backward], ``graphddp/runtime/in_graph_rows.py``): it blocks until
+its collectives, queued behind every bucket still on the link, are done, so it is scheduled as a wait."""
+
 
 def sink_bucket_steps(graph: fx.Graph) -> int:
     """The optimizer step nodes, last (Note [Steps in the compiled backward]): at the end of the graph, bucket by
@@ -304,12 +322,15 @@ def sink_bucket_steps(graph: fx.Graph) -> int:
     its averaged gradients) and then the step; after them, whatever else follows from those (the zeros the steps
     return, summed into the abandon signal's gradient). So a bucket's step runs once its own all-reduces are
     waited for, while the later buckets' are still in flight, and after every computation that does not need a
-    wait, so nothing reads a parameter a step has changed. Returns how many step nodes there are."""
+    wait, so nothing reads a parameter a step has changed. A table's rows node (``ROWS_OP``) counts as a wait: it
+    goes to the tail with its table's step. Returns how many step nodes there are."""
     steps = [n for n in graph.nodes if _op_name(n) == STEP_OP]
     if not steps:
         return 0
     order = {n: i for i, n in enumerate(graph.nodes)}
-    after_waits = _downstream([n for n in graph.nodes if _is_wait(n)])
+    # A rows node waits for the link like a wait does: left in place it would hold every step behind the last
+    # bucket's all-reduce; in the tail it runs just before its table's step.
+    after_waits = _downstream([n for n in graph.nodes if _is_wait(n) or _op_name(n) == ROWS_OP])
     tail: list[fx.Node] = []
     placed: set[fx.Node] = set()
     for step in steps:

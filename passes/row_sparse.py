@@ -84,6 +84,7 @@ from torch import nn
 
 from .cost import LinkModel
 from .graph_params import GraphParam, GraphUse
+from .plan import BucketPlan
 from .split import GraphSplit
 
 ROW_SPARSE_MAX_DENSITY = 0.5
@@ -159,6 +160,13 @@ def row_sparse_params(params: Sequence[GraphParam]) -> list[RowSparseParam]:
             continue
         found.append(RowSparseParam(p.spec.name, p.node, tuple(lookups), tuple(others)))
     return found
+
+
+def parts_missing(plan: BucketPlan, params: Sequence[GraphParam]) -> list[str]:
+    """Labels of ``plan``'s parts that no use of their table in the graph of ``params`` contributes: a graph
+    recompiled under a plan made earlier (Note [Plan agreement]) may name its nodes anew."""
+    uses = {p.spec.name: {u.node for u in p.uses if u.differentiable} for p in params}
+    return [part.label for part in plan.parts if part.part not in uses.get(part.name, set())]
 
 
 def misplaced_parts(split: GraphSplit, row_sparse: Sequence[RowSparseParam]) -> set[str]:

@@ -45,6 +45,7 @@ from torch import fx, nn
 from ..passes import (
     BucketCaps,
     BucketPlan,
+    GraphParam,
     GraphSplit,
     ReductionChoice,
     check_reduction,
@@ -152,7 +153,7 @@ class GraphDDPBackend:
             logger.debug("graphddp.compiler.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
-        choice = self.choose_reduction(prepared.plan, target)
+        choice = self.choose_reduction(prepared.plan, prepared.params, target)
         if target is not None:
             target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
@@ -193,11 +194,11 @@ class GraphDDPBackend:
             return split_fn
         return ReductionSwitch(in_graph, split_fn, target, frozenset(p.spec.name for p in prepared.params))
 
-    def choose_reduction(self, plan: BucketPlan, target: CompileTarget | None) -> ReductionChoice:
-        """How a graph planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``)."""
+    def choose_reduction(self, plan: BucketPlan, params: Sequence[GraphParam], target: CompileTarget | None) -> ReductionChoice:
+        """How a graph of ``params`` planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``)."""
         if target is None:
             return ReductionChoice("split", "no graphddp.DDP runs it")
-        blockers = [*plan_blockers(plan), *target.in_graph_blockers()]
+        blockers = [*plan_blockers(plan, params, rows_in_use=target.reduces_rows), *target.in_graph_blockers()]
         if in_graph_compiler(self.inner) is None:
             blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
         return choose_reduction(self.reduction, blockers)

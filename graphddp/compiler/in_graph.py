@@ -293,6 +293,7 @@ class _Inserting:
         at = self._at(uses, members)
         whole = [k for k, s in enumerate(specs) if not s.part]  # a part is stepped with its table, not here
         step = self._step([specs[k].name for k in whole])
+        assert all(s.name in self.part_sources for s in specs if s.part), "a part comes with its table planned as rows"
         sources = [self.part_sources[s.name] if s.part else self.nodes[p.node] for s, p in zip(specs, members)]
         with self.graph.inserting_before(at):
             group_name = self.group_names[bucket_channel(bucket.index, len(self.group_names))]

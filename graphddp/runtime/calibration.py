@@ -121,11 +121,11 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
         return _rates[group]
     device = device or torch.device("cpu")
     here = measure_compute_rates(device, matmul_size=CONSTRUCTION_MATMUL)
-    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s, here.op_launch_s], dtype=torch.float64, device=device)
+    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s], dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
         dist.broadcast(agreed, group=group, group_src=0)
-    flops, moved, call, launch = (float(v) for v in agreed)
-    _rates[group] = rates = ComputeRates(flops_per_s=flops, bytes_per_s=moved, python_call_s=call, op_launch_s=launch)
+    flops, moved, call = (float(v) for v in agreed)
+    _rates[group] = rates = ComputeRates(flops_per_s=flops, bytes_per_s=moved, python_call_s=call)
     return rates
 
 
@@ -141,22 +141,8 @@ def measure_compute_rates(
     matmul_s = _best_of(lambda: torch.mm(a, b), device)
     add_s = _best_of(lambda: torch.add(x, y), device)
     return ComputeRates(
-        flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s, python_call_s=python_call_seconds(),
-        op_launch_s=op_launch_seconds(device),
+        flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s, python_call_s=python_call_seconds()
     )
-
-
-def op_launch_seconds(device: torch.device | None = None, launches: int = 2_000) -> float:
-    """One launch of a small op (an add of 16 elements), best of 5 loops: what the cost model counts per-op work
-    in."""
-    small = torch.ones(16, device=device)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(launches):
-            torch.add(small, small)
-        best = min(best, (time.perf_counter() - start) / launches)  # on a GPU, the launch: no sync, as in backward
-    return best
 
 
 def python_call_seconds(calls: int = 5_000) -> float:

@@ -28,25 +28,29 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..passes.reduction import ROWS_OP  # the passes find the node by this name: they import nothing of the runtime
 from .reductions import DENSE_STREAK_LIMIT, DenseStreak, goes_as_rows, touched_rows_mask
 
 logger = logging.getLogger(__name__)
 
-ROWS_OP = "graphddp::reduce_rows"
 
 _keys = itertools.count()
-_streaks: dict[int, tuple[DenseStreak, str]] = {}
+_streaks: dict[int, tuple[DenseStreak, str, weakref.ref[object]]] = {}
 
 
-def streak_key(table: str) -> int:
-    """A new key for the dense streak of ``table`` (one per DDP and table: the DDP keeps it for its graphs)."""
+def streak_key(owner: object, table: str) -> int:
+    """A new key for the dense streak of ``table`` (one per DDP and table: ``owner``, the DDP's target, keeps it
+    for all its graphs; held weakly, so the keys of freed DDPs are dropped as new ones are made)."""
+    for dead in [k for k, (_, _, ref) in _streaks.items() if ref() is None]:
+        del _streaks[dead]
     key = next(_keys)
-    _streaks[key] = (DenseStreak(), table)
+    _streaks[key] = (DenseStreak(), table, weakref.ref(owner))
     return key
 
 
@@ -89,4 +93,8 @@ def _dense(table: torch.Tensor, group: dist.ProcessGroup, divisor: int) -> torch
 
 @reduce_rows.register_fake
 def _(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
-    return torch.empty_like(grad)
+    return grad.new_empty(grad.shape)  # contiguous, as the op returns it
+
+
+# Its collectives are effects: no pass may drop or merge the node, whatever its output's use.
+torch.fx.node.has_side_effect(torch.ops.graphddp.reduce_rows.default)

@@ -162,7 +162,7 @@ class ReducerTarget:
         """The key of ``table``'s dense streak, for the rows node of every in-graph variant compiled for this DDP
         (Note [Rows in the compiled backward])."""
         if table not in self._streak_keys:
-            self._streak_keys[table] = streak_key(table)
+            self._streak_keys[table] = streak_key(self, table)
         return self._streak_keys[table]
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:

@@ -35,6 +35,7 @@ from graphddp.passes import (
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 STEP = torch.ops.graphddp.step_bucket.default
+ROWS = torch.ops.graphddp.reduce_rows.default
 
 
 def test_auto_reduces_in_graph_unless_something_needs_the_reducer() -> None:
@@ -56,6 +57,8 @@ def test_sparse_buckets_block_in_graph_reduction_and_rows_do_not() -> None:
     assert plan_blockers(rows) == []  # an opaque node reduces them in-graph (Note [Rows in the compiled backward])
     sparse = plan_buckets([ParamSpec.of("emb.weight", table, sparse_grad=True)], caps=BucketCaps())
     assert plan_blockers(sparse) == ["sparse gradients"]
+    # A comm hook registered after the table was planned as rows: the Reducer runs it, on the split.
+    assert plan_blockers(rows, rows_in_use=False) == ["tables planned as rows, and a comm hook registered since"]
 
 
 def _collective_graph() -> fx.Graph:
@@ -259,6 +262,25 @@ def test_a_step_goes_behind_compute_that_reads_the_parameter_it_changes() -> Non
     schedule_reductions(graph)
     assert _order(graph) == ["t", "mm", "all_reduce", "mm", "wait_tensor", "step_bucket", "add"]
     assert sink_bucket_steps(graph) == 1 and _order(graph)[-3:] == ["wait_tensor", "step_bucket", "add"]
+
+
+def test_a_tables_rows_node_goes_to_the_tail_with_its_tables_step() -> None:
+    """A bucket's step and a tied table's: the table's rows node blocks until the link is done, so left where
+    autograd traced it (before every step) it would hold the bucket's step behind the last all-reduce;
+    ``sink_bucket_steps`` moves it, as a wait, to just before the table's step."""
+    graph = fx.Graph()
+    grad_w, grad_table, part, signal = (graph.placeholder(name) for name in ("grad_w", "grad_table", "part", "signal"))
+    reduced = graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (grad_w, "sum", "0")),))
+    part_reduced = graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (part, "sum", "0")),))
+    rows = graph.call_function(ROWS, (grad_table, "0", 2, -1))
+    table = graph.call_function(torch.ops.aten.add.Tensor, (rows, part_reduced))
+    zero = graph.call_function(STEP, (7, [reduced]))
+    zero_table = graph.call_function(STEP, (8, [table]))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (zero, zero_table))
+    graph.output((reduced, table, graph.call_function(torch.ops.aten.add.Tensor, (signal, total))))
+    assert sink_bucket_steps(graph) == 2
+    order = [n.name for n in graph.nodes]
+    assert order.index(zero.name) < order.index(rows.name) < order.index(zero_table.name), order
 
 
 def test_the_reducing_graph_is_not_split() -> None:

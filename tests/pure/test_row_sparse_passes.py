@@ -24,6 +24,7 @@ from graphddp.passes import (
     embedding_tables,
     find_graph_params,
     misplaced_parts,
+    plan_blockers,
     plan_buckets,
     plan_graph,
     row_sparse_params,
@@ -123,6 +124,20 @@ def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() ->
     assert split.segments[-1].buckets == (0,) and split.segments[0].buckets == (len(plan.buckets) - 1,)
     # The position table is looked up with arange(16) in a 16-row table: every row, so it stays dense.
     assert not any(b.row_sparse for b in plan.buckets[:-1])
+
+
+def test_a_part_this_graph_does_not_have_keeps_it_off_in_graph_reduction() -> None:
+    # A recompile is cut by the plan made before; if its output layer's node is named anew, the part's bucket
+    # would send nothing in-graph on this rank while other ranks send it: the graph runs split instead.
+    model = tied_gpt()
+    captured, params = capture(model, *tokens())
+    plan = plan_graph(captured.gm, params, TINY).plan
+    assert plan_blockers(plan, params) == []
+    renamed = BucketPlan(
+        tuple(dataclasses.replace(b, params=tuple(dataclasses.replace(p, part="logits_1") if p.part else p for p in b.params)) for b in plan.buckets),
+        plan.caps,
+    )
+    assert plan_blockers(renamed, params) == ["parts of the plan that no use in this graph contributes (wte.weight@logits_1)"]
 
 
 def test_the_plan_depends_on_the_graph_not_on_the_batch() -> None:

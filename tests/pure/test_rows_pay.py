@@ -48,7 +48,7 @@ def test_no_table_no_rows_and_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="costs >= 0"):
         rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, cpu_seconds_per_byte=-1.0)
     with pytest.raises(ValueError, match="compute rates"):
-        ComputeRates(flops_per_s=1.0, bytes_per_s=1.0, op_launch_s=-1.0)
+        ComputeRates(flops_per_s=1.0, bytes_per_s=1.0, python_call_s=-1.0)
 
 
 def rule(link: LinkModel | None, enabled: bool | str = "auto") -> RowsRule:
