@@ -209,6 +209,8 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         m.step(batch, ProfilerMarks())
         dist.barrier()
+    if isinstance(m.ddp, graphddp.DDP):  # a table's rows reduced in-graph: what they sent (bucket_layout)
+        m.rows_touched = _rows_touched(batch)
     marks = [(e.name.removeprefix("bench:"), e.time_range.start) for e in prof.events() if e.name.startswith("bench:")]
     issued = sorted(e.time_range.start for e in prof.events() if e.name == "c10d::allreduce_")
     ran = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "gloo:all_reduce")
