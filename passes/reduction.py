@@ -15,9 +15,7 @@ from typing import Literal
 import torch
 from torch import fx
 
-from .graph_params import GraphParam
 from .plan import BucketPlan
-from .row_sparse import parts_missing
 
 Strategy = Literal["split", "in_graph"]
 REDUCTIONS = ("auto", "split", "in_graph")
@@ -42,20 +40,16 @@ def check_reduction(requested: object) -> str:
     return str(requested)
 
 
-def plan_blockers(plan: BucketPlan, params: Sequence[GraphParam] | None = None, *, rows_in_use: bool = True) -> list[str]:
-    """What in ``plan`` cannot be reduced in the graph of ``params``: ``torch.sparse`` gradients; tables planned
-    as rows once rows are no longer in use (``rows_in_use`` False: a comm hook registered since, which the Reducer
-    runs on them dense); a part no use in this graph contributes (a recompile cut by an earlier plan: its bucket
-    would send nothing here while other ranks' graphs send it). Tables planned as rows and their parts are
-    otherwise reduced in-graph: an opaque node picks the rows at run time (Note [Rows in the compiled backward]
-    in ``graphddp/runtime/in_graph_rows.py``)."""
+def plan_blockers(plan: BucketPlan, *, rows_in_use: bool = True) -> list[str]:
+    """What in ``plan`` cannot be reduced in-graph: ``torch.sparse`` gradients; tables planned as rows once rows
+    are no longer in use (``rows_in_use`` False: a comm hook registered since, which the Reducer runs on them
+    dense). Tables planned as rows and their parts are otherwise reduced in-graph: an opaque node picks the rows at
+    run time (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``). A function of the
+    plan and the DDP's settings only, so every rank decides alike."""
     blockers = []
     rows = bool(plan.parts) or any(b.row_sparse for b in plan.buckets)
     if rows and not rows_in_use:
         blockers.append("tables planned as rows, and a comm hook registered since")
-    missing = parts_missing(plan, params) if params is not None else []
-    if missing:
-        blockers.append(f"parts of the plan that no use in this graph contributes ({', '.join(missing)})")
     if any(b.sparse_grad for b in plan.buckets):
         blockers.append("sparse gradients")
     return blockers

@@ -162,11 +162,30 @@ def row_sparse_params(params: Sequence[GraphParam]) -> list[RowSparseParam]:
     return found
 
 
-def parts_missing(plan: BucketPlan, params: Sequence[GraphParam]) -> list[str]:
-    """Labels of ``plan``'s parts that no use of their table in the graph of ``params`` contributes: a graph
-    recompiled under a plan made earlier (Note [Plan agreement]) may name its nodes anew."""
-    uses = {p.spec.name: {u.node for u in p.uses if u.differentiable} for p in params}
-    return [part.label for part in plan.parts if part.part not in uses.get(part.name, set())]
+def parts_named_in(plan: BucketPlan, params: Sequence[GraphParam]) -> BucketPlan | None:
+    """``plan`` with each part of a tied table named after the use that contributes it in the graph of ``params``.
+
+    A recompile is cut by the plan made before (Note [Plan agreement]) and may name its nodes anew (``logits``
+    becomes ``logits_1``). Reduced in-graph, a part whose node is not found would get no gradient, and its bucket
+    would send nothing on this rank only; so a table's other uses here are matched to its parts in the order their
+    gradients are ready (the last use first: the parts' bucket order), which is what every rank's graph of this
+    structure gives. ``plan`` itself where every part is found; None where a table's other uses here do not match
+    its parts one for one (another structure, with no match every rank would make alike)."""
+    uses = {p.spec.name: [u for u in p.uses if u.differentiable] for p in params}
+    if all(part.part in {u.node for u in uses.get(part.name, ())} for part in plan.parts):
+        return plan
+    named: dict[tuple[str, str], str] = {}
+    for table in dict.fromkeys(part.name for part in plan.parts):
+        planned = [s.part for b in plan.buckets for s in b.params if s.part and s.name == table]  # ready order
+        here = [u.node for u in sorted(uses.get(table, ()), key=lambda u: -u.position) if not u.lookup]
+        if len(here) != len(planned):
+            return None
+        named.update({(table, old): new for old, new in zip(planned, here)})
+    buckets = tuple(
+        dataclasses.replace(b, params=tuple(dataclasses.replace(s, part=named[(s.name, s.part)]) if s.part else s for s in b.params))
+        for b in plan.buckets
+    )
+    return dataclasses.replace(plan, buckets=buckets)
 
 
 def misplaced_parts(split: GraphSplit, row_sparse: Sequence[RowSparseParam]) -> set[str]:

@@ -45,11 +45,11 @@ from torch import fx, nn
 from ..passes import (
     BucketCaps,
     BucketPlan,
-    GraphParam,
     GraphSplit,
     ReductionChoice,
     check_reduction,
     choose_reduction,
+    parts_named_in,
     plan_blockers,
 )
 from ..runtime.profiling import label_backward, labelled, profiling, trace_artifact
@@ -153,7 +153,8 @@ class GraphDDPBackend:
             logger.debug("graphddp.compiler.backend: graph without trainable parameters, compiled whole")
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
-        choice = self.choose_reduction(prepared.plan, prepared.params, target)
+        in_graph_plan = parts_named_in(prepared.plan, prepared.params)  # a recompile may name its parts anew
+        choice = self.choose_reduction(prepared.plan, in_graph_plan is not None, target)
         if target is not None:
             target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
@@ -180,7 +181,7 @@ class GraphDDPBackend:
             compiler = in_graph_compiler(self.inner)
             assert compiler is not None, "choose_reduction checks the inner compiler"
             reducing = insert_bucket_reductions(
-                gm, prepared.params, prepared.plan, group_names=target.channel_names, divisor=target.world_size,
+                gm, prepared.params, in_graph_plan, group_names=target.channel_names, divisor=target.world_size,
                 wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
                 rows_key=target.in_graph_rows_key,
             )
@@ -194,11 +195,16 @@ class GraphDDPBackend:
             return split_fn
         return ReductionSwitch(in_graph, split_fn, target, frozenset(p.spec.name for p in prepared.params))
 
-    def choose_reduction(self, plan: BucketPlan, params: Sequence[GraphParam], target: CompileTarget | None) -> ReductionChoice:
-        """How a graph of ``params`` planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``)."""
+    def choose_reduction(self, plan: BucketPlan, parts_found: bool, target: CompileTarget | None) -> ReductionChoice:
+        """How a graph planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``).
+        ``parts_found``: its tied tables' uses match the plan's parts (``parts_named_in``); only a recompile can
+        miss them, and one that does runs no in-graph variant, which ``InGraphGate`` refuses where the ranks
+        agreed on one (the other ranks would issue its collectives)."""
         if target is None:
             return ReductionChoice("split", "no graphddp.DDP runs it")
-        blockers = [*plan_blockers(plan, params, rows_in_use=target.reduces_rows), *target.in_graph_blockers()]
+        blockers = [*plan_blockers(plan, rows_in_use=target.reduces_rows), *target.in_graph_blockers()]
+        if not parts_found:
+            blockers.append("a recompile whose uses of a tied table no longer match the parts of the plan made before")
         if in_graph_compiler(self.inner) is None:
             blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
         return choose_reduction(self.reduction, blockers)

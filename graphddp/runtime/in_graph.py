@@ -9,7 +9,9 @@ step after them runs split, so the Reducer averages the whole accumulated gradie
 Reducer's hooks are off, so no Python runs per gradient. A graph that cannot reduce in-graph, run while it is
 open (a new graph, compiled mid-forward), closes it for the rest of the forward: the hooks are back and the
 Reducer prepares as usual; a graph that already reduced in this forward is then averaged twice, which leaves the
-same average on every rank. A forward that ran no compiled graph at all (the module called eagerly, Dynamo's
+same average on every rank. A graph the ranks agreed to reduce in-graph that this rank compiled again without an
+in-graph variant (a recompile: ``graphddp.passes.parts_named_in`` found no match for a tied table's parts) raises:
+the other ranks would issue collectives this rank does not. A forward that ran no compiled graph at all (the module called eagerly, Dynamo's
 fallback to eager code) closes it at its end, before backward. Not detected: a parameter also used, with a
 gradient, by eager code between two graphs (an op Dynamo cannot trace) while the graphs reduce in-graph; that
 part of its gradient would not be averaged — ``reduction="split"`` for such a model.
@@ -165,6 +167,13 @@ class InGraphGate:
         if can and params in self._plans.agreed_in_graph:
             self.in_graph_forwards += 1
             return True
+        if params in self._plans.agreed_in_graph:  # every other rank runs this graph's in-graph variant
+            raise RuntimeError(
+                f"[rank {self._rank}] graphddp.DDP: a graph that every rank agreed to reduce in-graph was compiled "
+                "again on this rank without an in-graph variant (graphddp.compiler.backend's log line says why); the "
+                "other ranks issue its in-graph all-reduces, which this rank cannot match. Compile the model with "
+                "reduction='split' (graphddp.backend(..., reduction='split')) (Note [In-graph reduction])."
+            )
         logger.info(
             "[rank %d] graphddp: a graph not agreed for in-graph reduction runs (a new graph?); this forward's "
             "gradients go through the Reducer (Note [In-graph reduction])", self._rank,

@@ -60,7 +60,7 @@ def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) 
     the Note); a new tensor of ``grad``'s shape, zero in the rows no rank touched. ``streak``: the table's
     ``streak_key``, or -1 for none (always try rows)."""
     group = _resolve_process_group(group_name)
-    table = grad.reshape(grad.shape[0], -1)  # [rows, C]
+    table = grad.reshape(grad.shape[0], -1).contiguous()  # [rows, C]; contiguous, as the fake op promises
     counted = _streaks.get(streak)
     if counted is not None and counted[0].gave_up:
         return _dense(table, group, divisor).reshape(grad.shape)

@@ -244,7 +244,7 @@ def inspect_target(
             prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments)
         choice = auto.choice_for(captured.gm) if auto is not None else None
         # As the backend decides for a DDP with the default comm hook and options, and an AOTAutograd compiler.
-        strategy = choose_reduction(reduction, plan_blockers(prepared.plan, prepared.params))
+        strategy = choose_reduction(reduction, plan_blockers(prepared.plan))
         graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy, channels_choice))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)

@@ -28,3 +28,18 @@ def test_the_option_is_validated_and_one_rank_plans_no_rows() -> None:
         graphddp.DDP(Bag(), sparse_embedding_grads="yes")  # type: ignore[arg-type]
     # Nothing to send at world size 1: no side group, no rows, no isolated table bucket.
     assert not any(b.row_sparse for b in graphddp.DDP(Bag(), sparse_embedding_grads=True).bucket_plan.buckets)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_in_graph_rows_op_returns_a_contiguous_table_as_its_fake_says() -> None:
+    # Its fake (what the compiled graph plans its buffers by) is contiguous; a transposed gradient must not make
+    # the real one differ (graphddp/runtime/in_graph_rows.py).
+    import torch.distributed as dist
+
+    from graphddp.runtime import in_graph_rows  # noqa: F401  (registers graphddp::reduce_rows)
+
+    grad = torch.zeros(3, 8)
+    grad[:, 2] = 1.0  # [3, 8] -> transposed [8, 3]: rows 2 touched
+    averaged = torch.ops.graphddp.reduce_rows(grad.t(), dist.group.WORLD.group_name, 1, -1)
+    assert averaged.is_contiguous() and averaged.shape == (8, 3)
+    torch.testing.assert_close(averaged, grad.t())

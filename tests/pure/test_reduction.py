@@ -3,6 +3,7 @@ wait-sinking pass, and the backward graph AOTAutograd makes of a graph with the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed  # noqa: F401  (registers the functional collectives' ops)
-from models import Wide
+from models import Wide, tied_gpt
+from models import tokens as draw_tokens
 from torch import fx, nn
 
 from graphddp.compiler.capture import capture_graphs, parameter_names
@@ -24,6 +26,7 @@ from graphddp.passes import (
     compute_pieces_separately,
     find_graph_params,
     launch_collectives_early,
+    parts_named_in,
     plan_blockers,
     plan_bucket_groups,
     plan_buckets,
@@ -281,6 +284,50 @@ def test_a_tables_rows_node_goes_to_the_tail_with_its_tables_step() -> None:
     assert sink_bucket_steps(graph) == 2
     order = [n.name for n in graph.nodes]
     assert order.index(zero.name) < order.index(rows.name) < order.index(zero_table.name), order
+
+
+def _collectives_of(gm: fx.GraphModule, params: list, plan: BucketPlan, example_inputs: list) -> list[tuple[str, int]]:
+    """The collectives the in-graph backward of ``gm`` issues, in order: (op, elements)."""
+    reducing = insert_bucket_reductions(gm, params, plan, group_names=("0",), divisor=2)
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def keep_backward(graph_module: fx.GraphModule, inputs: list) -> object:
+        schedule_reductions(graph_module.graph)
+        graphs["backward"] = graph_module
+        return graph_module.forward
+
+    from functorch.compile import make_boxed_compiler
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        aot_module_simplified(
+            reducing, example_inputs, fw_compiler=make_boxed_compiler(lambda g, _: g.forward),
+            bw_compiler=make_boxed_compiler(keep_backward),
+        )
+    return [(str(n.target), n.args[0].meta["val"].numel()) for n in graphs["backward"].graph.nodes if n.target in (ALL_REDUCE, ROWS)]
+
+
+def test_a_recompile_that_names_a_tied_tables_part_anew_issues_the_same_collectives_in_the_same_order() -> None:
+    """A recompile on one rank, cut by the plan made before, whose output layer's node has another name: its
+    in-graph backward must issue what every other rank's does (``graphddp.passes.parts_named_in``). Before, the
+    part's bucket sent nothing, or, fed zeros from the lookups, sent them last."""
+    model = tied_gpt()
+    (captured,) = capture_graphs(model, *draw_tokens("gpt", torch.Generator().manual_seed(1), 4))
+    names = parameter_names(model)
+    prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=BucketCaps(bucket=2048, first=1024, last=512), row_sparse=True)
+    assert prepared.plan.parts and any(b.pieces for b in prepared.plan.buckets)  # the part goes in pieces
+    original = _collectives_of(captured.gm, prepared.params, prepared.plan, captured.example_inputs)
+    graph = copy.deepcopy(captured.gm.graph)
+    (logits,) = [n for n in graph.nodes if n.name == prepared.plan.parts[0].part]
+    logits.name = "logits_1"
+    again = fx.GraphModule(captured.gm, graph)
+    params = find_graph_params(again, captured.example_inputs, names)
+    named = parts_named_in(prepared.plan, params)
+    assert named is not None and named.parts[0].part == "logits_1"
+    assert _collectives_of(again, params, named, captured.example_inputs) == original
+    assert original[0] == (str(ALL_REDUCE), prepared.plan.buckets[0].pieces[1][0] * model.wte.weight.shape[1])  # the part's first block first
+    with pytest.raises(AssertionError, match="no use in this graph contributes it"):
+        insert_bucket_reductions(again, params, prepared.plan, group_names=("0",), divisor=2)
 
 
 def test_the_reducing_graph_is_not_split() -> None:

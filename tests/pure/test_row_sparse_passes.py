@@ -4,6 +4,7 @@ gradients (Note [Row-sparse gradients] in passes/row_sparse.py)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -24,6 +25,7 @@ from graphddp.passes import (
     embedding_tables,
     find_graph_params,
     misplaced_parts,
+    parts_named_in,
     plan_blockers,
     plan_buckets,
     plan_graph,
@@ -126,18 +128,49 @@ def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() ->
     assert not any(b.row_sparse for b in plan.buckets[:-1])
 
 
-def test_a_part_this_graph_does_not_have_keeps_it_off_in_graph_reduction() -> None:
-    # A recompile is cut by the plan made before; if its output layer's node is named anew, the part's bucket
-    # would send nothing in-graph on this rank while other ranks send it: the graph runs split instead.
+def _renamed(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose nodes in ``names`` are named anew, as a recompile may name them."""
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.name in names:
+            node.name = names[node.name]
+    return torch.fx.GraphModule(gm, graph)
+
+
+def test_a_recompile_that_names_a_part_anew_finds_it_by_its_place_among_the_tables_uses() -> None:
+    # A recompile is cut by the plan made before; where it names the output layer's node anew, the part is found
+    # at the same place among the table's uses (reduced in-graph, a part not found would send nothing on this rank
+    # only: Note [Rows in the compiled backward]).
     model = tied_gpt()
     captured, params = capture(model, *tokens())
     plan = plan_graph(captured.gm, params, TINY).plan
-    assert plan_blockers(plan, params) == []
-    renamed = BucketPlan(
-        tuple(dataclasses.replace(b, params=tuple(dataclasses.replace(p, part="logits_1") if p.part else p for p in b.params)) for b in plan.buckets),
-        plan.caps,
-    )
-    assert plan_blockers(renamed, params) == ["parts of the plan that no use in this graph contributes (wte.weight@logits_1)"]
+    assert plan_blockers(plan) == [] and parts_named_in(plan, params) is plan
+    again = _renamed(captured.gm, {"logits": "logits_1"})
+    again_params = find_graph_params(again, captured.example_inputs, parameter_names(model))
+    named = parts_named_in(plan, again_params)
+    assert [p.part for p in named.parts] == ["logits_1"] and named.fingerprint != plan.fingerprint
+    assert [b.numel for b in named.buckets] == [b.numel for b in plan.buckets]
+    assert [b.pieces for b in named.buckets] == [b.pieces for b in plan.buckets]
+
+
+def test_two_parts_named_anew_are_matched_in_the_order_their_gradients_are_ready() -> None:
+    model = TwoHeads()
+    captured, params = capture(model, tokens()[0])
+    plan = plan_graph(captured.gm, params, TINY).plan
+    first, second = (p.part for p in plan.parts)  # bucket order: the later use's part is ready first
+    again = _renamed(captured.gm, {first: "head_b", second: "head_a"})  # "head_a" sorts first, yet is used later
+    named = parts_named_in(plan, find_graph_params(again, captured.example_inputs, parameter_names(model)))
+    assert named is not None and [p.part for p in named.parts] == ["head_b", "head_a"]
+
+
+def test_a_recompile_with_another_number_of_uses_of_a_tied_table_has_no_match() -> None:
+    # Two output layers in the plan, one (and a detached read) in this graph of the same table: no match that
+    # every rank would make alike, so this graph has no in-graph variant (``InGraphGate`` refuses to go on).
+    captured, params = capture(TwoHeads(), tokens()[0])
+    plan = plan_graph(captured.gm, params, TINY).plan
+    assert len(plan.parts) == 2
+    _, other_params = capture(DetachedUse(), tokens()[0])
+    assert parts_named_in(plan, other_params) is None
 
 
 def test_the_plan_depends_on_the_graph_not_on_the_batch() -> None:

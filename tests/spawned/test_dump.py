@@ -19,7 +19,7 @@ def train_with_recompile(rank: int, world: int, debug_dir: str | None) -> dict:
     torch._dynamo.reset()
     workload = build_workload("gpt", size="tiny", seed=0)
     ddp = graphddp.DDP(workload.model, **CAPS)
-    # The split, asked for: the Reducer reduces the table, and gives its rows up (in-graph keeps trying them).
+    # The split, asked for: the Reducer reduces the table, and gives its rows up (as in-graph does, keeping its part).
     model = torch.compile(ddp, backend=graphddp.backend("aot_eager", debug_dir=debug_dir, reduction="split"))
     data = torch.Generator().manual_seed(rank)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
