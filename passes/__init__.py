@@ -52,6 +52,7 @@ from .reduction import (
     plan_blockers,
     schedule_reductions,
     sink_bucket_steps,
+    sink_rows_nodes,
     sink_waits,
 )
 from .row_sparse import (
@@ -127,6 +128,7 @@ __all__ = [
     "segment_backward_seconds",
     "schedule_reductions",
     "sink_bucket_steps",
+    "sink_rows_nodes",
     "sink_waits",
     "sparse_gradient_params",
     "split_at_buckets",

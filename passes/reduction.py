@@ -357,10 +357,35 @@ def _downstream(roots: Sequence[fx.Node]) -> set[fx.Node]:
     return found
 
 
+def sink_rows_nodes(graph: fx.Graph) -> int:
+    """Each table's rows node (``ROWS_OP``), with what is computed from it (the table's gradient: the parts' averages
+    added), as late as the graph allows: before the output, or before the first node after it that mutates or has
+    another side effect. It blocks until the buckets ahead of it on the link are done; where autograd traced it
+    (right after a table's lookups: in the middle of backward, for a table used after the first layer) it would
+    hold the rest of the backward's compute behind the link. Returns how many moved."""
+    moved = 0
+    for rows in [n for n in graph.nodes if _op_name(n) == ROWS_OP]:
+        chain = _downstream([rows])  # closed under users: only the output uses it from outside
+        stop = rows.next
+        while stop.op != "output" and (stop in chain or not _is_barrier(stop)):
+            stop = stop.next
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        to_move = sorted((n for n in chain if order[n] < order[stop]), key=order.__getitem__)
+        if order[stop] - order[to_move[0]] == len(to_move):
+            continue  # already together, right before it
+        for node in to_move:
+            stop.prepend(node)
+        moved += 1
+    if moved:
+        graph.lint()
+    return moved
+
+
 def schedule_reductions(graph: fx.Graph) -> tuple[int, int, int]:
-    """The in-graph backward's order (Note [In-graph reduction], step 2): big gradients computed in pieces, each
-    collective as early as the graph allows, optimizer step nodes last, each wait as late as the graph allows.
-    Returns (slices rewritten, nodes moved, waits moved)."""
+    """The in-graph backward's order (Note [In-graph reduction], step 2): big gradients computed in pieces, rows
+    nodes as late as they can go, each collective as early as the graph allows, optimizer step nodes last, each
+    wait as late as the graph allows. Returns (slices rewritten, nodes moved, waits moved)."""
     pieces = compute_pieces_separately(graph)
+    sink_rows_nodes(graph)
     sink_bucket_steps(graph)
     return pieces, launch_collectives_early(graph), sink_waits(graph)

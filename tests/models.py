@@ -340,6 +340,19 @@ class Bag(nn.Module):
         return F.cross_entropy(self.head(self.emb(idx).mean(1)), target)  # idx [B, 8] -> [B, 16] -> [B, 8]
 
 
+class GatedBag(Bag):
+    """Bag whose looked-up rows are gated by a layer computed before the lookup: in backward the table's gradient is
+    complete before the gate's, so its rows are reduced in the middle of backward, not last."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__(vocab)
+        self.gate = nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.gate(idx.float() / idx.shape[1]))  # [B, 8] -> [B, 16], before the lookup
+        return F.cross_entropy(self.head(self.emb(idx).mean(1) * gate), target)
+
+
 class SparseBags(nn.Module):
     """Bag with ``torch.sparse`` gradients: an ``nn.Embedding`` and an ``nn.EmbeddingBag``, both ``sparse=True``."""
 
@@ -385,6 +398,7 @@ TOKENS = {
     "gpt_untied": untied_gpt,
     "broken": broken_gpt,
     "bag": Bag,
+    "gated_bag": GatedBag,
     "sparse_bags": SparseBags,
 }
 

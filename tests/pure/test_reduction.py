@@ -32,6 +32,7 @@ from graphddp.passes import (
     plan_buckets,
     schedule_reductions,
     sink_bucket_steps,
+    sink_rows_nodes,
     sink_waits,
 )
 
@@ -328,6 +329,35 @@ def test_a_recompile_that_names_a_tied_tables_part_anew_issues_the_same_collecti
     assert original[0] == (str(ALL_REDUCE), prepared.plan.buckets[0].pieces[1][0] * model.wte.weight.shape[1])  # the part's first block first
     with pytest.raises(AssertionError, match="no use in this graph contributes it"):
         insert_bucket_reductions(again, params, prepared.plan, group_names=("0",), divisor=2)
+
+
+def test_a_rows_node_traced_in_the_middle_of_backward_goes_behind_the_compute_that_does_not_need_it() -> None:
+    """A table looked up after the first layer: autograd traces its rows node before the earlier layer's backward,
+    where its wait for the link would stall that compute; it goes just before the use of its result, and the
+    earlier layer's bucket goes out before it (each rank moves it alike)."""
+    graph = fx.Graph()
+    names = ("grad_table", "part", "grad_out", "x", "w")
+    grad_table, part, grad_out, x, w = (graph.placeholder(name) for name in names)
+    rows = graph.call_function(ROWS, (grad_table, "0", 2, -1))
+    table = graph.call_function(torch.ops.aten.add.Tensor, (rows, part))  # the parts' average, added at once
+    grad_w = graph.call_function(torch.ops.aten.mm.default, (grad_out, x))  # the earlier layer's weight gradient
+    reduced = graph.call_function(WAIT, (graph.call_function(ALL_REDUCE, (grad_w, "sum", "0")),))
+    grad_x = graph.call_function(torch.ops.aten.mm.default, (grad_out, w))
+    graph.output((table, reduced, grad_x))
+    assert sink_rows_nodes(graph) == 1
+    assert _order(graph) == ["mm", "all_reduce", "wait_tensor", "mm", "reduce_rows", "add"]
+    assert sink_rows_nodes(graph) == 0  # already where it goes
+    schedule_reductions(graph)
+    assert _order(graph) == ["mm", "all_reduce", "mm", "reduce_rows", "add", "wait_tensor"]
+
+
+def test_a_rows_node_does_not_cross_a_node_with_side_effects() -> None:
+    graph = fx.Graph()
+    grad_table, buffer, grad_w = graph.placeholder("grad_table"), graph.placeholder("buffer"), graph.placeholder("grad_w")
+    rows = graph.call_function(ROWS, (grad_table, "0", 2, -1))
+    graph.call_function(torch.ops.aten.add_.Tensor, (buffer, grad_w))  # mutates: nothing crosses it
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (rows, 2)),))
+    assert sink_rows_nodes(graph) == 0 and _order(graph) == ["reduce_rows", "add_", "mul"]
 
 
 def test_the_reducing_graph_is_not_split() -> None:
