@@ -203,9 +203,10 @@ def test_compiled_tables_train_when_ranks_see_different_batch_sizes(kind: str, m
             assert any(e[0] == "ready" and e[2] == "wte.weight@logits" for e in last), "the part was not taken"
 
 
-def tied_gpt_under_users_compiled_autograd(rank: int, world: int) -> list[bool]:
+def tied_gpt_under_users_compiled_autograd(rank: int, world: int, reduction: str) -> list[tuple[bool, bool]]:
     """A compiled tied GPT whose every backward runs under the user's compiled autograd (no events recorded: the
-    user's path), against PyTorch's DDP; returns, per step, whether the plan has the table's part."""
+    user's path), against PyTorch's DDP; returns, per step, whether the plan has the table's part and whether the
+    step reduced in-graph."""
     import copy
 
     from models import tied_gpt
@@ -216,7 +217,7 @@ def tied_gpt_under_users_compiled_autograd(rank: int, world: int) -> list[bool]:
     model = tied_gpt()
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     ddp = graphddp.DDP(model, **dict(TINY_CAPS), **dict(RAMPED), sparse_embedding_grads=True)
-    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager", reduction=reduction))
     data = torch.Generator().manual_seed(rank)
     parts = []
     for _ in range(3):
@@ -230,11 +231,14 @@ def tied_gpt_under_users_compiled_autograd(rank: int, world: int) -> list[bool]:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
         for module in (ddp, ref):
             module.zero_grad(set_to_none=True)
-        parts.append(any(p.part for b in ddp.bucket_plan.buckets for p in b.params))
+        parts.append((any(p.part for b in ddp.bucket_plan.buckets for p in b.params), ddp.reducer.compile_target.gate.open))
     return parts
 
 
-@pytest.mark.slow  # ~30 s: compiled autograd recompiles per step; the default suite stays under 10 minutes
-def test_a_tied_table_trains_under_the_users_compiled_autograd() -> None:
-    for parts in run_on_ranks(tied_gpt_under_users_compiled_autograd, 2, timeout=300):
-        assert parts[-1], parts  # the table's part had its own slot: the tap took it
+@pytest.mark.slow  # ~30 s each: compiled autograd recompiles per step; the default suite stays under 10 minutes
+@pytest.mark.parametrize("reduction", ["split", "in_graph"])
+def test_a_tied_table_trains_under_the_users_compiled_autograd(reduction: str) -> None:
+    for steps in run_on_ranks(tied_gpt_under_users_compiled_autograd, 2, reduction, timeout=300):
+        # Split: the table's part keeps its own slot, the tap took it every step. In-graph (from the second step,
+        # once the ranks agreed): the rows node and the part's bucket, with the same gradients.
+        assert steps[-1] == (True, reduction == "in_graph"), steps
