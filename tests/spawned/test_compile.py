@@ -239,7 +239,9 @@ def expect_in_graph(name: str, results: list[dict[str, Any]]) -> None:
     traced_hooks = (None, "allreduce", "fp16", "bf16")  # PyTorch's built-in hooks are traced into the graph
     blocked = case.hook not in traced_hooks or case.accumulate > 1 or any(k == "find_unused_parameters" for k, _ in case.ddp)
     blocked |= case.inner == "callable"  # not AOTAutograd-based as far as graphddp can tell
-    blocked |= case.model in ("w:gpt", "w:gpt:small", "sparse_bags", "branchy")  # row-sparse / sparse / branches
+    # torch.sparse gradients; data-dependent branches (each rank captures another graph). Tables planned as rows
+    # (the GPTs') reduce in-graph too (Note [Rows in the compiled backward]).
+    blocked |= case.model in ("sparse_bags", "branchy")
     for r in results:
         if blocked:
             assert r["in_graph_runs"] == 0, r
