@@ -71,6 +71,17 @@ def summary() -> dict:
     }
 
 
+def test_the_comm_mode_is_predicted_with_two_collectives_in_flight_as_gloo_runs_them() -> None:
+    # Three 40 kB buckets (caps of 40 kB), issued at once; 2 ms of latency per message, 1 byte per microsecond:
+    # one after another that is 3 x (2 x 2 ms + 40 ms); with gloo's two worker threads a bucket's latency runs
+    # beside the previous one's bytes, so only the first's shows (cnn at 5 Gbit/s: +53 % one after another).
+    s = summary()
+    s["options"] |= {"bucket_cap_mb": 0.04 / 1.048576, "first_bucket_cap_mb": 0.04 / 1.048576, "last_bucket_cap_mb": 0.04 / 1.048576, "bucket_ramps": False}
+    s["params"] = [["a", 40_000], ["b", 40_000], ["c", 40_000]]
+    s["calibration"] = {"latency_s": 0.002, "seconds_per_byte": 1e-6, "cpu_seconds_per_byte": 0.0}
+    assert predict_modes(s)["comm"]["predicted_s"] == pytest.approx(0.004 + 3 * 0.04)
+
+
 def test_predictions_from_the_runs_own_measurements() -> None:
     predicted = predict_modes(summary())
     # graphddp-eager: bucket 0 complete at 100 ms of backward, 50 ms on the link; bucket 1 at 200 ms, 50 ms more.
