@@ -36,13 +36,13 @@ collectives), and the split one otherwise: the first iteration, a ``no_sync`` mi
 the synchronising step after it (whose ``.grad`` holds the local sum, which the Reducer averages whole), while a
 rank has joined (``join``), or while a graph not yet agreed runs. What cannot be traced stays on the split for
 good (``graphddp.passes.choose_reduction``): a comm hook other than the built-in three, unused parameters searched
-for every step, ``torch.sparse`` gradients, a reduce dtype of ``mixed_precision``, tables planned as rows once a comm hook was
-registered after them, an inner compiler that is not AOTAutograd-based. A table planned as rows goes through
-``RowsAllReduce`` instead, whose backward runs an opaque rows node (Note [Rows in the compiled backward] in
-``graphddp/runtime/in_graph_rows.py``); a tied table's parts go through their own buckets' calls, fed from it (in
-a recompile cut by the plan made before, found by their place among the table's uses: ``parts_named_in``). An optimizer stepping in backward
-(``step_in_backward``) is stepped by one more node per bucket, after its wait (Note [Steps in the compiled
-backward] in ``graphddp/runtime/in_graph_steps.py``).
+for every step, ``torch.sparse`` gradients, a reduce dtype of ``mixed_precision``, tables planned as rows once a
+comm hook was registered after them, an inner compiler that is not AOTAutograd-based. A table planned as rows goes
+through ``RowsAllReduce`` instead, whose backward runs an opaque rows node (Note [Rows in the compiled backward] in
+``graphddp/runtime/in_graph_rows.py``); a tied table's parts go through their own buckets' calls, fed from it (in a
+recompile cut by the plan made before, found by their place among the table's uses: ``parts_named_in``). An
+optimizer stepping in backward (``step_in_backward``) is stepped by one more node per bucket, after its wait (Note
+[Steps in the compiled backward] in ``graphddp/runtime/in_graph_steps.py``).
 """
 
 from __future__ import annotations

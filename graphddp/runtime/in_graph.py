@@ -11,8 +11,8 @@ open (a new graph, compiled mid-forward), closes it for the rest of the forward:
 Reducer prepares as usual; a graph that already reduced in this forward is then averaged twice, which leaves the
 same average on every rank. A graph the ranks agreed to reduce in-graph that this rank compiled again without an
 in-graph variant (a recompile: ``graphddp.passes.parts_named_in`` found no match for a tied table's parts) raises:
-the other ranks would issue collectives this rank does not. A forward that ran no compiled graph at all (the module called eagerly, Dynamo's
-fallback to eager code) closes it at its end, before backward. Not detected: a parameter also used, with a
+the other ranks would issue collectives this rank does not. A forward that ran no compiled graph at all (the
+module called eagerly, Dynamo's fallback to eager code) closes it at its end, before backward. Not detected: a parameter also used, with a
 gradient, by eager code between two graphs (an op Dynamo cannot trace) while the graphs reduce in-graph; that
 part of its gradient would not be averaged — ``reduction="split"`` for such a model.
 """

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 import torch.distributed as dist
-from models import Bag, build_model, tied_gpt
+from models import Bag, build_model
 from models import tokens as draw_tokens
 from ranks import run_on_ranks
 from training import CAPS, counted_hooks
