@@ -3,7 +3,6 @@ wait-sinking pass, and the backward graph AOTAutograd makes of a graph with the 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed  # noqa: F401  (registers the functional collectives' ops)
+from graphs import renamed, traced
 from models import Wide, tied_gpt
 from models import tokens as draw_tokens
 from torch import fx, nn
@@ -143,27 +143,8 @@ def _backward_of_reducing_graph(
         captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2, signal=signal, step_key=step_key
     )
     example_inputs = [*captured.example_inputs, *([torch.zeros(1, requires_grad=True)] if signal else [])]
-    graphs: dict[str, fx.GraphModule] = {}
-
-    def keep(kind: str):
-        def compiler(gm: fx.GraphModule, example_inputs: list) -> object:
-            if kind == "backward":
-                schedule(gm.graph)
-                gm.recompile()
-            graphs[kind] = gm
-            return gm.forward
-
-        return compiler
-
-    from functorch.compile import make_boxed_compiler
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        aot_module_simplified(
-            reducing, example_inputs, fw_compiler=make_boxed_compiler(keep("forward")),
-            bw_compiler=make_boxed_compiler(keep("backward")),
-        )
-    return graphs["forward"], graphs["backward"], prepared.plan, prepared.split.num_segments
+    forward, backward = traced(reducing, example_inputs, schedule)
+    return forward, backward, prepared.plan, prepared.split.num_segments
 
 
 def test_k_buckets_give_k_all_reduces_and_k_waits_in_the_backward_each_wait_after_later_compute() -> None:
@@ -290,22 +271,8 @@ def test_a_tables_rows_node_goes_to_the_tail_with_its_tables_step() -> None:
 def _collectives_of(gm: fx.GraphModule, params: list, plan: BucketPlan, example_inputs: list) -> list[tuple[str, int]]:
     """The collectives the in-graph backward of ``gm`` issues, in order: (op, elements)."""
     reducing = insert_bucket_reductions(gm, params, plan, group_names=("0",), divisor=2)
-    graphs: dict[str, fx.GraphModule] = {}
-
-    def keep_backward(graph_module: fx.GraphModule, inputs: list) -> object:
-        schedule_reductions(graph_module.graph)
-        graphs["backward"] = graph_module
-        return graph_module.forward
-
-    from functorch.compile import make_boxed_compiler
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        aot_module_simplified(
-            reducing, example_inputs, fw_compiler=make_boxed_compiler(lambda g, _: g.forward),
-            bw_compiler=make_boxed_compiler(keep_backward),
-        )
-    return [(str(n.target), n.args[0].meta["val"].numel()) for n in graphs["backward"].graph.nodes if n.target in (ALL_REDUCE, ROWS)]
+    _, backward = traced(reducing, example_inputs, schedule_reductions)
+    return [(str(n.target), n.args[0].meta["val"].numel()) for n in backward.graph.nodes if n.target in (ALL_REDUCE, ROWS)]
 
 
 def test_a_recompile_that_names_a_tied_tables_part_anew_issues_the_same_collectives_in_the_same_order() -> None:
@@ -318,10 +285,7 @@ def test_a_recompile_that_names_a_tied_tables_part_anew_issues_the_same_collecti
     prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=BucketCaps(bucket=2048, first=1024, last=512), row_sparse=True)
     assert prepared.plan.parts and any(b.pieces for b in prepared.plan.buckets)  # the part goes in pieces
     original = _collectives_of(captured.gm, prepared.params, prepared.plan, captured.example_inputs)
-    graph = copy.deepcopy(captured.gm.graph)
-    (logits,) = [n for n in graph.nodes if n.name == prepared.plan.parts[0].part]
-    logits.name = "logits_1"
-    again = fx.GraphModule(captured.gm, graph)
+    again = renamed(captured.gm, {prepared.plan.parts[0].part: "logits_1"})
     params = find_graph_params(again, captured.example_inputs, names)
     named = parts_named_in(prepared.plan, params)
     assert named is not None and named.parts[0].part == "logits_1"

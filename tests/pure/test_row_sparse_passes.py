@@ -4,12 +4,12 @@ gradients (Note [Row-sparse gradients] in passes/row_sparse.py)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
 import pytest
 import torch
+from graphs import renamed
 from models import VOCAB, Bag, tied_gpt
 from models import tokens as draw_tokens
 from torch import nn
@@ -128,15 +128,6 @@ def test_a_tied_table_is_row_sparse_and_its_output_use_a_part_planned_first() ->
     assert not any(b.row_sparse for b in plan.buckets[:-1])
 
 
-def _renamed(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose nodes in ``names`` are named anew, as a recompile may name them."""
-    graph = copy.deepcopy(gm.graph)
-    for node in graph.nodes:
-        if node.name in names:
-            node.name = names[node.name]
-    return torch.fx.GraphModule(gm, graph)
-
-
 def test_a_recompile_that_names_a_part_anew_finds_it_by_its_place_among_the_tables_uses() -> None:
     # A recompile is cut by the plan made before; where it names the output layer's node anew, the part is found
     # at the same place among the table's uses (reduced in-graph, a part not found would send nothing on this rank
@@ -145,7 +136,7 @@ def test_a_recompile_that_names_a_part_anew_finds_it_by_its_place_among_the_tabl
     captured, params = capture(model, *tokens())
     plan = plan_graph(captured.gm, params, TINY).plan
     assert plan_blockers(plan) == [] and parts_named_in(plan, params) is plan
-    again = _renamed(captured.gm, {"logits": "logits_1"})
+    again = renamed(captured.gm, {"logits": "logits_1"})
     again_params = find_graph_params(again, captured.example_inputs, parameter_names(model))
     named = parts_named_in(plan, again_params)
     assert [p.part for p in named.parts] == ["logits_1"] and named.fingerprint != plan.fingerprint
@@ -158,7 +149,7 @@ def test_two_parts_named_anew_are_matched_in_the_order_their_gradients_are_ready
     captured, params = capture(model, tokens()[0])
     plan = plan_graph(captured.gm, params, TINY).plan
     first, second = (p.part for p in plan.parts)  # bucket order: the later use's part is ready first
-    again = _renamed(captured.gm, {first: "head_b", second: "head_a"})  # "head_a" sorts first, yet is used later
+    again = renamed(captured.gm, {first: "head_b", second: "head_a"})  # "head_a" sorts first, yet is used later
     named = parts_named_in(plan, find_graph_params(again, captured.example_inputs, parameter_names(model)))
     assert named is not None and [p.part for p in named.parts] == ["head_b", "head_a"]
 
