@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import graphddp
 from graphddp.runtime.calibration import cpu_cost_of_communication, link_of
+from graphddp.runtime.reductions import goes_as_rows
 from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
@@ -227,24 +228,33 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
 
 def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     """A graphddp mode's buckets as the step cost model sees them: bytes each all-reduce sends (a row-sparse
-    table: the row mask and the rows some rank touched in the recorded iteration)."""
+    table: the row mask, then the rows some rank touched in the recorded iteration, or the whole table where the
+    one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up)."""
     if not isinstance(m.ddp, graphddp.DDP):
         return None
     layout = []
     in_graph = reduction_ran(m.ddp) == "in_graph"
+    gone_dense = m.ddp.reducer.compile_target.tables_gone_dense_in_graph() if in_graph else frozenset()
     for b in m.ddp.bucket_plan.buckets:
-        sent = b.nbytes
-        if b.row_sparse and m.rows_touched is not None:
-            rows = b.params[0].shape[0]
-            sent = rows + b.nbytes * min(m.rows_touched, rows) // rows
         if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
             big, blocks = b.pieces
             per_row = b.params[big].nbytes // sum(blocks)
             sizes = [b.nbytes - per_row * sum(blocks[1:]), *(per_row * r for r in blocks[1:])]  # the rest goes with block 0
             layout += [{"bytes": n, "sent": n, "row_sparse": False} for n in sizes]
             continue
-        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": b.row_sparse})
+        row_sparse = b.row_sparse and b.params[0].name not in gone_dense
+        layout.append({"bytes": b.nbytes, "sent": rows_sent(b, m.rows_touched) if row_sparse else b.nbytes, "row_sparse": row_sparse})
     return layout
+
+
+def rows_sent(bucket: Any, touched: int | None) -> int:
+    """Bytes a row-sparse ``bucket`` (one table) sends when ``touched`` of its rows are in some rank's batch:
+    the byte mask, then those rows, or the whole table where there are too many (None: not recorded, the table)."""
+    rows = bucket.params[0].shape[0]
+    if touched is None:
+        return bucket.nbytes
+    touched = min(touched, rows)
+    return rows + (bucket.nbytes * touched // rows if goes_as_rows(touched, rows) else bucket.nbytes)
 
 
 def _rows_touched(batch: tuple) -> int | None:

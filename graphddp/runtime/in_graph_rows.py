@@ -54,6 +54,12 @@ def streak_key(owner: object, table: str) -> int:
     return key
 
 
+def gave_up(key: int) -> bool:
+    """Has the table of ``key`` (a ``streak_key``) given up rows in the compiled backward: sent dense, no mask?"""
+    counted = _streaks.get(key)
+    return counted is not None and counted[0].gave_up
+
+
 @torch.library.custom_op(ROWS_OP, mutates_args=())
 def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
     """``grad`` (``[rows, ...]``) averaged over the group ``group_name``, sent as the rows some rank touched (see

@@ -21,6 +21,7 @@ from .auto_caps import AutoCaps
 from .channels import Channels
 from .countdown import Countdown, GradientHooks, remove_all
 from .in_graph import InGraphGate
+from .in_graph_rows import gave_up as rows_gave_up
 from .in_graph_rows import streak_key
 from .in_graph_steps import bucket_key
 from .optimizer_overlap import StepPerBucket
@@ -164,6 +165,11 @@ class ReducerTarget:
         if table not in self._streak_keys:
             self._streak_keys[table] = streak_key(self, table)
         return self._streak_keys[table]
+
+    def tables_gone_dense_in_graph(self) -> frozenset[str]:
+        """Tables planned as rows whose in-graph rows node gave up rows: they go dense, without their mask, in
+        every in-graph backward from now on (the Reducer re-plans its own instead)."""
+        return frozenset(table for table, key in self._streak_keys.items() if rows_gave_up(key))
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
         """A step node runs: step these parameters with their averaged gradients."""

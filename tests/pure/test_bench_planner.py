@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,8 @@ from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, predict_modes
 from bench.run import first_send
 from bench.scale import project
+from bench.worker import rows_sent
+from graphddp.runtime.reductions import goes_as_rows
 
 
 def test_mode_variants_parse_and_bad_ones_say_what_is_allowed() -> None:
@@ -203,3 +206,14 @@ def test_first_send_is_the_first_all_reduce_after_backward_begins() -> None:
     assert first_send(timeline) == pytest.approx({"ms": 20.0, "share": 0.1})
     assert first_send([row for row in timeline if row[0] != "launch" or row[3] < 100]) is None
     assert first_send([row for row in timeline if row[0] != "optimizer"]) is None
+
+
+def test_a_row_sparse_bucket_counts_what_the_one_rule_sends() -> None:
+    # A 100-row table of 400 bytes a row: the mask (1 byte a row), then the touched rows, or the whole table
+    # where the union is too dense to go as rows (``goes_as_rows``, the Reducer's and the rows node's rule).
+    table = SimpleNamespace(params=[SimpleNamespace(shape=(100, 100))], nbytes=40_000)
+    sparse_enough = next(t for t in range(100, 0, -1) if goes_as_rows(t, 100))
+    assert rows_sent(table, 10) == 100 + 4_000
+    assert rows_sent(table, sparse_enough) == 100 + 400 * sparse_enough
+    assert rows_sent(table, sparse_enough + 1) == 100 + 40_000  # went dense: mask and table
+    assert rows_sent(table, None) == 40_000  # nothing recorded: the table

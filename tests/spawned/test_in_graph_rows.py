@@ -206,6 +206,8 @@ def train_dense_table(rank: int, world: int) -> list[int]:
             ref(*inputs).backward()
             assert ddp.reducer.compile_target.gate.open == (step > 0)
             per_step.append(masks[0] - before)
+            gone_dense = ddp.reducer.compile_target.tables_gone_dense_in_graph()  # the bench's layout reads it
+            assert gone_dense == (frozenset({"emb.weight"}) if step >= DENSE_STREAK_LIMIT else frozenset()), (step, gone_dense)
             for p, q in zip(ddp.parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad)
                 p.grad = q.grad = None
