@@ -177,16 +177,17 @@ def test_link_predicts_the_step_and_a_slower_link_exposes_more(capsys: pytest.Ca
     assert "predicted step (forward, backward, all-reduces; no optimizer)" in capsys.readouterr().out
 
 
-def test_inspect_says_which_channels_the_model_picks_for_the_link(capsys: pytest.CaptureFixture) -> None:
+def test_inspect_says_which_channels_the_model_picks_for_the_link(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fast, near link: one channel (bytes bind); a path with 20 ms of latency per message and many small
     buckets: more (Note [Step cost model], channels). ``--channels`` predicts the step on that many."""
+    monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)  # the same in every call
     args = ("mlp", "--size", "small", "--bucket-cap-mb", "0.25", "--first-bucket-cap-mb", "0.25", "--world-size", "2")
     near = inspect_json(capsys, *args, "--link", "1gbit:50us")["graphs"][0]
     far = inspect_json(capsys, *args, "--link", "10gbit:20ms")["graphs"][0]
     assert near["channels_choice"]["channels"] == 1, near["channels_choice"]
     assert far["channels_choice"]["channels"] > 1, far["channels_choice"]
     on_two = inspect_json(capsys, *args, "--link", "10gbit:20ms", "--channels", "2")["graphs"][0]["prediction"]["step_s"]
-    assert on_two == pytest.approx(far["channels_choice"]["predicted_s"]["2"], rel=0.05)  # rates measured twice
+    assert on_two == pytest.approx(far["channels_choice"]["predicted_s"]["2"], rel=1e-9)
     assert on_two < far["prediction"]["step_s"]
     assert main(["inspect", *args, "--link", "10gbit:20ms"]) == 0
     assert "channels the model picks: " in capsys.readouterr().out
