@@ -8,7 +8,9 @@ table with the targets, ``OUT/matrix.json`` the numbers, ``OUT/matrix.png`` the 
 The testbed's limit of a cell is what no schedule can beat: the longer of compute and communication, where
 compute counts the CPU time communication takes from it on this host (the calibrated cost per byte times the
 bytes graphddp-compiled sends), and communication cannot start before the forward has run (no gradient exists
-before backward starts): ``max(local + cpu_cost * bytes, forward + comm)``.
+before backward starts): ``max(local + cpu_cost * bytes, forward + comm)``. ``local`` is the compute of the mode's own
+kind (``bench.modes.compute_baseline``): ``local-compiled`` where the run measured it, since graphddp-compiled runs
+Inductor's kernels, not eager's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tabulate import tabulate
 
 from .__main__ import _exit_on_sigterm
 from .link import Link, LinkUnavailable
-from .modes import MODES
+from .modes import MODES, compute_baseline
 from .pictures import chrome_trace, draw
 from .run import AGAINST_TORCH, BenchOptions, run
 
@@ -159,8 +161,9 @@ def testbed_limit(summary: dict[str, Any]) -> float | None:
         return None
     layout = summary["buckets"].get("graphddp-compiled") or []
     sent = sum(b["sent"] for b in layout)
-    forward = modes["local"]["phases_s"].get("forward", 0.0)
-    return max(modes["local"]["median_s"] + calibration["cpu_seconds_per_byte"] * sent, forward + modes["comm"]["median_s"])
+    compute = modes[compute_baseline("graphddp-compiled", modes)]
+    forward = compute["phases_s"].get("forward", 0.0)
+    return max(compute["median_s"] + calibration["cpu_seconds_per_byte"] * sent, forward + modes["comm"]["median_s"])
 
 
 def below_limit(median: dict[str, float], limit: float | None) -> list[str]:

@@ -1,6 +1,7 @@
 """Predict every mode's iteration with the step cost model (Note [Step cost model] in ``passes/cost.py``), from
 what the run measured apart from the mode itself: the link (α-β fit and CPU cost per byte, ``calibration``),
-compute alone (``local``'s forward, backward and optimizer), and where in backward each bucket is complete.
+compute alone (``local``'s forward, backward and optimizer; ``local-compiled``'s for a compiled mode, where the run
+has it), and where in backward each bucket is complete.
 
 Where buckets complete: a graphddp mode's own recorded iteration gives each bucket's launch as a fraction of
 its backward (eager: when its last gradient arrived; compiled: when the segment that completes it ended),
@@ -30,7 +31,7 @@ from graphddp.passes import (
     step_inputs_from_ready_times,
 )
 
-from .modes import ModeName
+from .modes import ModeName, compute_baseline
 
 TORCH_FIRST_BUCKET_MB = 1.0
 """PyTorch's DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
@@ -49,12 +50,12 @@ def predict_modes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if link is None or "local" not in summary["modes"]:
         return {}
     world = summary["options"]["world_size"]
-    forward, backward, optimizer = _compute_phases(summary)
     out = {}
     inputs_of: dict[str, StepInputs] = {}
     for mode in summary["modes"]:
         base = ModeName.parse(mode).base
         if base == "naive":
+            forward, backward, optimizer = _compute_phases(summary, mode)
             sent = sum(link.allreduce_s(nbytes, world) for _, nbytes in summary["params"])
             out[mode] = {"predicted_s": forward + backward + optimizer + sent, "exposed_s": sent}
         elif base == "comm":
@@ -94,7 +95,7 @@ def link_of_run(summary: dict[str, Any]) -> LinkModel | None:
 def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
     """The step cost model's inputs for a DDP mode of this run (None where the run recorded too little)."""
     name = ModeName.parse(mode)
-    forward, backward, optimizer = _compute_phases(summary)
+    forward, backward, optimizer = _compute_phases(summary, mode)
     cpu = summary["calibration"]["cpu_seconds_per_byte"]
     inputs: StepInputs | None = None
     if name.base.startswith("graphddp"):
@@ -121,9 +122,10 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
     return _with(inputs, forward, optimizer, ())
 
 
-def _compute_phases(summary: dict[str, Any]) -> tuple[float, float, float]:
-    """``local``'s forward, backward and optimizer: compute with no communication at all."""
-    phases = summary["modes"]["local"]["phases_s"]
+def _compute_phases(summary: dict[str, Any], mode: str) -> tuple[float, float, float]:
+    """Forward, backward and optimizer of the compute ``mode`` runs with no communication at all: ``local``, or
+    ``local-compiled`` for a compiled mode where the run measured it (``compute_baseline``)."""
+    phases = summary["modes"][compute_baseline(mode, summary["modes"])]["phases_s"]
     return phases["forward"], phases["backward"], phases["optimizer"]
 
 

@@ -21,7 +21,7 @@ from graphddp.ddp import BucketOptions
 from graphddp.tools.launch import free_port
 
 from .link import Link, LinkSpec
-from .modes import MODES, ModeName
+from .modes import MODES, ModeName, compute_baseline
 from .predict import predict_modes
 
 
@@ -172,19 +172,21 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
-        if local is not None and name not in ("local", "comm"):
-            m["exposed_comm_s"] = m["median_s"] - local
+        if local is not None and name not in ("local", "local-compiled", "comm"):
+            compute = modes[compute_baseline(name, modes)]["median_s"]  # the compute of the mode's own kind
+            m["exposed_comm_s"] = m["median_s"] - compute
             if comm:
-                m["overlap"] = min(1.0, max(0.0, (local + comm - m["median_s"]) / comm))
+                m["overlap"] = min(1.0, max(0.0, (compute + comm - m["median_s"]) / comm))
     ratios, ratio_rounds = {}, {}
     for label, a, b in AGAINST_TORCH:
         if a in modes and b in modes:
             ratios[label] = modes[a]["median_s"] / modes[b]["median_s"]
             ratio_rounds[label] = [x / y for x, y in zip(per_round[a], per_round[b])]
     if "graphddp-compiled" in modes and local is not None and comm is not None:
-        label = "graphddp-compiled / max(local, comm)"
-        ratios[label] = modes["graphddp-compiled"]["median_s"] / max(local, comm)
-        ratio_rounds[label] = [x / max(y, z) for x, y, z in zip(per_round["graphddp-compiled"], per_round["local"], per_round["comm"])]
+        baseline = compute_baseline("graphddp-compiled", modes)
+        label = f"graphddp-compiled / max({baseline}, comm)"
+        ratios[label] = modes["graphddp-compiled"]["median_s"] / max(modes[baseline]["median_s"], comm)
+        ratio_rounds[label] = [x / max(y, z) for x, y, z in zip(per_round["graphddp-compiled"], per_round[baseline], per_round["comm"])]
     summary = {
         "options": dataclasses.asdict(options),
         "command": " ".join(sys.argv),

@@ -172,9 +172,9 @@ def calibrate(world: int) -> dict[str, float] | None:
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
     """One more iteration with its events recorded: a graphddp mode's from its Reducer, any other mode's that
     communicates, and a graphddp mode that reduces inside the compiled graph (recording the Reducer's events would
-    switch it to the split), from ``torch.profiler`` (``profiled_timeline``); None for ``local``."""
+    switch it to the split), from ``torch.profiler`` (``profiled_timeline``); None for ``local`` and ``local-compiled``."""
     if not isinstance(m.ddp, graphddp.DDP) or reduction_ran(m.ddp) == "in_graph":
-        return profiled_timeline(m) if m.name != "local" else None
+        return profiled_timeline(m) if not m.name.startswith("local") else None  # local, local-compiled: no comm
     m.ddp.reducer.events = log = EventLog()
     batch = m.workload.make_batch(m.data)
     dist.barrier()

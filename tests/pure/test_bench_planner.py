@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench import matrix
-from bench.modes import ModeConfig, ModeName
+from bench.modes import ModeConfig, ModeName, compute_baseline
 from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, predict_modes
 from bench.run import first_send
@@ -146,6 +146,25 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     swept = {"modes": {"graphddp-compiled@4": {"median_s": 1.0}, "graphddp-compiled@25": {"median_s": 0.9}, "graphddp-compiled@auto": {"median_s": 0.92}}}
     result = matrix.cell("mlp", "1gbit", s, swept=swept)
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
+
+
+def test_compiled_modes_are_limited_and_predicted_by_the_compiled_compute_where_the_run_measured_it() -> None:
+    # Inductor's kernels are not eager's: with local-compiled measured, a compiled mode's limit and prediction start
+    # from its compute (here 20 % faster throughout), an eager mode's still from local's.
+    s = summary()
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    s["timelines"]["graphddp-compiled"] = s["timelines"]["graphddp-eager"]
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"]}
+    eager_limit, before = matrix.testbed_limit(s), predict_modes(s)
+    local = s["modes"]["local"]
+    s["modes"]["local-compiled"] = {"median_s": 0.8 * local["median_s"], "phases_s": {k: 0.8 * v for k, v in local["phases_s"].items()}}
+    assert compute_baseline("graphddp-compiled", s["modes"]) == "local-compiled" == compute_baseline("torch-compiled", ["local-compiled"])
+    assert compute_baseline("graphddp-eager", s["modes"]) == "local" == compute_baseline("graphddp-compiled", ["local"])
+    assert matrix.testbed_limit(s) == pytest.approx(0.8 * eager_limit)  # the link is idle here: compute binds
+    after = predict_modes(s)
+    assert after["graphddp-compiled"]["predicted_s"] < before["graphddp-compiled"]["predicted_s"]
+    assert after["graphddp-eager"]["predicted_s"] == before["graphddp-eager"]["predicted_s"]
+    assert "local-compiled" not in after
 
 
 def test_a_cell_with_more_ranks_than_cpus_is_marked_and_compared_with_no_target() -> None:
