@@ -20,11 +20,11 @@ from graphddp.passes import ParamSpec, plan_buckets
 
 MODES = ("local", "local-compiled", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 """The default modes (``local-compiled``: ``local`` under ``torch.compile`` with the inner compiler, the compute the
-compiled modes are measured and predicted against: ``compute_baseline``). A graphddp mode also takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``),
-``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's
-optimizer step inside backward, Note [Optimizer overlap]), ``graphddp-compiled+ch2`` (``channels=2``, buckets on two
-process groups in turn, Note [Channels]), ``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step``
-combines them."""
+compiled modes are measured and predicted against: ``compute_baseline``). A graphddp mode also takes variants:
+``graphddp-compiled@16`` (``bucket_cap_mb=16``), ``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic
+caps]), ``graphddp-compiled+step`` (each bucket's optimizer step inside backward, Note [Optimizer overlap]),
+``graphddp-compiled+ch2`` (``channels=2``, buckets on two process groups in turn, Note [Channels]),
+``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step`` combines them."""
 
 
 @dataclasses.dataclass(frozen=True)
