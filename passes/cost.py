@@ -31,7 +31,10 @@ done (one link, buckets in index order); the step ends when the last segment and
 plus the time after backward (the optimizer; or, stepped per bucket, each bucket's step once backward's compute
 is over and its all-reduce done). On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
-byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it).
+byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
+bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket, the
+step of the bucket before it runs meanwhile and gets that cost (the CPU the steps share with gloo: without it the
+model predicted ``+step`` 21-24 % fast where the optimizer ran beside the link's tail, session 14).
 And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
 write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
 added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
@@ -204,11 +207,14 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     import networkx as nx
 
     graph = nx.DiGraph()
-    segments = list(inputs.segment_backward_s)
+    segments, steps = list(inputs.segment_backward_s), list(inputs.step_per_bucket_s)
     on_wire = 2 * (world - 1) / world if world > 1 else 0.0  # bytes each rank sends per bucket byte
-    for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k falls on the next segment
-        if segment + 1 < len(segments):
-            segments[segment + 1] += inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
+    for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k: on what computes meanwhile
+        cpu = inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
+        if segment + 1 < len(segments):  # the next segment
+            segments[segment + 1] += cpu
+        elif k and steps:  # sent after backward's compute: beside the step of the bucket before it
+            steps[k - 1] += cpu
         segments[segment] += inputs.cpu_seconds_per_bucket
     durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
     chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]
@@ -226,7 +232,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         if k >= inputs.channels:  # its channel is free once the bucket before on it is done (1: the previous one)
             graph.add_edge(f"bucket {k - inputs.channels} on the wire", node)
         graph.add_edge(wire, "after")
-    for k, seconds in enumerate(inputs.step_per_bucket_s):
+    for k, seconds in enumerate(steps):
         node = f"step {k}"
         durations[node] = seconds
         graph.add_edge(chain[-1], node)  # after backward's compute (the Reducer's finalize, or in-graph step nodes)
@@ -270,8 +276,9 @@ def choose_channels(
 
 
 STEP_IN_BACKWARD_MARGIN = 0.03
-"""The predicted gain below which the planner keeps the optimizer after backward. The model runs each bucket's
-step on an idle CPU, but on a CPU host gloo reduces the buckets still on the link on those cores. Set from the
+"""The predicted gain below which the planner keeps the optimizer after backward. The model charges each step the
+CPU that gloo spends on the bucket still on the link beside it (``cpu_seconds_per_byte``), but a calibration
+that is off moves the gain. Set from the
 2-rank matrix of session 8 (six cells, ``docs/benchmarks.md``), where the two predicted
 gains above 3 % were measured gains (mlp and gpt at 1 Gbit/s: 3.6 and 3.8 % predicted, 2.3 and 3.3 % measured),
 and cnn at 1 Gbit/s, 2.2 % predicted, lost 0.8 %. Below the margin the model cannot tell a gain from a loss.

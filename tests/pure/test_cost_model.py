@@ -115,6 +115,19 @@ def test_the_cpu_cost_of_communication_slows_the_next_segment() -> None:
     assert p.step_s == pytest.approx(0.022 + 0.001)
 
 
+def test_a_bucket_sent_after_backward_slows_the_optimizer_step_that_runs_beside_it() -> None:
+    # Bucket 1 (10 kB) completes with the last segment: while its bytes are on the link the CPU steps bucket 0, so
+    # gloo's 10 ms of work on those bytes lengthens that step (bucket 0's 1 ms falls on segment 1, as before).
+    inputs = StepInputs(
+        segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 10000), completed_by=(0, 1), step_per_bucket_s=(0.005, 0.005), cpu_seconds_per_byte=1e-6
+    )
+    p = predict_step(inputs, LINK, world=2)
+    assert p.timeline["step 0"] == pytest.approx((0.021, 0.021 + 0.005 + 0.010))
+    assert p.step_s == pytest.approx(0.036 + 0.005)
+    after = dataclasses.replace(inputs, step_per_bucket_s=(), after_backward_s=0.01)  # the CPU only waits for it
+    assert predict_step(after, LINK, world=2).step_s == pytest.approx(0.031 + 0.01)
+
+
 def test_inputs_are_checked() -> None:
     with pytest.raises(ValueError, match="bucket 1 completes before bucket 0"):
         StepInputs(segment_backward_s=(0.01, 0.01), bucket_bytes=(1, 1), completed_by=(1, 0))
