@@ -116,10 +116,23 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
             configured = choose_channels(inputs, link, summary["options"]["world_size"])[0]
         configured = configured if isinstance(configured, int) else 1
         inputs = dataclasses.replace(inputs, channels=configured)
-    if name.step_in_backward:  # the optimizer's work, shared out by bytes, steps each bucket in finalize
-        total = sum(inputs.bucket_bytes)
-        return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in inputs.bucket_bytes))
+    if name.step_in_backward:  # the optimizer's work, shared out by the bytes each all-reduce lets step
+        stepped = _stepped_bytes(summary, mode, inputs)
+        total = sum(stepped)
+        return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in stepped))
     return _with(inputs, forward, optimizer, ())
+
+
+def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[int, ...]:
+    """Per all-reduce of ``inputs``: the bytes of the parameters whose optimizer step it is the last to wait for.
+    A bucket in pieces steps once its last piece is in, and a tied table's part with the table's rows
+    (``bench.worker.bucket_layout``'s ``stepped``); without that record (PyTorch's modes, older runs), each
+    all-reduce steps its own bytes."""
+    layout = summary["buckets"].get(mode) or []
+    stepped = tuple(b.get("stepped", -1) for b in layout)
+    if len(stepped) == len(inputs.bucket_bytes) and min(stepped, default=-1) >= 0 and sum(stepped):
+        return stepped
+    return inputs.bucket_bytes
 
 
 def _compute_phases(summary: dict[str, Any], mode: str) -> tuple[float, float, float]:

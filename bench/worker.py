@@ -230,21 +230,25 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
 def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     """A graphddp mode's buckets as the step cost model sees them: bytes each all-reduce sends (a row-sparse
     table: the row mask, then the rows some rank touched in the recorded iteration, or the whole table where the
-    one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up)."""
+    one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up), and
+    ``stepped``, the bytes of parameters an optimizer stepping in backward can step once it is done."""
     if not isinstance(m.ddp, graphddp.DDP):
         return None
     layout = []
     in_graph = reduction_ran(m.ddp) == "in_graph"
     gone_dense = m.ddp.reducer.compile_target.tables_gone_dense_in_graph() if in_graph else frozenset()
     for b in m.ddp.bucket_plan.buckets:
+        stepped = sum(p.nbytes for p in b.params if not p.part)  # a part's table steps with the table's own bucket
         if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
             big, blocks = b.pieces
             per_row = b.params[big].nbytes // sum(blocks)
             sizes = [b.nbytes - per_row * sum(blocks[1:]), *(per_row * r for r in blocks[1:])]  # the rest goes with block 0
-            layout += [{"bytes": n, "sent": n, "row_sparse": False} for n in sizes]
+            layout += [{"bytes": n, "sent": n, "row_sparse": False, "stepped": 0} for n in sizes]
+            layout[-1]["stepped"] = stepped  # its step waits for the last block
             continue
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
-        layout.append({"bytes": b.nbytes, "sent": rows_sent(b, m.rows_touched) if row_sparse else b.nbytes, "row_sparse": row_sparse})
+        sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes
+        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped})
     return layout
 
 

@@ -12,7 +12,7 @@ import pytest
 from bench import matrix
 from bench.modes import ModeConfig, ModeName, compute_baseline
 from bench.pictures import _spans, chrome_trace
-from bench.predict import _ready_fractions, predict_modes
+from bench.predict import _ready_fractions, mode_inputs, predict_modes
 from bench.run import first_send
 from bench.scale import project
 from bench.worker import rows_sent
@@ -125,6 +125,22 @@ def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backwa
     assert result["met"]["model's pick / limit"] == (0.38 <= 1.10 * result["limit_s"])
     del s["modes"]["graphddp-compiled+step"]  # no +step run: nothing to pick between
     assert "step_pick" not in predict_modes(s)["graphddp-compiled"]
+
+
+def test_stepping_in_backward_steps_a_bucket_once_its_last_all_reduce_is_in() -> None:
+    # The recorded layout says which all-reduce lets which bytes step: a bucket in two pieces steps after its
+    # second, and a tied table's part never on its own. Without that record each all-reduce steps its own bytes.
+    s = summary()
+    s["modes"]["graphddp-compiled+step"] = {"median_s": 0.38, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["timelines"]["graphddp-compiled+step"] = s["timelines"]["graphddp-eager"]
+    s["buckets"]["graphddp-compiled+step"] = [
+        {"bytes": 50_000, "sent": 50_000, "row_sparse": False, "stepped": 0},
+        {"bytes": 50_000, "sent": 50_000, "row_sparse": False, "stepped": 100_000},
+    ]
+    assert mode_inputs(s, "graphddp-compiled+step").step_per_bucket_s == pytest.approx((0.0, 0.05))
+    for bucket in s["buckets"]["graphddp-compiled+step"]:
+        del bucket["stepped"]
+    assert mode_inputs(s, "graphddp-compiled+step").step_per_bucket_s == pytest.approx((0.025, 0.025))
 
 
 def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> None:
