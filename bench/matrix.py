@@ -10,7 +10,9 @@ compute counts the CPU time communication takes from it on this host (the calibr
 bytes graphddp-compiled sends), and communication cannot start before the forward has run (no gradient exists
 before backward starts): ``max(local + cpu_cost * bytes, forward + comm)``. ``local`` is the compute of the mode's own
 kind (``bench.modes.compute_baseline``): ``local-compiled`` where the run measured it, since graphddp-compiled runs
-Inductor's kernels, not eager's.
+Inductor's kernels, not eager's. Where the run has the ``bound`` mode (that compute with every byte on the link
+beside it from the first instant), its time replaces ``local + cpu_cost * bytes``: the CPU gloo takes from this
+workload measured, not calibrated on a matmul.
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def testbed_limit(summary: dict[str, Any]) -> float | None:
     sent = sum(b["sent"] for b in layout)
     compute = modes[compute_baseline("graphddp-compiled", modes)]
     forward = compute["phases_s"].get("forward", 0.0)
-    return max(compute["median_s"] + calibration["cpu_seconds_per_byte"] * sent, forward + modes["comm"]["median_s"])
+    beside = modes["bound"]["median_s"] if "bound" in modes else compute["median_s"] + calibration["cpu_seconds_per_byte"] * sent
+    return max(beside, forward + modes["comm"]["median_s"])
 
 
 def below_limit(median: dict[str, float], limit: float | None) -> list[str]:

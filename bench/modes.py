@@ -18,9 +18,11 @@ import graphddp
 from graphddp.ddp import BucketOptions
 from graphddp.passes import ParamSpec, plan_buckets
 
-MODES = ("local", "local-compiled", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
+MODES = ("local", "local-compiled", "comm", "bound", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 """The default modes (``local-compiled``: ``local`` under ``torch.compile`` with the inner compiler, the compute the
-compiled modes are measured and predicted against: ``compute_baseline``). A graphddp mode also takes variants:
+compiled modes are measured and predicted against: ``compute_baseline``; ``bound``: ``local-compiled`` with
+``comm``'s all-reduces beside it from the step's first instant, the testbed's limit measured). A graphddp mode also
+takes variants:
 ``graphddp-compiled@16`` (``bucket_cap_mb=16``), ``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic
 caps]), ``graphddp-compiled+step`` (each bucket's optimizer step inside backward, Note [Optimizer overlap]),
 ``graphddp-compiled+ch2`` (``channels=2``, buckets on two process groups in turn, Note [Channels]),
@@ -105,6 +107,7 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         "local": _local,
         "local-compiled": lambda m, c: _trained(m, compile_with=c.inner),
         "comm": _comm_only,
+        "bound": _bound,
         "naive": _naive,
         "torch-eager": lambda m, c: _trained(nn.parallel.DistributedDataParallel(m, bucket_cap_mb=c.bucket_cap_mb)),
         "torch-compiled": lambda m, c: _trained(
@@ -204,9 +207,7 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
-    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    plan = plan_buckets(specs, caps=cfg.caps)
-    buffers = [torch.zeros(b.numel, dtype=b.dtype) for b in plan.buckets]
+    buffers = _bucket_buffers(model, cfg)
 
     def step(batch: tuple, log: Any = None) -> None:
         _mark(log, "allreduce")
@@ -216,3 +217,34 @@ def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         _mark(log, "end")
 
     return step, None
+
+
+def _bound(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
+    """``local-compiled``'s step with ``comm``'s all-reduces issued at its first instant, beside it: every byte a
+    DDP sends, sent as early as no DDP can (no gradient exists before backward), on the CPU the compute uses. No
+    schedule of these bytes beats it, so it is the testbed's limit measured rather than modelled
+    (``bench.matrix.testbed_limit``): what gloo's thread takes from this workload's own compute is in it."""
+    buffers = _bucket_buffers(model, cfg)
+    opt, compiled = _optimizer(model), torch.compile(model, backend=cfg.inner)
+
+    def step(batch: tuple, log: Any = None) -> None:
+        works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
+        _mark(log, "forward")
+        loss = compiled(*batch)
+        _mark(log, "backward")
+        loss.backward()
+        _mark(log, "optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _mark(log, "allreduce")  # what of the link outlasts the compute
+        for w in works:
+            w.wait()
+        _mark(log, "end")
+
+    return step, None
+
+
+def _bucket_buffers(model: nn.Module, cfg: ModeConfig) -> list[torch.Tensor]:
+    """One zero buffer per bucket of the dense plan at ``cfg``'s caps (what a dense DDP sends)."""
+    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+    return [torch.zeros(b.numel, dtype=b.dtype) for b in plan_buckets(specs, caps=cfg.caps).buckets]

@@ -172,7 +172,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
-        if local is not None and name not in ("local", "local-compiled", "comm"):
+        if local is not None and name not in ("local", "local-compiled", "comm", "bound"):
             compute = modes[compute_baseline(name, modes)]["median_s"]  # the compute of the mode's own kind
             m["exposed_comm_s"] = m["median_s"] - compute
             if comm:

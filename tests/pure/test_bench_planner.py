@@ -177,6 +177,9 @@ def test_compiled_modes_are_limited_and_predicted_by_the_compiled_compute_where_
     assert compute_baseline("graphddp-compiled", s["modes"]) == "local-compiled" == compute_baseline("torch-compiled", ["local-compiled"])
     assert compute_baseline("graphddp-eager", s["modes"]) == "local" == compute_baseline("graphddp-compiled", ["local"])
     assert matrix.testbed_limit(s) == pytest.approx(0.8 * eager_limit)  # the link is idle here: compute binds
+    s["modes"]["bound"] = {"median_s": 0.9 * eager_limit, "phases_s": {}}  # measured beside the link: it replaces the model
+    assert matrix.testbed_limit(s) == pytest.approx(0.9 * eager_limit)
+    del s["modes"]["bound"]
     after = predict_modes(s)
     assert after["graphddp-compiled"]["predicted_s"] < before["graphddp-compiled"]["predicted_s"]
     assert after["graphddp-eager"]["predicted_s"] == before["graphddp-eager"]["predicted_s"]

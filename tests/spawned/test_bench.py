@@ -17,26 +17,28 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_smoke_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "2", "--warmup", "0", "--inner", "aot_eager",
-         "--modes", "local,local-compiled,comm,naive,torch-eager,torch-compiled,graphddp-eager,graphddp-compiled,graphddp-eager@auto+step",
+         "--modes", "local,local-compiled,comm,bound,naive,torch-eager,torch-compiled,graphddp-eager,graphddp-compiled,graphddp-eager@auto+step",
          "--out", str(tmp_path)],  # default caps: PyTorch's DDPOptimizer refuses a bucket cap below its 1 MiB first cap
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "results.json").read_text())
     assert list(summary["modes"]) == [
-        "local", "local-compiled", "comm", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled",
+        "local", "local-compiled", "comm", "bound", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled",
         "graphddp-eager@auto+step",
     ]  # fmt: skip
     for name, mode in summary["modes"].items():
         assert mode["median_s"] > 0 and mode["min_s"] <= mode["median_s"] <= mode["max_s"]
         assert len(mode["round_medians_s"]) == 2  # --rounds 2 (the default)
         phases = set(mode["phases_s"])
-        expected = {"comm": {"allreduce"}, "naive": {"forward", "backward", "allreduce", "optimizer"}}
+        with_wait = {"forward", "backward", "allreduce", "optimizer"}
+        expected = {"comm": {"allreduce"}, "naive": with_wait, "bound": with_wait}
         assert phases == expected.get(name, {"forward", "backward", "optimizer"}), (name, phases)
         reducer_ran = name.startswith("graphddp") and summary["reductions"][name] != "in_graph"
         assert (mode["tail_s"] is not None) == reducer_ran, name  # only a graphddp Reducer says
-        # The step cost model's prediction beside every mode but the compute alone (Note [Step cost model]).
-        assert name.startswith("local") == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
+        # The step cost model's prediction beside every mode but the compute and the bound (Note [Step cost model]).
+        unpredicted = name.startswith("local") or name == "bound"
+        assert unpredicted == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
     assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte"}
     assert summary["modes"]["graphddp-eager@auto+step"]["phases_s"]["optimizer"] < summary["modes"]["graphddp-eager"]["phases_s"]["optimizer"]
     assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
