@@ -22,9 +22,8 @@ MODES = ("local", "local-compiled", "comm", "bound", "naive", "torch-eager", "to
 """The default modes (``local-compiled``: ``local`` under ``torch.compile`` with the inner compiler, the compute the
 compiled modes are measured and predicted against: ``compute_baseline``; ``bound``: ``local-compiled`` with
 ``comm``'s all-reduces beside it from the step's first instant, the testbed's limit measured). A graphddp mode also
-takes variants:
-``graphddp-compiled@16`` (``bucket_cap_mb=16``), ``graphddp-compiled@auto`` (every cap ``"auto"``, Note [Automatic
-caps]), ``graphddp-compiled+step`` (each bucket's optimizer step inside backward, Note [Optimizer overlap]),
+takes variants: ``graphddp-compiled@16`` (``bucket_cap_mb=16``), ``graphddp-compiled@auto`` (every cap ``"auto"``,
+Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's optimizer step inside backward, Note [Optimizer overlap]),
 ``graphddp-compiled+ch2`` (``channels=2``, buckets on two process groups in turn, Note [Channels]),
 ``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step`` combines them."""
 
@@ -221,9 +220,11 @@ def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _bound(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """``local-compiled``'s step with ``comm``'s all-reduces issued at its first instant, beside it: every byte a
-    DDP sends, sent as early as no DDP can (no gradient exists before backward), on the CPU the compute uses. No
-    schedule of these bytes beats it, so it is the testbed's limit measured rather than modelled
-    (``bench.matrix.testbed_limit``): what gloo's thread takes from this workload's own compute is in it."""
+    dense DDP sends, sent as early as no DDP can (no gradient exists before backward), on the CPU the compute uses.
+    No schedule of these bytes beats it, so it is the testbed's limit measured rather than modelled
+    (``bench.matrix.testbed_limit``): what gloo's thread takes from this workload's own compute is in it. It bounds
+    a DDP that sends at least the dense bytes (the matrix's tied GPTs send their part and rows, more); one that
+    sends fewer, an untied table as rows, may beat it."""
     buffers = _bucket_buffers(model, cfg)
     opt, compiled = _optimizer(model), torch.compile(model, backend=cfg.inner)
 

@@ -33,8 +33,7 @@ is over and its all-reduce done). On CPU hosts communication also costs CPU (glo
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
 byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
 bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket, the
-step of the bucket before it runs meanwhile and gets that cost (the CPU the steps share with gloo: without it the
-model predicted ``+step`` 21-24 % fast where the optimizer ran beside the link's tail, session 14).
+step of the bucket before it runs meanwhile and gets that cost (the CPU the steps share with gloo).
 And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
 write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
 added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
