@@ -129,9 +129,9 @@ def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tu
     (``bench.worker.bucket_layout``'s ``stepped``); without that record (PyTorch's modes, older runs), each
     all-reduce steps its own bytes."""
     layout = summary["buckets"].get(mode) or []
-    stepped = tuple(b.get("stepped", -1) for b in layout)
-    if len(stepped) == len(inputs.bucket_bytes) and min(stepped, default=-1) >= 0 and sum(stepped):
-        return stepped
+    recorded = len(layout) == len(inputs.bucket_bytes) and all("stepped" in b for b in layout)
+    if recorded and any(b["stepped"] for b in layout):
+        return tuple(b["stepped"] for b in layout)
     return inputs.bucket_bytes
 
 
