@@ -8,7 +8,8 @@ table with the targets, ``OUT/matrix.json`` the numbers, ``OUT/matrix.png`` the 
 The testbed's limit of a cell is what no schedule can beat: the longer of compute and communication, where
 compute counts the CPU time communication takes from it on this host (the calibrated cost per byte times the
 bytes graphddp-compiled sends), and communication cannot start before the forward has run (no gradient exists
-before backward starts): ``max(local + cpu_cost * bytes, forward + comm)``. ``local`` is the compute of the mode's own
+before backward starts): ``max(local + cpu_cost * bytes, forward + comm)``, the forward's share of ``local``'s step as
+``bench.predict.compute_phases`` scales it. ``local`` is the compute of the mode's own
 kind (``bench.modes.compute_baseline``): ``local-compiled`` where the run measured it, since graphddp-compiled runs
 Inductor's kernels, not eager's. Where the run has the ``bound`` mode (that compute with every byte on the link
 beside it from the first instant), its time replaces ``local + cpu_cost * bytes``: the CPU gloo takes from this
@@ -32,6 +33,7 @@ from .__main__ import _exit_on_sigterm
 from .link import Link, LinkUnavailable
 from .modes import MODES, compute_baseline
 from .pictures import chrome_trace, draw
+from .predict import compute_phases
 from .run import AGAINST_TORCH, BenchOptions, run
 
 TARGETS = {
@@ -164,7 +166,7 @@ def testbed_limit(summary: dict[str, Any]) -> float | None:
     layout = summary["buckets"].get("graphddp-compiled") or []
     sent = sum(b["sent"] for b in layout)
     compute = modes[compute_baseline("graphddp-compiled", modes)]
-    forward = compute["phases_s"].get("forward", 0.0)
+    forward = compute_phases(summary, "graphddp-compiled")[0]  # the slower rank's, as the predictions take it
     beside = modes["bound"]["median_s"] if "bound" in modes else compute["median_s"] + calibration["cpu_seconds_per_byte"] * sent
     return max(beside, forward + modes["comm"]["median_s"])
 

@@ -12,7 +12,7 @@ import pytest
 from bench import matrix
 from bench.modes import ModeConfig, ModeName, compute_baseline
 from bench.pictures import _spans, chrome_trace
-from bench.predict import _ready_fractions, mode_inputs, predict_modes
+from bench.predict import _ready_fractions, compute_phases, mode_inputs, predict_modes
 from bench.run import first_send
 from bench.scale import project
 from bench.worker import rows_sent
@@ -184,6 +184,23 @@ def test_compiled_modes_are_limited_and_predicted_by_the_compiled_compute_where_
     assert after["graphddp-compiled"]["predicted_s"] < before["graphddp-compiled"]["predicted_s"]
     assert after["graphddp-eager"]["predicted_s"] == before["graphddp-eager"]["predicted_s"]
     assert "local-compiled" not in after
+
+
+def test_the_compute_phases_take_the_slower_ranks_step_the_bench_times() -> None:
+    # The step is timed as the slower rank's, each phase as the median over both ranks: here the phases add up to
+    # 350 ms and local's step is 420 ms. Predictions and the limit's forward take the phases scaled by 1.2.
+    s = summary()
+    before = predict_modes(s)
+    s["modes"]["local"]["median_s"] = 0.42
+    assert compute_phases(s, "graphddp-eager") == pytest.approx((0.12, 0.24, 0.06))
+    after = predict_modes(s)
+    # graphddp-eager: 120 ms forward, buckets complete halfway (120 ms) and at the end (240 ms) of backward, then
+    # 50 ms on the link and the 60 ms optimizer.
+    assert after["graphddp-eager"]["predicted_s"] == pytest.approx(0.12 + 0.24 + 0.05 + 0.06)
+    assert after["graphddp-eager"]["predicted_s"] > before["graphddp-eager"]["predicted_s"]
+    s["modes"]["comm"]["median_s"] = 0.5  # the link binds: it starts after the slower rank's forward
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    assert matrix.testbed_limit(s) == pytest.approx(0.12 + 0.5)
 
 
 def test_a_cell_with_more_ranks_than_cpus_is_marked_and_compared_with_no_target() -> None:
