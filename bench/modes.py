@@ -27,6 +27,10 @@ Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's optimizer step
 ``graphddp-compiled+ch2`` (``channels=2``, buckets on two process groups in turn, Note [Channels]),
 ``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step`` combines them."""
 
+NO_DDP = ("local", "local-compiled", "bound")
+"""The modes that compute with no DDP (``bound`` with the link busy beside it): what the DDP modes are measured
+against. The step cost model predicts none of them, and none has communication of its own to expose."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModeName:
@@ -128,7 +132,14 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: Any = None, step_in_backward: bool = False) -> tuple[Step, Any]:
+Beside = Callable[[], Callable[[Any], None]]
+"""Work a step starts before its forward, returning what waits for it after the optimizer (``_bound``: the link)."""
+
+
+def _trained(
+    ddp: nn.Module, compile_with: str | None = None, graphddp_backend: Any = None, step_in_backward: bool = False,
+    beside: Beside | None = None,
+) -> tuple[Step, Any]:
     opt = _optimizer(ddp)
     if step_in_backward:  # each bucket's update runs inside backward; opt.step() below then has nothing to do
         ddp.step_in_backward(opt)
@@ -139,6 +150,7 @@ def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: 
         model = torch.compile(ddp, backend=compile_with)
 
     def step(batch: tuple, log: Any = None) -> None:
+        wait_beside = beside() if beside is not None else None
         _mark(log, "forward")
         loss = model(*batch)
         _mark(log, "backward")  # for DDP modes: until the averaged gradients are in .grad
@@ -147,6 +159,8 @@ def _trained(ddp: nn.Module, compile_with: str | None = None, graphddp_backend: 
         if not step_in_backward:
             opt.step()
         opt.zero_grad(set_to_none=True)
+        if wait_beside is not None:
+            wait_beside(log)
         _mark(log, "end")
 
     return step, ddp
@@ -226,22 +240,18 @@ def _bound(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     a DDP that sends at least the dense bytes (the matrix's tied GPTs send their part and rows, more); one that
     sends fewer, an untied table as rows, may beat it."""
     buffers = _bucket_buffers(model, cfg)
-    opt, compiled = _optimizer(model), torch.compile(model, backend=cfg.inner)
 
-    def step(batch: tuple, log: Any = None) -> None:
+    def send() -> Callable[[Any], None]:
         works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
-        _mark(log, "forward")
-        loss = compiled(*batch)
-        _mark(log, "backward")
-        loss.backward()
-        _mark(log, "optimizer")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _mark(log, "allreduce")  # what of the link outlasts the compute
-        for w in works:
-            w.wait()
-        _mark(log, "end")
 
+        def wait(log: Any) -> None:
+            _mark(log, "allreduce")  # what of the link outlasts the compute
+            for w in works:
+                w.wait()
+
+        return wait
+
+    step, _ = _trained(model, compile_with=cfg.inner, beside=send)
     return step, None
 
 

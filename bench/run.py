@@ -21,7 +21,7 @@ from graphddp.ddp import BucketOptions
 from graphddp.tools.launch import free_port
 
 from .link import Link, LinkSpec
-from .modes import MODES, ModeName, compute_baseline
+from .modes import MODES, NO_DDP, ModeName, compute_baseline
 from .predict import predict_modes
 
 
@@ -172,7 +172,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
-        if local is not None and name not in ("local", "local-compiled", "comm", "bound"):
+        if local is not None and name not in (*NO_DDP, "comm"):
             compute = modes[compute_baseline(name, modes)]["median_s"]  # the compute of the mode's own kind
             m["exposed_comm_s"] = m["median_s"] - compute
             if comm:

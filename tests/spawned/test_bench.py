@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.modes import NO_DDP
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -37,9 +39,12 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
         reducer_ran = name.startswith("graphddp") and summary["reductions"][name] != "in_graph"
         assert (mode["tail_s"] is not None) == reducer_ran, name  # only a graphddp Reducer says
         # The step cost model's prediction beside every mode but the compute and the bound (Note [Step cost model]).
-        unpredicted = name.startswith("local") or name == "bound"
+        unpredicted = name in NO_DDP
         assert unpredicted == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
-    assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte"}
+    assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte", "assembly_seconds_per_byte"}
+    assert summary["calibration"]["assembly_seconds_per_byte"] > 0
+    for mode, layout in summary["buckets"].items():  # what each all-reduce lets step, and leaves to put together
+        assert layout is None or all({"stepped", "assembled"} <= set(b) for b in layout), mode
     assert summary["modes"]["graphddp-eager@auto+step"]["phases_s"]["optimizer"] < summary["modes"]["graphddp-eager"]["phases_s"]["optimizer"]
     assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
         "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local-compiled, comm)"
