@@ -1,5 +1,6 @@
 """Predict every mode's iteration with the step cost model (Note [Step cost model] in ``passes/cost.py``), from
-what the run measured apart from the mode itself: the link (α-β fit and CPU cost per byte, ``calibration``),
+what the run measured apart from the mode itself: the link (α-β fit and CPU cost per byte, ``calibration``; and
+the cost per byte of putting a gradient sent in pieces back together),
 compute alone (``local``'s forward, backward and optimizer; ``local-compiled``'s for a compiled mode, where the run
 has it), and where in backward each bucket is complete.
 
@@ -165,7 +166,19 @@ def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: f
     for k in range(len(layout)):
         running = max(running, window.fraction(window.first.get(("launch", k), window.end_ms)) * backward)
         completions.append(running)
-    return step_inputs_from_completions(completions, [b["sent"] for b in layout], backward, cpu)
+    inputs = step_inputs_from_completions(completions, [b["sent"] for b in layout], backward, cpu)
+    return dataclasses.replace(inputs, tail_per_bucket_s=_assembly_s(summary, layout))
+
+
+def _assembly_s(summary: dict[str, Any], layout: list[dict[str, Any]]) -> tuple[float, ...]:
+    """Per all-reduce: the copy it leaves for the end of backward, where a gradient sent in pieces in-graph is put
+    back together once its last piece is in (``bench.worker.bucket_layout``'s ``assembled`` bytes, at the
+    calibrated cost per byte); empty where the run recorded neither (the split, older runs)."""
+    per_byte = summary["calibration"].get("assembly_seconds_per_byte", 0.0)
+    assembled = [b.get("assembled", 0) for b in layout]
+    if not per_byte or not any(assembled):
+        return ()
+    return tuple(per_byte * n for n in assembled)
 
 
 def _ready_fractions(summary: dict[str, Any]) -> dict[str, float]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
-from graphddp.runtime.calibration import cpu_cost_of_communication, link_of
+from graphddp.runtime.calibration import assembly_seconds_per_byte, cpu_cost_of_communication, link_of
 from graphddp.runtime.reductions import goes_as_rows
 from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
@@ -167,6 +167,7 @@ def calibrate(world: int) -> dict[str, float] | None:
         "seconds_per_byte": link.seconds_per_byte,
         # Longer than construction's: with 3 windows of 0.4 s, two gpt 1 Gbit/s runs measured 4.2 and 10.8 ms/MB.
         "cpu_seconds_per_byte": cpu_cost_of_communication(link=link, window_s=0.8, repeats=5),
+        "assembly_seconds_per_byte": assembly_seconds_per_byte(),
     }
 
 
@@ -230,8 +231,9 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
 def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     """A graphddp mode's buckets as the step cost model sees them: bytes each all-reduce sends (a row-sparse
     table: the row mask, then the rows some rank touched in the recorded iteration, or the whole table where the
-    one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up), and
-    ``stepped``, the bytes of parameters an optimizer stepping in backward can step once it is done."""
+    one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up),
+    ``stepped``, the bytes of parameters an optimizer stepping in backward can step once it is done, and
+    ``assembled``, the bytes of a gradient sent in pieces that are copied back into one once it is done."""
     if not isinstance(m.ddp, graphddp.DDP):
         return None
     layout = []
@@ -243,12 +245,13 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
             big, blocks = b.pieces
             per_row = b.params[big].nbytes // sum(blocks)
             sizes = [b.nbytes - per_row * sum(blocks[1:]), *(per_row * r for r in blocks[1:])]  # the rest goes with block 0
-            layout += [{"bytes": n, "sent": n, "row_sparse": False, "stepped": 0} for n in sizes]
+            layout += [{"bytes": n, "sent": n, "row_sparse": False, "stepped": 0, "assembled": 0} for n in sizes]
             layout[-1]["stepped"] = stepped  # its step waits for the last block
+            layout[-1]["assembled"] = b.params[big].nbytes  # then its blocks are copied into one gradient
             continue
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
         sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes
-        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped})
+        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped, "assembled": 0})
     return layout
 
 

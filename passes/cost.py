@@ -29,7 +29,9 @@ first and get the result back last). ``LinkModel.algorithm`` says which one a pr
 ``k``'s all-reduce can start when the segment that completes it has run *and* bucket ``k - 1``'s all-reduce is
 done (one link, buckets in index order); the step ends when the last segment and the last all-reduce are done,
 plus the time after backward (the optimizer; or, stepped per bucket, each bucket's step once backward's compute
-is over and its all-reduce done). On CPU hosts communication also costs CPU (gloo's reduction, the
+is over and its all-reduce done). A bucket may also leave compute for that tail (``tail_per_bucket_s``: in-graph,
+the copy that puts a gradient sent in pieces back together after its last piece's wait), run in bucket order
+before its step, or before the optimizer. On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
 byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
 bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket, the
@@ -171,6 +173,11 @@ class StepInputs:
     step_per_bucket_s: tuple[float, ...] = ()
     """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
     on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""
+    tail_per_bucket_s: tuple[float, ...] = ()
+    """Compute each all-reduce leaves for the end of backward, in bucket order (a gradient sent in pieces,
+    in-graph: copying its blocks back into one gradient after its last block's wait, Note [Gradient pieces]): it
+    runs where the bucket's step would, once backward's compute is over and the all-reduce is done, before that
+    step. Empty: none."""
     channels: int = 1
     """Process groups the buckets go on in turn (Note [Channels] in ``graphddp/runtime/channels.py``): with more
     than one, a bucket's latency term runs while the bucket before it is still on the wire."""
@@ -182,6 +189,8 @@ class StepInputs:
             raise ValueError("every bucket needs the segment that completes it")
         if self.step_per_bucket_s and len(self.step_per_bucket_s) != len(self.bucket_bytes):
             raise ValueError("a per-bucket optimizer step needs one duration per bucket")
+        if self.tail_per_bucket_s and len(self.tail_per_bucket_s) != len(self.bucket_bytes):
+            raise ValueError("the compute a bucket leaves for the end of backward needs one duration per bucket")
         for k, segment in enumerate(self.completed_by):
             if not 0 <= segment < len(self.segment_backward_s):
                 raise ValueError(f"bucket {k} is completed by segment {segment}, which does not exist")
@@ -206,7 +215,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     import networkx as nx
 
     graph = nx.DiGraph()
-    segments, steps = list(inputs.segment_backward_s), list(inputs.step_per_bucket_s)
+    segments, steps = list(inputs.segment_backward_s), _tail_work(inputs)
     on_wire = 2 * (world - 1) / world if world > 1 else 0.0  # bytes each rank sends per bucket byte
     for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k: on what computes meanwhile
         cpu = inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
@@ -231,13 +240,14 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         if k >= inputs.channels:  # its channel is free once the bucket before on it is done (1: the previous one)
             graph.add_edge(f"bucket {k - inputs.channels} on the wire", node)
         graph.add_edge(wire, "after")
+    tail = "step" if inputs.step_per_bucket_s else "tail"  # a bucket's tail work: its step, or only its copy
     for k, seconds in enumerate(steps):
-        node = f"step {k}"
+        node = f"{tail} {k}"
         durations[node] = seconds
         graph.add_edge(chain[-1], node)  # after backward's compute (the Reducer's finalize, or in-graph step nodes)
         graph.add_edge(f"bucket {k} on the wire", node)
         if k:
-            graph.add_edge(f"step {k - 1}", node)
+            graph.add_edge(f"{tail} {k - 1}", node)
         graph.add_edge(node, "after")
     start: dict[str, float] = {}
     for node in nx.topological_sort(graph):
@@ -253,6 +263,16 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         timeline[f"bucket {k}"] = (timeline[f"bucket {k}"][0], timeline.pop(f"bucket {k} on the wire")[1])
     critical = tuple(n for i, n in enumerate(path) if not i or n != path[i - 1])
     return Prediction(step, timeline, max(step - local, 0.0), critical)
+
+
+def _tail_work(inputs: StepInputs) -> list[float]:
+    """Per bucket, what the compute side does for it once backward's compute is over and its all-reduce is done:
+    its tail (``tail_per_bucket_s``), then its step (``step_per_bucket_s``); empty where there is neither."""
+    steps, tails = inputs.step_per_bucket_s, inputs.tail_per_bucket_s
+    if not steps and not tails:
+        return []
+    n = len(inputs.bucket_bytes)
+    return [(steps[k] if steps else 0.0) + (tails[k] if tails else 0.0) for k in range(n)]
 
 
 def choose_channels(

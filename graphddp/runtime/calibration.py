@@ -1,7 +1,8 @@
 """Measure what the step cost model (Note [Step cost model] in ``passes/cost.py``) needs, on the ranks themselves:
 the link (the α-β fit of a short series of all-reduces on the group, cached per group), how fast a rank computes
-(``compute_rates``, for estimating graphs), and how much compute communication takes away on a CPU host
-(``cpu_cost_of_communication``).
+(``compute_rates``, for estimating graphs), how much compute communication takes away on a CPU host
+(``cpu_cost_of_communication``), and what putting a gradient sent in pieces back together costs
+(``assembly_seconds_per_byte``).
 
 Every rank measures, but clocks and noise differ; rank 0's figures are broadcast so every rank holds the same
 model (whatever is decided from it, such as bucket caps, must be the same on every rank).
@@ -204,6 +205,21 @@ def cpu_cost_of_communication(
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
     _cpu_costs.setdefault(group, {})[(window_s, repeats)] = float(cost)
     return float(cost)
+
+
+ASSEMBLY_BLOCKS = 16
+"""Blocks ``assembly_seconds_per_byte`` puts together: the bench MLP's 64 MiB weights go in 16 and 32."""
+
+
+def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int = SERIES_MAX_BYTES) -> float:
+    """Seconds per byte of putting a gradient sent in pieces back together (Note [Gradient pieces] in
+    ``passes/plan.py``): a ``cat`` of ``ASSEMBLY_BLOCKS`` blocks of ``nbytes`` in all into a new tensor, as the
+    compiled backward does after the last block's wait, best of 5. This process's figure (no process group).
+    A new tensor, as in the graph: on a CPU host, a large one comes fresh from the OS each time, and touching its
+    pages first costs more than the copy (64 MiB: ~65 ms, of which ~14 ms the copy, on the 2-vCPU testbed)."""
+    device = device or torch.device("cpu")
+    blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
+    return _best_of(lambda: torch.cat(blocks), device) / nbytes
 
 
 def _best_of(op: Callable[[], object], device: torch.device, repeats: int = 5) -> float:

@@ -272,3 +272,20 @@ def test_a_row_sparse_bucket_counts_what_the_one_rule_sends() -> None:
     assert rows_sent(table, sparse_enough) == 100 + 400 * sparse_enough
     assert rows_sent(table, sparse_enough + 1) == 100 + 40_000  # went dense: mask and table
     assert rows_sent(table, None) == 40_000  # nothing recorded: the table
+
+
+def test_a_gradient_sent_in_pieces_leaves_its_copy_for_the_end_of_backward() -> None:
+    # The recorded layout says which all-reduce is a gradient's last piece, and how many bytes are then copied
+    # back into one gradient; the calibration what a byte of that copy costs.
+    s = summary()
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.4, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["timelines"]["graphddp-compiled"] = s["timelines"]["graphddp-eager"]
+    s["buckets"]["graphddp-compiled"] = [
+        {"bytes": 50_000, "sent": 50_000, "row_sparse": False, "stepped": 0, "assembled": 0},
+        {"bytes": 50_000, "sent": 50_000, "row_sparse": False, "stepped": 100_000, "assembled": 100_000},
+    ]
+    assert mode_inputs(s, "graphddp-compiled").tail_per_bucket_s == ()  # no cost calibrated: nothing to charge
+    s["calibration"]["assembly_seconds_per_byte"] = 2e-7
+    assert mode_inputs(s, "graphddp-compiled").tail_per_bucket_s == pytest.approx((0.0, 0.02))
+    # The copy follows the last piece's 50 ms on the link, before the 50 ms optimizer.
+    assert predict_modes(s)["graphddp-compiled"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.05 + 0.02 + 0.05)

@@ -149,6 +149,25 @@ def test_optimizer_steps_per_bucket_hide_behind_the_all_reduces_still_in_flight(
         StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,), step_per_bucket_s=(0.1, 0.1))
 
 
+def test_a_gradient_put_back_together_after_its_last_piece_takes_the_tail_before_its_step() -> None:
+    # Same buckets: bucket 0 done at 11 ms, backward's compute over at 20 ms, bucket 1 done at 30 ms. Bucket 0 was
+    # sent in pieces, and copying them back into one gradient takes 4 ms once backward's compute is over.
+    shape = dict(segment_backward_s=(0.01, 0.01), bucket_bytes=(1000, 10000), completed_by=(0, 1), tail_per_bucket_s=(0.004, 0.0))
+    after = StepInputs(**shape, after_backward_s=0.01)
+    p = predict_step(after, LINK, world=2)
+    assert p.timeline["tail 0"] == pytest.approx((0.02, 0.024))  # under bucket 1 on the link: hidden
+    assert p.step_s == pytest.approx(0.030 + 0.01)
+    stepped = StepInputs(**shape, step_per_bucket_s=(0.009, 0.005))
+    p = predict_step(stepped, LINK, world=2)
+    assert p.timeline["step 0"] == pytest.approx((0.02, 0.033))  # the copy, then the step: past bucket 1's end
+    assert p.step_s == pytest.approx(0.033 + 0.005)
+    # Without the copy the step would hide behind the link (35 ms, 12 % under 40): with it, 38 ms, 5 %.
+    assert predict_step(dataclasses.replace(stepped, tail_per_bucket_s=()), LINK, world=2).step_s == pytest.approx(0.035)
+    assert choose_optimizer_overlap(after, stepped, LINK, 2, margin=0.06) == (False, pytest.approx({"after": 0.04, "stepped": 0.038}))
+    with pytest.raises(ValueError, match="leaves for the end of backward needs one duration per bucket"):
+        StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,), tail_per_bucket_s=(0.1, 0.1))
+
+
 def test_the_planner_steps_in_backward_only_where_the_model_says_it_pays_by_the_margin() -> None:
     """Issue 27, item 3: the same buckets as above, the optimizer after backward (10 ms, from 30 ms on) or stepped
     per bucket. 5 ms a bucket hides bucket 0's step behind bucket 1 on the link: 35 ms against 40, it pays. 9.5 ms
