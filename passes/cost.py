@@ -34,8 +34,8 @@ the copy that puts a gradient sent in pieces back together after its last piece'
 before its step, or before the optimizer. On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
 byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
-bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket, the
-step of the bucket before it runs meanwhile and gets that cost (the CPU the steps share with gloo).
+bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket (or
+with tail work), the work of the bucket before it runs meanwhile and gets that cost (the CPU it shares with gloo).
 And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
 write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
 added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced

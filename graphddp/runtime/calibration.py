@@ -215,8 +215,9 @@ def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int
     """Seconds per byte of putting a gradient sent in pieces back together (Note [Gradient pieces] in
     ``passes/plan.py``): a ``cat`` of ``ASSEMBLY_BLOCKS`` blocks of ``nbytes`` in all into a new tensor, as the
     compiled backward does after the last block's wait, best of 5. This process's figure (no process group).
-    A new tensor, as in the graph: on a CPU host, a large one comes fresh from the OS each time, and touching its
-    pages first costs more than the copy (64 MiB: ~65 ms, of which ~14 ms the copy, on the 2-vCPU testbed)."""
+    A new tensor, as in the graph: on a CPU host a large one may come fresh from the OS, and touching its pages
+    first then costs more than the copy (64 MiB on the 2-vCPU testbed: ~65 ms, of which ~14 ms the copy; the
+    bench's calibrations of one session ranged over 0.13-1.01 ms per MB)."""
     device = device or torch.device("cpu")
     blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
     return _best_of(lambda: torch.cat(blocks), device) / nbytes
