@@ -203,7 +203,8 @@ class Prediction:
     step_s: float
     """Predicted step time: the longest path through the step's DAG."""
     timeline: dict[str, tuple[float, float]]
-    """Each node (``forward``, ``segment i``, ``bucket k``, ``after``) with its (start, end) in seconds."""
+    """Each node (``forward``, ``segment i``, ``bucket k``, ``after``; ``step k`` with per-bucket steps, else
+    ``tail k`` with tail work) with its (start, end) in seconds."""
     exposed_s: float
     """Communication not hidden behind backward: step time minus the time without any communication."""
     critical_path: tuple[str, ...]
@@ -221,8 +222,8 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         cpu = inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
         if segment + 1 < len(segments):  # the next segment
             segments[segment + 1] += cpu
-        elif k and steps:  # sent after backward's compute: beside the step of the bucket before it
-            steps[k - 1] += cpu
+        elif k and steps and (inputs.step_per_bucket_s or steps[k - 1]):  # sent after backward's compute:
+            steps[k - 1] += cpu  # beside the work of the bucket before it, if it has any (else the CPU only waits)
         segments[segment] += inputs.cpu_seconds_per_bucket
     durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
     chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]
@@ -335,7 +336,7 @@ def project_scaling(inputs: StepInputs, link: LinkModel, worlds: Sequence[int]) 
     and the scaling efficiency (the step alone, with nothing to communicate, over the step at that size).
     Assumes one all-reduce per bucket by ``link.algorithm`` (Note [Step cost model]), a link whose α and β per rank do not change with the number of ranks
     (a non-blocking switch), the CPU cost per byte sent unchanged, and ranks in lockstep (no stragglers)."""
-    alone = predict_step(inputs, link, 1).step_s
+    alone = predict_step(dataclasses.replace(inputs, tail_per_bucket_s=()), link, 1).step_s  # one rank: no pieces
     projected = {}
     for world in worlds:
         step = predict_step(inputs, link, world).step_s
