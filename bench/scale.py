@@ -1,7 +1,8 @@
 """``python -m bench.scale RESULTS.json ...``: the step cost model's projection of graphddp-compiled to 8, 64 and
 256 ranks (``graphddp.passes.project_scaling``), from benchmark runs of 2 ranks, as a table and a plot.
 
-Each run gives its workload's measured compute (``local``'s phases), where graphddp-compiled's buckets complete
+Each run gives its workload's measured compute (the phases of ``local``, or of ``local-compiled`` where the run has
+it, scaled to its step: ``bench.predict.compute_phases``), where graphddp-compiled's buckets complete
 in backward (its recorded iteration) and the calibrated link. The projection keeps all of that per rank and
 lets only the all-reduce change with the number of ranks (Note [Step cost model]), twice: by a ring, and by the
 faster of a ring and halving-doubling per bucket (``best``: log-latency, as gloo's halving-doubling and NCCL's

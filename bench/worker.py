@@ -157,8 +157,9 @@ class PhaseMarks:
 
 
 def calibrate(world: int) -> dict[str, float] | None:
-    """What the step cost model needs of the link (rank 0's figures, on every rank): α, β and the compute each
-    communicated byte costs (graphddp.runtime.calibration)."""
+    """What the step cost model needs (graphddp.runtime.calibration): of the link, α, β and the compute each
+    communicated byte costs (rank 0's figures, on every rank); and what a byte of putting a gradient sent in
+    pieces back together costs (this rank's; the run keeps rank 0's calibration)."""
     if world < 2:
         return None
     link = link_of()

@@ -217,7 +217,8 @@ def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int
     compiled backward does after the last block's wait, best of 5. This process's figure (no process group).
     A new tensor, as in the graph: on a CPU host a large one may come fresh from the OS, and touching its pages
     first then costs more than the copy (64 MiB on the 2-vCPU testbed: ~65 ms, of which ~14 ms the copy; the
-    bench's calibrations of one session ranged over 0.13-1.01 ms per MB)."""
+    bench's calibrations of one session ranged over 0.13-1.01 ms per MB, the low end below the copy alone: the
+    memory does not always come fresh)."""
     device = device or torch.device("cpu")
     blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
     return _best_of(lambda: torch.cat(blocks), device) / nbytes
