@@ -34,8 +34,9 @@ the copy that puts a gradient sent in pieces back together after its last piece'
 before its step, or before the optimizer. On CPU hosts communication also costs CPU (gloo's reduction, the
 network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte sent (``2 (w - 1) / w`` per bucket
 byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
-bucket sent once backward's compute is over costs nothing while the CPU only waits for it; stepped per bucket (or
-with tail work), the work of the bucket before it runs meanwhile and gets that cost (the CPU it shares with gloo).
+bucket sent once backward's compute is over costs nothing while the CPU only waits for it; where the bucket before
+it has work of its own (its step, its copy), that work runs meanwhile and gets the cost (the CPU it shares with
+gloo); a bucket with none (a gradient's first pieces: its step runs with its last) leaves the CPU waiting.
 And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
 write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
 added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
@@ -222,8 +223,8 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         cpu = inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
         if segment + 1 < len(segments):  # the next segment
             segments[segment + 1] += cpu
-        elif k and steps and (inputs.step_per_bucket_s or steps[k - 1]):  # sent after backward's compute:
-            steps[k - 1] += cpu  # beside the work of the bucket before it, if it has any (else the CPU only waits)
+        elif k and steps and steps[k - 1]:  # sent after backward's compute: beside the work of the bucket
+            steps[k - 1] += cpu  # before it, its step or its copy, if it has any (else the CPU only waits)
         segments[segment] += inputs.cpu_seconds_per_bucket
     durations = {"forward": inputs.forward_s, "after": inputs.after_backward_s}
     chain = ["forward"] + [f"segment {i}" for i in range(len(segments))]

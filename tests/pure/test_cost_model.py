@@ -172,6 +172,11 @@ def test_a_gradient_put_back_together_after_its_last_piece_takes_the_tail_before
     assert p.timeline["tail 2"] == pytest.approx((0.022, 0.026)) and p.step_s == pytest.approx(0.026)
     p = predict_step(StepInputs(**shape, tail_per_bucket_s=(0.0, 0.003, 0.004)), LINK, world=2)
     assert p.timeline["tail 1"] == pytest.approx((0.012, 0.012 + 0.003 + 0.020))  # beside bucket 2's 10 kB
+    # The same rule where the work is a step: a gradient's first piece has none (its step runs with its last
+    # piece), so the CPU waits for bucket 2 and its cost falls nowhere. Bucket 1's 2 ms go on step 0's 1 ms.
+    p = predict_step(StepInputs(**shape, step_per_bucket_s=(0.001, 0.0, 0.004)), LINK, world=2)
+    assert p.timeline["step 0"] == pytest.approx((0.011, 0.014)) and p.timeline["step 1"] == pytest.approx((0.014, 0.014))
+    assert p.step_s == pytest.approx(0.026)
     # One rank sends nothing and cuts no gradient in pieces: scaling is measured against the step without the copy.
     ((step, efficiency),) = project_scaling(StepInputs(**shape, tail_per_bucket_s=(0.0, 0.0, 0.004)), LINK, [2]).values()
     assert step == pytest.approx(0.026) and efficiency == pytest.approx(0.01 / 0.026)
