@@ -12,7 +12,12 @@ width, and times, interleaved round by round in the same processes,
   (``inductor``, ``aot_eager``): PyTorch's through DDPOptimizer, graphddp's through its own backend as a user gets
   it (``reduction="auto"``: in-graph where the graph can be traced, Note [In-graph reduction]);
   ``graphddp-compiled-split``: graphddp's backend with ``reduction="split"`` (one segment per bucket, the Reducer's
-  hooks), for comparison. The table's ``reduction`` column says what each graphddp mode ran.
+  hooks), for comparison. The table's ``reduction`` column says what each graphddp mode ran;
+- ``bound`` / ``bound-compiled`` (more than one rank): ``local`` / ``local-compiled`` with the bytes a dense DDP
+  sends (one all-reduce per bucket of graphddp's plan at the caps) issued at the step's first instant, beside it,
+  as the matrix's ``bound`` (``bench.modes``). No DDP can send them earlier (no gradient exists before backward),
+  so what ``bound`` adds is a floor under what any DDP that sends those bytes on the same CPUs adds: where it is
+  more than half of what PyTorch's DDP adds, halving PyTorch's added time is out of reach on that machine.
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. One mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's caches warm), warms
@@ -49,12 +54,17 @@ from graphddp.tools.launch import free_port
 
 from .modes import reduction_ran
 
-EAGER_MODES = ("local", "torch-eager", "graphddp-eager")
-COMPILED_MODES = ("local-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
-BASELINE = {"torch-eager": "local", "graphddp-eager": "local", "torch-compiled": "local-compiled",
-            "graphddp-compiled": "local-compiled", "graphddp-compiled-split": "local-compiled"}  # fmt: skip
-TORCH_PEER = {"graphddp-eager": "torch-eager", "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}
-"""Which mode without DDP each DDP mode's added time and calls are measured against."""
+EAGER_MODES = ("local", "bound", "torch-eager", "graphddp-eager")
+COMPILED_MODES = ("local-compiled", "bound-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
+LINK_MODES = ("bound", "bound-compiled")
+"""The modes that only mean something where there is a link: left out at one rank."""
+BASELINE = {"bound": "local", "torch-eager": "local", "graphddp-eager": "local", "bound-compiled": "local-compiled",
+            "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled",
+            "graphddp-compiled-split": "local-compiled"}  # fmt: skip
+"""Which mode without DDP each mode's added time and calls are measured against."""
+TORCH_PEER = {"bound": "torch-eager", "graphddp-eager": "torch-eager", "bound-compiled": "torch-compiled",
+              "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
+"""Which of PyTorch's DDP modes each mode's added time is compared with."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,9 +114,11 @@ class OverheadOptions:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
 
-    @property
-    def modes(self) -> list[str]:
-        return list(EAGER_MODES) + [f"{m}:{inner}" for inner in self.inners for m in COMPILED_MODES]
+    def modes(self, world_size: int) -> list[str]:
+        """The modes a run at ``world_size`` times, in the order each round times them."""
+        names = [m for m in EAGER_MODES if world_size > 1 or m not in LINK_MODES]
+        compiled = [m for m in COMPILED_MODES if world_size > 1 or m not in LINK_MODES]
+        return names + [f"{m}:{inner}" for inner in self.inners for m in compiled]
 
 
 def build_model(o: OverheadOptions) -> torch.nn.Module:
@@ -117,7 +129,8 @@ def build_model(o: OverheadOptions) -> torch.nn.Module:
 
 
 def build_mode(mode: str, o: OverheadOptions) -> tuple[torch.nn.Module, Any]:
-    """``(what a step calls, the DDP module or None)`` for ``mode`` (``name`` or ``name:inner``)."""
+    """``(what a step calls, the DDP module or None)`` for ``mode`` (``name`` or ``name:inner``); ``bound``'s
+    link is added by ``measure`` (``link_beside``)."""
     import graphddp
 
     name, _, inner = mode.partition(":")
@@ -188,14 +201,17 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(100 + rank)
     idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    record: dict[str, Any] = {m: {"times_s": []} for m in o.modes}
+    world_size = dist.get_world_size()
+    record: dict[str, Any] = {m: {"times_s": []} for m in o.modes(world_size)}
     sync: Callable[[], None] = torch.cuda.synchronize if o.device == "cuda" else (lambda: None)
     for r in range(o.rounds):
-        for mode in o.modes:
+        for mode in o.modes(world_size):
             torch._dynamo.reset()
             step_model, ddp = build_mode(mode, o)
             opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
             step = functools.partial(one_step, step_model, opt, x, y)
+            if mode.partition(":")[0] in LINK_MODES:
+                step = functools.partial(link_beside, dense_buckets(step_model, o), step)
             for _ in range(1 + o.warmup):
                 step()
             sync()
@@ -227,6 +243,26 @@ def bucket_count(ddp: Any) -> int | None:
     return len(sizes.split(",")) if sizes else None
 
 
+def dense_buckets(model: torch.nn.Module, o: OverheadOptions) -> list[torch.Tensor]:
+    """One zero buffer per bucket of graphddp's dense plan at ``o``'s caps (ramps off, as the DDP modes run): the
+    bytes and collectives a dense DDP sends."""
+    from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
+
+    cap = int(o.cap_mb * 2**20)
+    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+    plan = plan_buckets(specs, caps=BucketCaps(bucket=cap, first=cap, last=cap, ramps=False))
+    return [torch.zeros(b.numel, dtype=b.dtype, device=o.device) for b in plan.buckets]
+
+
+def link_beside(buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None) -> int | None:
+    """``bound``: every bucket's all-reduce issued before ``step`` (the step without DDP) and waited for after it."""
+    works = [dist.all_reduce(b, async_op=True) for b in buffers]
+    calls = step(count)
+    for w in works:
+        w.wait()
+    return calls
+
+
 def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
              count: CallCounter | None = None) -> int | None:
     """Forward, backward (its Python calls counted when ``count`` is given), optimizer step."""
@@ -245,7 +281,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     every mode back to back, so a ratio within one round is not moved by the machine's drift between rounds; their
     median and spread are what a claim about the ratio may rest on."""
     rows = []
-    for mode in o.modes:
+    for mode in o.modes(world_size):
         times = [max(per_rank[r][mode]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][mode]["times_s"]))]
         rounds = [statistics.median(times[i : i + o.steps]) for i in range(0, len(times), o.steps)]
         rows.append({"mode": mode, "step_s": statistics.median(times), "round_step_s": rounds,
@@ -262,7 +298,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
             row["added_calls"] = row["backward_calls"] - base["backward_calls"]
     for row in rows:
         name, _, inner = row["mode"].partition(":")
-        if name.startswith("graphddp"):
+        if name in TORCH_PEER:
             torch_row = by_mode[TORCH_PEER[name] + (f":{inner}" if inner else "")]
             row["step_vs_torch"] = row["step_s"] / torch_row["step_s"]
             row["added_vs_torch"] = row["added_s"] / torch_row["added_s"] if torch_row["added_s"] > 0 else None
@@ -305,7 +341,7 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     Path(o.out).mkdir(parents=True, exist_ok=True)
     for world_size in o.world_sizes:
-        print(f"bench.overhead: {world_size} rank(s), {len(o.modes)} modes x {o.rounds} rounds x {o.steps} steps", flush=True)
+        print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps", flush=True)
         queue = mp.get_context("spawn").SimpleQueue()
         mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
         per_rank = dict(queue.get() for _ in range(world_size))

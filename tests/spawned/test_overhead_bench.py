@@ -45,6 +45,21 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
 
 
+def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_is_a_link() -> None:
+    o = OverheadOptions(inners=("inductor",))
+    assert "bound" not in o.modes(1) and "bound-compiled:inductor" not in o.modes(1)
+    assert o.modes(2)[:2] == ["local", "bound"] and "bound-compiled:inductor" in o.modes(2)
+    times = {"local": 10, "bound": 13, "torch-eager": 16, "graphddp-eager": 15, "local-compiled:inductor": 8,
+             "bound-compiled:inductor": 11, "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12,
+             "graphddp-compiled-split:inductor": 16}  # fmt: skip
+    per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()} for r in (0, 1)}
+    rows = {r["mode"]: r for r in summarise(o, 2, per_rank)}
+    assert rows["bound"]["added_s"] == pytest.approx(3e-3) and rows["bound"]["added_vs_torch"] == pytest.approx(0.5)
+    # The compiled floor, 3 of PyTorch's 6 ms: half of it is the most any DDP sending these bytes could save.
+    assert rows["bound-compiled:inductor"]["added_vs_torch"] == pytest.approx(0.5)
+    assert rows["graphddp-compiled:inductor"]["added_vs_torch"] == pytest.approx(4 / 6)
+
+
 def test_ratios_are_also_taken_round_by_round() -> None:
     """A slow round moves every mode alike: the overall medians mix rounds, the per-round ratios do not."""
     o = OverheadOptions(inners=(), steps=2, rounds=3)
@@ -71,6 +86,17 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert by_mode["local"].get("buckets") is None
     assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
     assert "graphddp-eager" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_two_ranks_time_the_bound_beside_the_eager_modes(tmp_path) -> None:
+    assert main(["--world-sizes", "2", "--inners", "", "--layers", "1", "--steps", "1", "--rounds", "1",
+                 "--warmup", "0", "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["local", "bound", "torch-eager", "graphddp-eager"]
+    bound = rows[1]
+    assert bound["step_s"] > 0 and bound.get("buckets") is None and "added_s" in bound and "added_vs_torch" in bound
+    assert bound["added_calls"] == 0  # the link beside the step runs no Python in backward
 
 
 @pytest.mark.timeout(300, func_only=True)
