@@ -381,6 +381,42 @@ def sink_rows_nodes(graph: fx.Graph) -> int:
     return moved
 
 
+# -- no copies a fusing compiler would not make ----------------------------------------------------------------
+_IN_PLACE = {"aten::div.Tensor": "div_.Tensor", "aten::div.Scalar": "div_.Scalar"}
+"""The out-of-place ops of a bucket's reduction (the average's division) and their in-place twins."""
+
+
+def _fresh_for(node: object, user: fx.Node) -> bool:
+    """``node`` is a tensor the graph made (not an input, not a view of anything) that only ``user`` reads: ``user``
+    may overwrite it."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or list(node.users) != [user]:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def reduce_in_place(graph: fx.Graph) -> int:
+    """Each bucket's reduction without the copies a functional graph spells out and a fusing compiler removes:
+    a functional ``all_reduce`` clones its input before it reduces, and the average's division writes a new
+    tensor. Where the input is a fresh tensor of the graph's own that nothing else reads (the bucket's ``cat``,
+    the division's result), the in-place twins (``all_reduce_``, ``div_``) reuse it. For a graph that is then run
+    op by op (aot_eager): Inductor fuses the ``cat`` and the division into one kernel and reinplaces the
+    collective itself. Returns how many collectives run in place."""
+    in_place = 0
+    for node in [n for n in graph.nodes if _op_name(n) == "_c10d_functional::all_reduce"]:
+        source = node.args[0]
+        if not _fresh_for(source, node):
+            continue
+        node.target = torch.ops._c10d_functional.all_reduce_.default
+        in_place += 1
+        twin = _IN_PLACE.get(_op_name(source))
+        if twin is not None and _fresh_for(source.args[0], source):
+            packet, overload = twin.split(".")
+            source.target = getattr(getattr(torch.ops.aten, packet), overload)
+    graph.lint()
+    return in_place
+
+
 def schedule_reductions(graph: fx.Graph) -> tuple[int, int, int]:
     """The in-graph backward's order (Note [In-graph reduction], step 2): big gradients computed in pieces, rows
     nodes as late as they can go, each collective as early as the graph allows, optimizer step nodes last, each

@@ -22,8 +22,10 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    all-reduce before the input gradient only earlier layers read, as autograd's order would have it after), then
    moves each wait, with its views, to just before the first node that reads the result (``sink_waits``; the
    graph's output, for a gradient), so the compute after the all-reduce overlaps it.
-   Inductor fuses the copy and the division into one kernel per bucket; its peak-memory reordering, which would
-   hoist the waits again, is off for these graphs.
+   Inductor fuses the copy and the division into one kernel per bucket and reinplaces the all-reduce; its
+   peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
+   op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
+   ``graphddp.passes.reduce_in_place`` has both reuse the bucket's gathered copy instead.
    On one rank under graphddp's own averaging nothing is inserted: the average of one gradient is itself
    (``local_average``, the rule the Reducer's ``LocalReduction`` follows); a comm hook still runs, as in PyTorch.
 3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for
@@ -57,7 +59,16 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..passes import Bucket, BucketPlan, GraphParam, GraphUse, ParamSpec, bucket_channel, schedule_reductions
+from ..passes import (
+    Bucket,
+    BucketPlan,
+    GraphParam,
+    GraphUse,
+    ParamSpec,
+    bucket_channel,
+    reduce_in_place,
+    schedule_reductions,
+)  # fmt: skip
 from ..runtime import in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp::reduce_rows, ::step_bucket)
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
@@ -371,9 +382,13 @@ def _inductor_patches(patches: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _sinking(compiler: Callable[..., Any]) -> Callable[..., Any]:
+def _op_by_op(compiler: Callable[..., Any]) -> Callable[..., Any]:
+    """A backward compiler that runs the graph op by op (aot_eager's), given the graph Inductor's passes would
+    make of it: scheduled, and the reductions in place (``reduce_in_place``: no clone per collective)."""
+
     def compile_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         schedule_reductions(gm.graph)
+        reduce_in_place(gm.graph)
         gm.recompile()
         return compiler(gm, example_inputs)
 
@@ -397,7 +412,7 @@ def in_graph_compiler(inner: Any) -> CompilerFn | None:
     if fn is compile_fx:
         return functools.partial(compile_fx, config_patches=_inductor_patches(keywords.get("config_patches") or {}))
     if fn is aot_eager and not ({"fw_compiler", "bw_compiler"} & keywords.keys()):
-        return functools.partial(aot_eager, bw_compiler=_sinking(boxed_nop), **keywords)
+        return functools.partial(aot_eager, bw_compiler=_op_by_op(boxed_nop), **keywords)
     return None
 
 

@@ -30,6 +30,7 @@ from graphddp.passes import (
     plan_blockers,
     plan_bucket_groups,
     plan_buckets,
+    reduce_in_place,
     schedule_reductions,
     sink_bucket_steps,
     sink_rows_nodes,
@@ -180,6 +181,38 @@ def test_the_first_bucket_carries_the_abandon_signal_and_its_sum_is_the_signals_
     assert gradients[-1] is not None and gradients[-1].meta["val"].shape == (1,)  # the signal's gradient, last
     plain_forward, plain_backward, _, _ = _backward_of_reducing_graph(BucketCaps(bucket=1200, first=1200, last=1200))
     assert [n.args[0].meta["val"].numel() for n in plain_backward.graph.nodes if n.target is ALL_REDUCE][0] == plan.buckets[0].numel
+
+
+ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
+
+
+@pytest.mark.parametrize("cap", [1200, 300])
+def test_an_op_by_op_backward_reduces_each_bucket_in_the_tensor_it_gathered_it_in(cap: int) -> None:
+    """aot_eager runs the backward op by op, so a functional all-reduce clones its input and the average writes a
+    tensor of its own: two copies of every bucket that Inductor fuses away. ``reduce_in_place`` divides the
+    gathered bucket in place and all-reduces it in place; a block of a big gradient (300 B caps: a view of it) is
+    divided into a tensor of its own, which its all-reduce then reuses."""
+
+    def schedule(graph: fx.Graph) -> None:
+        schedule_reductions(graph)
+        assert reduce_in_place(graph) == len([n for n in graph.nodes if n.target is ALL_REDUCE_IN_PLACE])
+
+    _, backward, plan, _ = _backward_of_reducing_graph(BucketCaps(bucket=cap, first=cap, last=cap), schedule=schedule, signal=True)
+    nodes = list(backward.graph.nodes)
+    assert not any(n.target is ALL_REDUCE for n in nodes)
+    reduces = [n for n in nodes if n.target is ALL_REDUCE_IN_PLACE]
+    assert len(reduces) == sum(len(b.pieces[1]) if b.pieces else 1 for b in plan.buckets) >= 3
+    for reduce in reduces:
+        (divided,) = reduce.all_input_nodes
+        assert list(divided.users) == [reduce] and divided.target in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor)
+        gathered = divided.args[0]
+        # In place exactly where the division's input is the bucket's own gathered copy, not a view of a gradient.
+        assert (divided.target is torch.ops.aten.div_.Tensor) == (gathered.target is torch.ops.aten.cat.default), gathered.target
+    assert any(n.target is torch.ops.aten.div_.Tensor for n in nodes)
+    assert (cap == 300) == any(n.target is torch.ops.aten.div.Tensor for n in nodes)  # the blocks: views
+    # A tensor something else reads, or a graph input, is never overwritten.
+    graph = _collective_graph()
+    assert reduce_in_place(graph) == 0 and not any(n.target is ALL_REDUCE_IN_PLACE for n in graph.nodes)
 
 
 @pytest.mark.parametrize("cap", [1200, 300])  # 300 B: each weight in blocks of rows, an all-reduce and wait each
