@@ -29,6 +29,7 @@ from .cost import (
 )
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
+from .pieces_cost import PiecesLayout, step_inputs_in_pieces
 from .plan import (
     Bucket,
     BucketCaps,
@@ -118,6 +119,8 @@ __all__ = [
     "plan_bucket_groups",
     "plan_buckets",
     "plan_graph",
+    "PiecesLayout",
+    "step_inputs_in_pieces",
     "predict_step",
     "project_scaling",
     "rate_bits_per_second",

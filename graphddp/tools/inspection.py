@@ -24,7 +24,7 @@ from torch import fx, nn
 
 from ..compiler.capture import capture_graphs, parameter_names
 from ..compiler.dump import DebugDump, versions
-from ..compiler.graph_pipeline import lower_graph, prepare_graph
+from ..compiler.graph_pipeline import PreparedGraph, lower_graph, prepare_graph
 from ..options import AUTO, BucketOptions
 from ..passes import (
     BucketCaps,
@@ -37,6 +37,7 @@ from ..passes import (
     LinkModel,
     MiB,
     ParamSpec,
+    PiecesLayout,
     Prediction,
     ReductionChoice,
     StepInputs,
@@ -53,6 +54,7 @@ from ..passes import (
     predict_step,
     rate_bits_per_second,
     rows_apply,
+    step_inputs_in_pieces,
 )
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from ..runtime.calibration import measure_compute_rates
@@ -98,6 +100,22 @@ def graph_step_inputs(gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates
     return dataclasses.replace(inputs, forward_s=sum(node_seconds.values()), channels=channels)
 
 
+def in_graph_step_inputs(gm: fx.GraphModule, prepared: PreparedGraph, rates: ComputeRates) -> tuple[StepInputs, PiecesLayout]:
+    """``graph_step_inputs`` for a graph reduced in-graph: its big gradients sent in blocks as their matmuls
+    compute them (``graphddp.passes.step_inputs_in_pieces``, Note [Gradient pieces]). A weight gradient's matmul
+    costs what the forward's matmul with the weight costs (the same flops); putting the blocks back together, a
+    copy: each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
+    ``graphddp.runtime.calibration.assembly_seconds_per_byte``, fresh pages included)."""
+    node_seconds = forward_seconds(gm, rates)
+    matmuls = {
+        p.spec.name: sum(node_seconds.get(u.node, 0.0) for u in p.uses if u.differentiable)
+        for p in prepared.params
+        if p.spec.one_matmul
+    }
+    inputs = graph_step_inputs(gm, prepared.split, rates)
+    return step_inputs_in_pieces(inputs, prepared.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
+
+
 def predict_graph(
     gm: fx.GraphModule, split: GraphSplit, link: LinkModel, world_size: int, rates: ComputeRates, *, channels: int = 1
 ) -> Prediction:
@@ -106,13 +124,16 @@ def predict_graph(
     return _numbered_as_the_split(predict_step(inputs, link, world_size), split.num_segments)
 
 
-def _numbered_as_the_split(p: Prediction, count: int) -> Prediction:
+def _numbered_as_the_split(p: Prediction, count: int, layout: PiecesLayout | None = None) -> Prediction:
     """The cost model numbers segments in the order backward runs them; inspect's tables number them as the split
-    does (``segment 0`` first in forward, last in backward): one numbering in all of inspect's output."""
+    does (``segment 0`` first in forward, last in backward): one numbering in all of inspect's output. With
+    ``layout`` (a graph's blocks, ``in_graph_step_inputs``), a block's nodes say which bucket and block they are."""
 
     def name(node: str) -> str:
-        kind, _, position = node.partition(" ")
-        return f"segment {count - 1 - int(position)}" if kind == "segment" else node
+        node = layout.name(node) if layout is not None else node
+        kind, _, rest = node.partition(" ")
+        position, _, block = rest.partition(" ")
+        return f"segment {count - 1 - int(position)}" + (f" {block}" if block else "") if kind == "segment" else node
 
     return dataclasses.replace(p, timeline={name(n): t for n, t in p.timeline.items()}, critical_path=tuple(map(name, p.critical_path)))
 
@@ -237,14 +258,18 @@ def inspect_target(
         if prepared is None:
             continue
         prediction = channels_choice = None
-        if link_model is not None and rates is not None:
-            inputs = graph_step_inputs(captured.gm, prepared.split, rates)
-            channels_choice = choose_channels(inputs, link_model, world_size)
-            on = dataclasses.replace(inputs, channels=fixed_channels or channels_choice[0])
-            prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments)
-        choice = auto.choice_for(captured.gm) if auto is not None else None
         # As the backend decides for a DDP with the default comm hook and options, and an AOTAutograd compiler.
         strategy = choose_reduction(reduction, plan_blockers(prepared.plan))
+        if link_model is not None and rates is not None:
+            layout = None
+            if strategy.strategy == "in_graph" and world_size > 1 and any(b.pieces for b in prepared.plan.buckets):
+                inputs, layout = in_graph_step_inputs(captured.gm, prepared, rates)
+            else:
+                inputs = graph_step_inputs(captured.gm, prepared.split, rates)
+            channels_choice = choose_channels(inputs, link_model, world_size)
+            on = dataclasses.replace(inputs, channels=fixed_channels or channels_choice[0])
+            prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments, layout)
+        choice = auto.choice_for(captured.gm) if auto is not None else None
         graphs.append(GraphReport(f"graph{i}", prepared.plan, prepared.split, prediction, choice, strategy, channels_choice))
         if writer is not None:
             lower_graph(prepared, captured.gm, captured.example_inputs, name=f"graph{i}", dump=writer)

@@ -20,9 +20,11 @@ from graphddp.passes import (
     choose_channels,
     choose_optimizer_overlap,
     fit_link,
+    plan_bucket_groups,
     predict_step,
     project_scaling,
     step_inputs_from_ready_times,
+    step_inputs_in_pieces,
 )
 from graphddp.passes.cost import REDUCER_CALLS_PER_BUCKET
 
@@ -291,3 +293,33 @@ def test_channels_are_chosen_where_latency_binds_and_not_where_bandwidth_does() 
         choose_channels(many_small, far, 2, candidates=(2, 4))
     with pytest.raises(ValueError, match="margin"):
         choose_channels(many_small, far, 2, margin=1.0)
+
+
+def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_computes_it() -> None:
+    """Issue 27, items 2 and 5: in-graph, a bucket with pieces is one all-reduce per block of rows, each sent once
+    its rows exist (its matmul first in its segment), the bias with block 0, the copy after the last block."""
+    big = dataclasses.replace(ParamSpec.of("w", torch.zeros(64, 100)), one_matmul=True)  # 25 600 B: 3 blocks at 10 kB
+    plan = plan_bucket_groups([[ParamSpec.of("c", torch.zeros(500))], [ParamSpec.of("b", torch.zeros(64)), big]],
+                              caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))  # fmt: skip
+    assert [b.pieces for b in plan.buckets] == [None, (1, (22, 21, 21))]
+    whole = StepInputs(segment_backward_s=(0.004, 0.010), bucket_bytes=(2000, 25856), completed_by=(0, 1))
+    pieces, layout = step_inputs_in_pieces(whole, plan, {"w": 0.0064}, assembly_seconds_per_byte=1e-9)
+    assert pieces.segment_backward_s == pytest.approx((0.004, 0.0022, 0.0021, 0.0021, 0.0036))
+    assert pieces.bucket_bytes == (2000, 25856 - 400 * 42, 8400, 8400) and pieces.completed_by == (0, 1, 2, 3)
+    assert pieces.tail_per_bucket_s == pytest.approx((0.0, 0.0, 0.0, 25600e-9))
+    assert [layout.name(f"segment {i}") for i in range(5)] == ["segment 0", "segment 1 block 0", "segment 1 block 1", "segment 1 block 2", "segment 1"]
+    assert [layout.name(f"bucket {k}") for k in range(4)] == ["bucket 0", "bucket 1 block 0", "bucket 1 block 1", "bucket 1 block 2"]
+    # On a slow link (8 ms per 10 kB) the first block goes 7.8 ms before the whole gradient would have.
+    slow = LinkModel(latency_s=0.0, seconds_per_byte=8e-7)
+    sent = predict_step(pieces, slow, world=2)
+    assert sent.timeline["bucket 1"][0] == pytest.approx(0.004 + 0.0022)
+    assert sent.step_s < predict_step(whole, slow, world=2).step_s - 0.007
+    # Without pieces nothing changes; an optimizer step per bucket goes with the last block.
+    one_bucket_each = plan_bucket_groups([[ParamSpec.of("c", torch.zeros(500))], [ParamSpec.of("b", torch.zeros(64)), big]],
+                                        caps=BucketCaps(bucket=30_000, first=2000, last=30_000, ramps=False))  # fmt: skip
+    assert [b.pieces for b in one_bucket_each.buckets] == [None, None]
+    assert step_inputs_in_pieces(whole, one_bucket_each, {})[0] == whole
+    stepped, _ = step_inputs_in_pieces(dataclasses.replace(whole, step_per_bucket_s=(0.001, 0.002)), plan, {"w": 0.0064})
+    assert stepped.step_per_bucket_s == (0.001, 0.0, 0.0, 0.002)
+    with pytest.raises(ValueError, match="inputs have 1 buckets, the plan 2"):
+        step_inputs_in_pieces(StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,)), plan, {})

@@ -201,9 +201,19 @@ def test_the_prediction_numbers_segments_as_the_segment_table(capsys: pytest.Cap
     graph = inspect_json(capsys, "mlp", "--size", "small", "--bucket-cap-mb", "1", "--world-size", "2", "--link", "2gbit")["graphs"][0]
     indices = sorted(s["index"] for s in graph["segments"])
     timeline = graph["prediction"]["timeline"]
-    in_backward = sorted((start, int(node.split()[1])) for node, (start, _) in timeline.items() if node.startswith("segment"))
-    assert len(indices) > 1 and sorted(i for _, i in in_backward) == indices
+    first_start: dict[int, float] = {}  # a segment's blocks (in-graph, a big gradient in pieces) are parts of it
+    for node, (start, _) in timeline.items():
+        if node.startswith("segment"):
+            index = int(node.split()[1])
+            first_start[index] = min(start, first_start.get(index, start))
+    in_backward = sorted((start, i) for i, start in first_start.items())
+    assert len(indices) > 1 and sorted(first_start) == indices
     assert [i for _, i in in_backward] == indices[::-1], in_backward  # backward runs the last segment first
+    blocks = [node for node in timeline if " block " in node]
+    assert any(n.startswith("segment") for n in blocks) and any(n.startswith("bucket") for n in blocks), sorted(timeline)
+    for node in blocks:  # weight gradients first: a segment's blocks run before the rest of it
+        if node.startswith("segment"):
+            assert timeline[node][1] <= timeline[" ".join(node.split()[:2])][0] + 1e-12, node
 
 
 def test_a_bad_link_is_one_line_and_exit_2() -> None:

@@ -1,0 +1,112 @@
+"""The step cost model's inputs for a graph reduced in-graph, its big gradients sent in pieces.
+
+``step_inputs_from_split`` (``graphddp.passes.caps_choice``) gives one all-reduce per bucket, launched when the
+segment that completes it has run. In-graph, a bucket with ``pieces`` (Note [Gradient pieces] in
+``passes/plan.py``) goes as one all-reduce per block of rows, and each block's matmul is computed first in its
+segment (weight gradients first: ``launch_collectives_early``), so block ``j`` goes once the rows up to it exist:
+
+    segment p, T seconds, big gradient's matmul W of them:  | block 0 | block 1 | ... | block n-1 | the rest (T - W) |
+
+with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
+gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them; the copy that puts the blocks back
+together runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an optimizer step per bucket
+after that. ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands for.
+
+Pure: no ``torch.distributed``, no graphddp runtime module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from .cost import StepInputs
+from .plan import BucketPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecesLayout:
+    """Which of the plan's segments and buckets each node of the expanded inputs stands for."""
+
+    segment_of: tuple[tuple[int, int | None], ...]
+    """Per expanded segment (backward order): the plan's segment (backward order) it is a part of, and the block
+    of that segment's big gradient it computes (None: the segment's other work, or the whole segment)."""
+    bucket_of: tuple[tuple[int, int | None], ...]
+    """Per expanded all-reduce: the plan's bucket, and its block (None: the bucket goes whole)."""
+
+    def name(self, node: str) -> str:
+        """A node of the cost model's timeline (``segment i``, ``bucket k``, ``tail k``, ``step k``) named after
+        the plan's segment (backward order) and bucket, with the block where there is one."""
+        kind, _, index = node.partition(" ")
+        if kind == "segment":
+            segment, block = self.segment_of[int(index)]
+            return f"segment {segment}" + ("" if block is None else f" block {block}")
+        if kind in ("bucket", "tail", "step") and index.isdigit():
+            bucket, block = self.bucket_of[int(index)]
+            return f"{kind} {bucket}" + ("" if block is None else f" block {block}")
+        return node
+
+
+def step_inputs_in_pieces(
+    inputs: StepInputs,
+    plan: BucketPlan,
+    matmul_seconds: Mapping[str, float],
+    *,
+    assembly_seconds_per_byte: float = 0.0,
+) -> tuple[StepInputs, PiecesLayout]:
+    """``inputs`` (one all-reduce per bucket of ``plan``, as ``step_inputs_from_split`` makes them) with each
+    bucket that has ``pieces`` sent block by block (see the module docstring). ``matmul_seconds``: the backward
+    seconds of the matmul that makes each big gradient, by parameter name (capped at its segment's);
+    ``assembly_seconds_per_byte``: the copy after the last block's wait
+    (``graphddp.runtime.calibration.assembly_seconds_per_byte``)."""
+    if len(inputs.bucket_bytes) != len(plan.buckets):
+        raise ValueError(f"inputs have {len(inputs.bucket_bytes)} buckets, the plan {len(plan.buckets)}")
+    segments: list[float] = []
+    segment_of: list[tuple[int, int | None]] = []
+    bytes_, completed, bucket_of, tails, steps = [], [], [], [], []
+    old_steps, old_tails = inputs.step_per_bucket_s, inputs.tail_per_bucket_s
+    for p, seconds in enumerate(inputs.segment_backward_s):
+        here = [b for b in plan.buckets if inputs.completed_by[b.index] == p]
+        big = [b for b in here if b.pieces is not None]
+        left = seconds
+        current = len(segments)  # where a whole bucket of this segment completes before any block
+        for bucket in here:
+            step = old_steps[bucket.index] if old_steps else 0.0
+            tail = old_tails[bucket.index] if old_tails else 0.0
+            if bucket.pieces is None:
+                later_big = any(b.index > bucket.index for b in big)
+                completed.append(current if later_big else None)  # None: with the segment's rest, filled below
+                bytes_.append(inputs.bucket_bytes[bucket.index])
+                bucket_of.append((bucket.index, None))
+                tails.append(tail)
+                steps.append(step)
+                continue
+            position, rows = bucket.pieces
+            gradient = bucket.params[position]
+            total = sum(rows)
+            matmul = min(matmul_seconds.get(gradient.name, 0.0), left)
+            left -= matmul
+            per_row = gradient.nbytes // total
+            sizes = [inputs.bucket_bytes[bucket.index] - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:])]
+            for j, (r, size) in enumerate(zip(rows, sizes)):
+                segments.append(matmul * r / total)
+                segment_of.append((p, j))
+                current = len(segments) - 1
+                completed.append(current)
+                bytes_.append(size)
+                bucket_of.append((bucket.index, j))
+                last = j == len(rows) - 1
+                tails.append(tail + assembly_seconds_per_byte * gradient.nbytes if last else 0.0)
+                steps.append(step if last else 0.0)
+        segments.append(left)  # the segment's other work (all of it, without a big gradient)
+        segment_of.append((p, None))
+        completed = [len(segments) - 1 if c is None else c for c in completed]
+    expanded = dataclasses.replace(
+        inputs,
+        segment_backward_s=tuple(segments),
+        bucket_bytes=tuple(bytes_),
+        completed_by=tuple(completed),
+        step_per_bucket_s=tuple(steps) if old_steps else (),
+        tail_per_bucket_s=tuple(tails) if old_tails or any(tails) else (),
+    )
+    return expanded, PiecesLayout(tuple(segment_of), tuple(bucket_of))
