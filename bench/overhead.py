@@ -14,10 +14,12 @@ width, and times, interleaved round by round in the same processes,
   ``graphddp-compiled-split``: graphddp's backend with ``reduction="split"`` (one segment per bucket, the Reducer's
   hooks), for comparison. The table's ``reduction`` column says what each graphddp mode ran;
 - ``bound`` / ``bound-compiled`` (more than one rank): ``local`` / ``local-compiled`` with the bytes a dense DDP
-  sends (one all-reduce per bucket of graphddp's plan at the caps) issued at the step's first instant, beside it,
-  as the matrix's ``bound`` (``bench.modes``). No DDP can send them earlier (no gradient exists before backward),
-  so what ``bound`` adds is a floor under what any DDP that sends those bytes on the same CPUs adds: where it is
-  more than half of what PyTorch's DDP adds, halving PyTorch's added time is out of reach on that machine.
+  sends (one all-reduce per bucket of graphddp's plan at the caps) issued at the step's first instant, beside it
+  (the matrix's ``bound``, ``bench.modes``, is the compiled one). No DDP can send them earlier (no gradient exists
+  before backward), so what ``bound`` adds is a floor under what a DDP that sends those bytes in those buckets
+  on the same CPUs adds: where it is more than half of what PyTorch's DDP adds, halving PyTorch's added time is
+  out of reach on that machine. (PyTorch's DDP sends the same bytes in fewer buckets, ``bucket_count``, so for
+  it the floor is approximate.)
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. One mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's caches warm), warms

@@ -167,7 +167,8 @@ def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: f
         running = max(running, window.fraction(window.first.get(("launch", k), window.end_ms)) * backward)
         completions.append(running)
     inputs = step_inputs_from_completions(completions, [b["sent"] for b in layout], backward, cpu)
-    return dataclasses.replace(inputs, tail_per_bucket_s=_assembly_s(summary, layout))
+    buckets = tuple(b["bucket"] for b in layout) if all("bucket" in b for b in layout) else ()  # older runs: none
+    return dataclasses.replace(inputs, tail_per_bucket_s=_assembly_s(summary, layout), bucket_of=buckets)
 
 
 def _assembly_s(summary: dict[str, Any], layout: list[dict[str, Any]]) -> tuple[float, ...]:

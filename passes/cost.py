@@ -36,7 +36,8 @@ network stack): ``cpu_seconds_per_byte`` adds that much compute time per byte se
 byte in a ring) to the segment that runs while a bucket is sent (the one after the segment that completed it). A
 bucket sent once backward's compute is over costs nothing while the CPU only waits for it; where the bucket before
 it has work of its own (its step, its copy), that work runs meanwhile and gets the cost (the CPU it shares with
-gloo); a bucket with none (a gradient's first pieces: its step runs with its last) leaves the CPU waiting.
+gloo); a bucket with none (a gradient's first pieces: its step runs with its last) leaves the CPU waiting (an
+approximation: work of earlier buckets still running then is not charged).
 And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
 write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
 added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
@@ -61,6 +62,8 @@ import re
 import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from .plan import bucket_channel
 
 if TYPE_CHECKING:  # sympy and networkx load when a prediction is made, not with graphddp (issue 25)
     import sympy
@@ -182,10 +185,16 @@ class StepInputs:
     channels: int = 1
     """Process groups the buckets go on in turn (Note [Channels] in ``graphddp/runtime/channels.py``): with more
     than one, a bucket's latency term runs while the bucket before it is still on the wire."""
+    bucket_of: tuple[int, ...] = ()
+    """Per all-reduce, the plan's bucket it sends (a bucket sent in blocks, Note [Gradient pieces], is several):
+    the channel is the bucket's (``graphddp.passes.bucket_channel``), so all its blocks go on one. Empty: each
+    all-reduce is a bucket of its own."""
 
     def __post_init__(self) -> None:
         if self.channels < 1:
             raise ValueError(f"a step needs at least one channel, got channels={self.channels}")
+        if self.bucket_of and (len(self.bucket_of) != len(self.bucket_bytes) or list(self.bucket_of) != sorted(self.bucket_of)):
+            raise ValueError(f"bucket_of must name each all-reduce's bucket, in order; got {self.bucket_of} for {len(self.bucket_bytes)}")
         if len(self.bucket_bytes) != len(self.completed_by):
             raise ValueError("every bucket needs the segment that completes it")
         if self.step_per_bucket_s and len(self.step_per_bucket_s) != len(self.bucket_bytes):
@@ -232,6 +241,7 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     for a, b in zip(chain, chain[1:]):
         graph.add_edge(a, b)
     graph.add_edge(chain[-1], "after")
+    previous_on_channel = _previous_on_channel(inputs)
     for k, nbytes in enumerate(inputs.bucket_bytes):  # bucket k: its latency term ("bucket k"), then its bytes
         node, wire = f"bucket {k}", f"bucket {k} on the wire"
         durations[node], durations[wire] = link.allreduce_parts(nbytes, world)
@@ -239,8 +249,9 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         graph.add_edge(node, wire)
         if k:
             graph.add_edge(f"bucket {k - 1} on the wire", wire)  # one link: bytes go one bucket after another
-        if k >= inputs.channels:  # its channel is free once the bucket before on it is done (1: the previous one)
-            graph.add_edge(f"bucket {k - inputs.channels} on the wire", node)
+        before = previous_on_channel[k]
+        if before is not None:  # its channel is free once the all-reduce before on it is done (1: the previous one)
+            graph.add_edge(f"bucket {before} on the wire", node)
         graph.add_edge(wire, "after")
     tail = "step" if inputs.step_per_bucket_s else "tail"  # a bucket's tail work: its step, or only its copy
     for k, seconds in enumerate(steps):
@@ -265,6 +276,18 @@ def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
         timeline[f"bucket {k}"] = (timeline[f"bucket {k}"][0], timeline.pop(f"bucket {k} on the wire")[1])
     critical = tuple(n for i, n in enumerate(path) if not i or n != path[i - 1])
     return Prediction(step, timeline, max(step - local, 0.0), critical)
+
+
+def _previous_on_channel(inputs: StepInputs) -> list[int | None]:
+    """Per all-reduce, the one issued last before it on the same channel (None: the first on its channel)."""
+    buckets = inputs.bucket_of or range(len(inputs.bucket_bytes))
+    last: dict[int, int] = {}
+    previous: list[int | None] = []
+    for k, bucket in enumerate(buckets):
+        channel = bucket_channel(bucket, inputs.channels)
+        previous.append(last.get(channel))
+        last[channel] = k
+    return previous
 
 
 def _tail_work(inputs: StepInputs) -> list[float]:

@@ -8,9 +8,13 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
     segment p, T seconds, big gradient's matmul W of them:  | block 0 | block 1 | ... | block n-1 | the rest (T - W) |
 
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
-gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them; the copy that puts the blocks back
-together runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an optimizer step per bucket
-after that. ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands for.
+gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy that
+puts the blocks back together runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an
+optimizer step per bucket after that. Every block goes on its bucket's channel (``StepInputs.bucket_of``).
+A whole bucket the same segment completes counts as complete with the first block after it in plan order (a
+bucket before a big one: with its block 0, which is late by that block's matmul; one after every big one: at
+the segment's end). ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands
+for.
 
 Pure: no ``torch.distributed``, no graphddp runtime module.
 """
@@ -56,20 +60,27 @@ def step_inputs_in_pieces(
 ) -> tuple[StepInputs, PiecesLayout]:
     """``inputs`` (one all-reduce per bucket of ``plan``, as ``step_inputs_from_split`` makes them) with each
     bucket that has ``pieces`` sent block by block (see the module docstring). ``matmul_seconds``: the backward
-    seconds of the matmul that makes each big gradient, by parameter name (capped at its segment's);
-    ``assembly_seconds_per_byte``: the copy after the last block's wait
+    seconds of the matmul that makes each big gradient, by ``ParamSpec.key`` (a tied table's part is its own
+    matmul's), capped at its segment's; ``assembly_seconds_per_byte``: the copy after the last block's wait
     (``graphddp.runtime.calibration.assembly_seconds_per_byte``)."""
-    if len(inputs.bucket_bytes) != len(plan.buckets):
-        raise ValueError(f"inputs have {len(inputs.bucket_bytes)} buckets, the plan {len(plan.buckets)}")
+    if len(inputs.bucket_bytes) != len(plan.buckets) or inputs.bucket_of:
+        raise ValueError(
+            f"step_inputs_in_pieces takes one all-reduce per bucket of the plan ({len(plan.buckets)}), got "
+            f"{len(inputs.bucket_bytes)}{' in blocks already' if inputs.bucket_of else ''}: build them from the "
+            "plan's split (step_inputs_from_split)"
+        )
+    missing = [b.params[b.pieces[0]].label for b in plan.buckets if b.pieces and b.params[b.pieces[0]].key not in matmul_seconds]
+    if missing:
+        raise ValueError(f"no matmul seconds for {', '.join(missing)}: give each gradient sent in pieces its matmul's")
     segments: list[float] = []
     segment_of: list[tuple[int, int | None]] = []
-    bytes_, completed, bucket_of, tails, steps = [], [], [], [], []
+    bytes_, completed, bucket_of, tails, steps = [], [], [], [], []  # per all-reduce
     old_steps, old_tails = inputs.step_per_bucket_s, inputs.tail_per_bucket_s
     for p, seconds in enumerate(inputs.segment_backward_s):
         here = [b for b in plan.buckets if inputs.completed_by[b.index] == p]
         big = [b for b in here if b.pieces is not None]
         left = seconds
-        current = len(segments)  # where a whole bucket of this segment completes before any block
+        current = len(segments)  # a whole bucket before a big one completes with the next block (its block 0)
         for bucket in here:
             step = old_steps[bucket.index] if old_steps else 0.0
             tail = old_tails[bucket.index] if old_tails else 0.0
@@ -84,10 +95,10 @@ def step_inputs_in_pieces(
             position, rows = bucket.pieces
             gradient = bucket.params[position]
             total = sum(rows)
-            matmul = min(matmul_seconds.get(gradient.name, 0.0), left)
+            matmul = min(matmul_seconds[gradient.key], left)
             left -= matmul
-            per_row = gradient.nbytes // total
-            sizes = [inputs.bucket_bytes[bucket.index] - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:])]
+            scale = inputs.bucket_bytes[bucket.index] / bucket.nbytes  # as sent (a compressing hook's wire dtype)
+            sizes = [round(n * scale) for n in bucket.piece_bytes]
             for j, (r, size) in enumerate(zip(rows, sizes)):
                 segments.append(matmul * r / total)
                 segment_of.append((p, j))
@@ -108,5 +119,6 @@ def step_inputs_in_pieces(
         completed_by=tuple(completed),
         step_per_bucket_s=tuple(steps) if old_steps else (),
         tail_per_bucket_s=tuple(tails) if old_tails or any(tails) else (),
+        bucket_of=tuple(b for b, _ in bucket_of),
     )
     return expanded, PiecesLayout(tuple(segment_of), tuple(bucket_of))

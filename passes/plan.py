@@ -309,6 +309,16 @@ class Bucket:
         return big[0], tuple(rows + (1 if k < extra else 0) for k in range(count))
 
     @property
+    def piece_bytes(self) -> tuple[int, ...]:
+        """Bytes of each all-reduce this bucket takes in-graph: the whole bucket, or one per block of its big
+        gradient, the bucket's other gradients with block 0 (as ``_average_in_pieces`` sends them)."""
+        if self.pieces is None:
+            return (self.nbytes,)
+        big, rows = self.pieces
+        per_row = self.params[big].nbytes // sum(rows)
+        return (self.nbytes - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:]))
+
+    @property
     def in_graph_collectives(self) -> int:
         """All-reduces this bucket takes when reduced in-graph: one, or one per block (Note [Gradient pieces])."""
         pieces = self.pieces

@@ -382,17 +382,27 @@ def sink_rows_nodes(graph: fx.Graph) -> int:
 
 
 # -- no copies a fusing compiler would not make ----------------------------------------------------------------
-_IN_PLACE = {"aten::div.Tensor": "div_.Tensor", "aten::div.Scalar": "div_.Scalar"}
+_IN_PLACE = {torch.ops.aten.div.Tensor: torch.ops.aten.div_.Tensor, torch.ops.aten.div.Scalar: torch.ops.aten.div_.Scalar}
 """The out-of-place ops of a bucket's reduction (the average's division) and their in-place twins."""
 
 
 def _fresh_for(node: object, user: fx.Node) -> bool:
-    """``node`` is a tensor the graph made (not an input, not a view of anything) that only ``user`` reads: ``user``
-    may overwrite it."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or list(node.users) != [user]:
+    """``node`` is a contiguous tensor the graph made (not an input, not a view of anything) that only ``user``
+    reads: ``user`` may overwrite it."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or list(node.users) != [user] or _is_view(node):
         return False
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    value = node.meta.get("val")
+    return (
+        schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+        and isinstance(value, torch.Tensor) and value.is_contiguous()
+    )  # fmt: skip
+
+
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    """Two nodes' tensors have one dtype, shape and strides: an op from one into the other may write in place."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
 
 
 def reduce_in_place(graph: fx.Graph) -> int:
@@ -401,7 +411,8 @@ def reduce_in_place(graph: fx.Graph) -> int:
     tensor. Where the input is a fresh tensor of the graph's own that nothing else reads (the bucket's ``cat``,
     the division's result), the in-place twins (``all_reduce_``, ``div_``) reuse it. For a graph that is then run
     op by op (aot_eager): Inductor fuses the ``cat`` and the division into one kernel and reinplaces the
-    collective itself. Returns how many collectives run in place."""
+    collective itself. Run it last: an in-place op is a barrier to the scheduling passes. Returns how many
+    collectives run in place."""
     in_place = 0
     for node in [n for n in graph.nodes if _op_name(n) == "_c10d_functional::all_reduce"]:
         source = node.args[0]
@@ -409,10 +420,9 @@ def reduce_in_place(graph: fx.Graph) -> int:
             continue
         node.target = torch.ops._c10d_functional.all_reduce_.default
         in_place += 1
-        twin = _IN_PLACE.get(_op_name(source))
-        if twin is not None and _fresh_for(source.args[0], source):
-            packet, overload = twin.split(".")
-            source.target = getattr(getattr(torch.ops.aten, packet), overload)
+        twin = _IN_PLACE.get(source.target)
+        if twin is not None and _fresh_for(source.args[0], source) and _same_layout(source.args[0], source):
+            source.target = twin
     graph.lint()
     return in_place
 

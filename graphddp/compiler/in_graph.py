@@ -25,7 +25,9 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    Inductor fuses the copy and the division into one kernel per bucket and reinplaces the all-reduce; its
    peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
    op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
-   ``graphddp.passes.reduce_in_place`` has both reuse the bucket's gathered copy instead.
+   ``graphddp.passes.reduce_in_place`` has the division write into the bucket's gathered copy and the
+   all-reduce reduce the division's result (a block of a big gradient, a view, is still divided into a tensor
+   of its own).
    On one rank under graphddp's own averaging nothing is inserted: the average of one gradient is itself
    (``local_average``, the rule the Reducer's ``LocalReduction`` follows); a comm hook still runs, as in PyTorch.
 3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for

@@ -107,11 +107,13 @@ def in_graph_step_inputs(gm: fx.GraphModule, prepared: PreparedGraph, rates: Com
     copy: each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
     ``graphddp.runtime.calibration.assembly_seconds_per_byte``, fresh pages included)."""
     node_seconds = forward_seconds(gm, rates)
-    matmuls = {
-        p.spec.name: sum(node_seconds.get(u.node, 0.0) for u in p.uses if u.differentiable)
-        for p in prepared.params
-        if p.spec.one_matmul
-    }
+    uses = {p.spec.name: p.uses for p in prepared.params}
+    matmuls = {}
+    for bucket in prepared.plan.buckets:
+        if bucket.pieces is not None:
+            big = bucket.params[bucket.pieces[0]]  # a tied table's part: its own matmul, not the lookup
+            nodes = [big.part] if big.part else [u.node for u in uses[big.name] if u.differentiable]
+            matmuls[big.key] = sum(node_seconds.get(n, 0.0) for n in nodes)
     inputs = graph_step_inputs(gm, prepared.split, rates)
     return step_inputs_in_pieces(inputs, prepared.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
 

@@ -303,10 +303,10 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
                               caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))  # fmt: skip
     assert [b.pieces for b in plan.buckets] == [None, (1, (22, 21, 21))]
     whole = StepInputs(segment_backward_s=(0.004, 0.010), bucket_bytes=(2000, 25856), completed_by=(0, 1))
-    pieces, layout = step_inputs_in_pieces(whole, plan, {"w": 0.0064}, assembly_seconds_per_byte=1e-9)
+    pieces, layout = step_inputs_in_pieces(whole, plan, {("w", ""): 0.0064}, assembly_seconds_per_byte=1e-9)
     assert pieces.segment_backward_s == pytest.approx((0.004, 0.0022, 0.0021, 0.0021, 0.0036))
     assert pieces.bucket_bytes == (2000, 25856 - 400 * 42, 8400, 8400) and pieces.completed_by == (0, 1, 2, 3)
-    assert pieces.tail_per_bucket_s == pytest.approx((0.0, 0.0, 0.0, 25600e-9))
+    assert pieces.tail_per_bucket_s == pytest.approx((0.0, 0.0, 0.0, 25600e-9)) and pieces.bucket_of == (0, 1, 1, 1)
     assert [layout.name(f"segment {i}") for i in range(5)] == ["segment 0", "segment 1 block 0", "segment 1 block 1", "segment 1 block 2", "segment 1"]
     assert [layout.name(f"bucket {k}") for k in range(4)] == ["bucket 0", "bucket 1 block 0", "bucket 1 block 1", "bucket 1 block 2"]
     # On a slow link (8 ms per 10 kB) the first block goes 7.8 ms before the whole gradient would have.
@@ -318,8 +318,24 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     one_bucket_each = plan_bucket_groups([[ParamSpec.of("c", torch.zeros(500))], [ParamSpec.of("b", torch.zeros(64)), big]],
                                         caps=BucketCaps(bucket=30_000, first=2000, last=30_000, ramps=False))  # fmt: skip
     assert [b.pieces for b in one_bucket_each.buckets] == [None, None]
-    assert step_inputs_in_pieces(whole, one_bucket_each, {})[0] == whole
-    stepped, _ = step_inputs_in_pieces(dataclasses.replace(whole, step_per_bucket_s=(0.001, 0.002)), plan, {"w": 0.0064})
+    assert step_inputs_in_pieces(whole, one_bucket_each, {})[0] == dataclasses.replace(whole, bucket_of=(0, 1))
+    stepped, _ = step_inputs_in_pieces(dataclasses.replace(whole, step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064})
     assert stepped.step_per_bucket_s == (0.001, 0.0, 0.0, 0.002)
-    with pytest.raises(ValueError, match="inputs have 1 buckets, the plan 2"):
+    # Sent as bf16 (a compressing hook): the blocks in proportion. On two channels every block goes on its bucket's.
+    half, _ = step_inputs_in_pieces(dataclasses.replace(whole, bucket_bytes=(1000, 12928)), plan, {("w", ""): 0.0064})
+    assert half.bucket_bytes == (1000, (25856 - 400 * 42) // 2, 4200, 4200)
+    two = predict_step(dataclasses.replace(pieces, channels=2), slow, world=2).timeline
+    assert two["bucket 2"][0] == pytest.approx(two["bucket 1"][1])  # block 1 waits for block 0 on its channel
+    # A whole bucket before a big one in the same segment goes with its block 0; one after it, at the segment's end.
+    c, d = ParamSpec.of("c", torch.zeros(500)), ParamSpec.of("d", torch.zeros(500))
+    shared = plan_bucket_groups([[c], [ParamSpec.of("b", torch.zeros(64)), big], [d]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000, ramps=False))
+    assert [b.pieces is not None for b in shared.buckets] == [False, True, False]
+    one_segment = StepInputs(segment_backward_s=(0.010,), bucket_bytes=(2000, 25856, 2000), completed_by=(0, 0, 0))
+    expanded, _ = step_inputs_in_pieces(one_segment, shared, {("w", ""): 0.0064})
+    assert expanded.completed_by == (0, 0, 1, 2, 3) and expanded.segment_backward_s == pytest.approx((0.0022, 0.0021, 0.0021, 0.0036))
+    over, _ = step_inputs_in_pieces(one_segment, shared, {("w", ""): 0.5})  # a matmul estimate past its segment: capped
+    assert sum(over.segment_backward_s) == pytest.approx(0.010) and over.segment_backward_s[-1] == 0.0
+    with pytest.raises(ValueError, match="one all-reduce per bucket of the plan \\(2\\), got 1"):
         step_inputs_in_pieces(StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,)), plan, {})
+    with pytest.raises(ValueError, match="no matmul seconds for w"):
+        step_inputs_in_pieces(whole, plan, {("w", "logits"): 0.1})

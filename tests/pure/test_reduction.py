@@ -210,9 +210,37 @@ def test_an_op_by_op_backward_reduces_each_bucket_in_the_tensor_it_gathered_it_i
         assert (divided.target is torch.ops.aten.div_.Tensor) == (gathered.target is torch.ops.aten.cat.default), gathered.target
     assert any(n.target is torch.ops.aten.div_.Tensor for n in nodes)
     assert (cap == 300) == any(n.target is torch.ops.aten.div.Tensor for n in nodes)  # the blocks: views
-    # A tensor something else reads, or a graph input, is never overwritten.
+    # A graph input is never overwritten.
     graph = _collective_graph()
     assert reduce_in_place(graph) == 0 and not any(n.target is ALL_REDUCE_IN_PLACE for n in graph.nodes)
+
+
+def _gathered_and_divided(also_read: str | None, divided: torch.dtype = torch.float32) -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """x -> cat -> div (into ``divided``) -> all_reduce -> wait -> output; ``also_read`` ("cat", "div") is an
+    output too."""
+    graph, nodes = fx.Graph(), {}
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    nodes["cat"] = graph.call_function(torch.ops.aten.cat.default, ([x, x],))
+    nodes["div"] = graph.call_function(torch.ops.aten.div.Tensor, (nodes["cat"], 2))
+    reduced = graph.call_function(ALL_REDUCE, (nodes["div"], "sum", "0"))
+    waited = graph.call_function(WAIT, (reduced,))
+    nodes["cat"].meta["val"] = torch.empty(8)
+    for node in (nodes["div"], reduced, waited):
+        node.meta["val"] = torch.empty(8, dtype=divided)
+    graph.output((waited, nodes[also_read]) if also_read else (waited,))
+    return graph, nodes
+
+
+def test_a_tensor_something_else_reads_is_not_overwritten() -> None:
+    graph, nodes = _gathered_and_divided(None)  # the plain case: both in place
+    assert reduce_in_place(graph) == 1 and nodes["div"].target is torch.ops.aten.div_.Tensor
+    graph, nodes = _gathered_and_divided("div")
+    assert reduce_in_place(graph) == 0 and nodes["div"].target is torch.ops.aten.div.Tensor
+    graph, nodes = _gathered_and_divided("cat")  # the all-reduce may still reuse the division's result
+    assert reduce_in_place(graph) == 1 and nodes["div"].target is torch.ops.aten.div.Tensor
+    graph, nodes = _gathered_and_divided(None, torch.float64)  # a promoting division cannot write in place
+    assert reduce_in_place(graph) == 1 and nodes["div"].target is torch.ops.aten.div.Tensor
 
 
 @pytest.mark.parametrize("cap", [1200, 300])  # 300 B: each weight in blocks of rows, an all-reduce and wait each

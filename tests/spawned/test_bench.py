@@ -44,7 +44,7 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte", "assembly_seconds_per_byte"}
     assert summary["calibration"]["assembly_seconds_per_byte"] > 0
     for mode, layout in summary["buckets"].items():  # what each all-reduce lets step, and leaves to put together
-        assert layout is None or all({"stepped", "assembled"} <= set(b) for b in layout), mode
+        assert layout is None or all({"stepped", "assembled", "bucket"} <= set(b) for b in layout), mode
     assert summary["modes"]["graphddp-eager@auto+step"]["phases_s"]["optimizer"] < summary["modes"]["graphddp-eager"]["phases_s"]["optimizer"]
     assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
         "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local-compiled, comm)"
