@@ -54,7 +54,7 @@ class PiecesLayout:
 def step_inputs_in_pieces(
     inputs: StepInputs,
     plan: BucketPlan,
-    matmul_seconds: Mapping[str, float],
+    matmul_seconds: Mapping[tuple[str, str], float],
     *,
     assembly_seconds_per_byte: float = 0.0,
 ) -> tuple[StepInputs, PiecesLayout]:
@@ -74,7 +74,7 @@ def step_inputs_in_pieces(
         raise ValueError(f"no matmul seconds for {', '.join(missing)}: give each gradient sent in pieces its matmul's")
     segments: list[float] = []
     segment_of: list[tuple[int, int | None]] = []
-    bytes_, completed, bucket_of, tails, steps = [], [], [], [], []  # per all-reduce
+    bytes_, completed, sends, tails, steps = [], [], [], [], []  # per all-reduce; sends: (bucket, block)
     old_steps, old_tails = inputs.step_per_bucket_s, inputs.tail_per_bucket_s
     for p, seconds in enumerate(inputs.segment_backward_s):
         here = [b for b in plan.buckets if inputs.completed_by[b.index] == p]
@@ -88,7 +88,7 @@ def step_inputs_in_pieces(
                 later_big = any(b.index > bucket.index for b in big)
                 completed.append(current if later_big else None)  # None: with the segment's rest, filled below
                 bytes_.append(inputs.bucket_bytes[bucket.index])
-                bucket_of.append((bucket.index, None))
+                sends.append((bucket.index, None))
                 tails.append(tail)
                 steps.append(step)
                 continue
@@ -105,7 +105,7 @@ def step_inputs_in_pieces(
                 current = len(segments) - 1
                 completed.append(current)
                 bytes_.append(size)
-                bucket_of.append((bucket.index, j))
+                sends.append((bucket.index, j))
                 last = j == len(rows) - 1
                 tails.append(tail + assembly_seconds_per_byte * gradient.nbytes if last else 0.0)
                 steps.append(step if last else 0.0)
@@ -119,6 +119,6 @@ def step_inputs_in_pieces(
         completed_by=tuple(completed),
         step_per_bucket_s=tuple(steps) if old_steps else (),
         tail_per_bucket_s=tuple(tails) if old_tails or any(tails) else (),
-        bucket_of=tuple(b for b, _ in bucket_of),
+        bucket_of=tuple(b for b, _ in sends),
     )
-    return expanded, PiecesLayout(tuple(segment_of), tuple(bucket_of))
+    return expanded, PiecesLayout(tuple(segment_of), tuple(sends))
