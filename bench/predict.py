@@ -162,7 +162,6 @@ def _graphddp_inputs(summary: dict[str, Any], mode: str, backward: float, cpu: f
     window = _BackwardWindow.of(timelines[0])
     if window is None:
         return None
-    backward -= _first_touch_s(summary, layout, backward)  # it moves to the copy at the end (``_assembly_s``)
     completions, running = [], 0.0
     for k in range(len(layout)):
         running = max(running, window.fraction(window.first.get(("launch", k), window.end_ms)) * backward)
@@ -181,23 +180,6 @@ def _assembly_s(summary: dict[str, Any], layout: list[dict[str, Any]]) -> tuple[
     if not per_byte or not any(assembled):
         return ()
     return tuple(per_byte * n for n in assembled)
-
-
-def _first_touch_s(summary: dict[str, Any], layout: list[dict[str, Any]], backward: float) -> float:
-    """What the backward of the compute baseline spends touching the new memory of the gradients this mode sends
-    in pieces, which this mode pays in their copy at the end instead (``_assembly_s``).
-
-    Why: the baseline's matmul writes each whole gradient into a new tensor, and on a CPU host a large one may come
-    fresh from the OS, whose first touch costs more than the copy (Note [Gradient pieces] in ``passes/plan.py``). In
-    pieces the blocks are small and the ``cat`` writes the new tensor: the same first touch, at the end of backward.
-    Charging the calibrated copy at the end and leaving the baseline's backward as measured counted it twice.
-    Calibrated as the copy into new memory less the copy into memory already touched; 0 where the run did not
-    measure the second (older runs) or the first is not the dearer (the memory did not come fresh)."""
-    calibration = summary["calibration"]
-    fresh, touched = calibration.get("assembly_seconds_per_byte", 0.0), calibration.get("touched_copy_seconds_per_byte")
-    if touched is None:
-        return 0.0
-    return min(backward, max(0.0, fresh - touched) * sum(b.get("assembled", 0) for b in layout))
 
 
 def _ready_fractions(summary: dict[str, Any]) -> dict[str, float]:

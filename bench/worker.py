@@ -28,12 +28,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
-from graphddp.runtime.calibration import (
-    assembly_seconds_per_byte,
-    cpu_cost_of_communication,
-    link_of,
-    touched_copy_seconds_per_byte,
-)
+from graphddp.runtime.calibration import assembly_seconds_per_byte, cpu_cost_of_communication, link_of
 from graphddp.runtime.reductions import goes_as_rows
 from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
@@ -164,8 +159,7 @@ class PhaseMarks:
 def calibrate(world: int) -> dict[str, float] | None:
     """What the step cost model needs (graphddp.runtime.calibration): of the link, α, β and the compute each
     communicated byte costs (rank 0's figures, on every rank); and what a byte of putting a gradient sent in
-    pieces back together costs, into new memory and into memory already touched (this rank's; the run keeps rank
-    0's calibration)."""
+    pieces back together costs (this rank's; the run keeps rank 0's calibration)."""
     if world < 2:
         return None
     link = link_of()
@@ -175,7 +169,6 @@ def calibrate(world: int) -> dict[str, float] | None:
         # Longer than construction's: with 3 windows of 0.4 s, two gpt 1 Gbit/s runs measured 4.2 and 10.8 ms/MB.
         "cpu_seconds_per_byte": cpu_cost_of_communication(link=link, window_s=0.8, repeats=5),
         "assembly_seconds_per_byte": assembly_seconds_per_byte(),
-        "touched_copy_seconds_per_byte": touched_copy_seconds_per_byte(),
     }
 
 

@@ -220,23 +220,8 @@ def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int
     bench's calibrations of one session ranged over 0.13-1.01 ms per MB, the low end below the copy alone: the
     memory does not always come fresh)."""
     device = device or torch.device("cpu")
-    blocks = _assembly_blocks(device, nbytes)
+    blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
     return _best_of(lambda: torch.cat(blocks), device) / nbytes
-
-
-def touched_copy_seconds_per_byte(device: torch.device | None = None, *, nbytes: int = SERIES_MAX_BYTES) -> float:
-    """Seconds per byte of the same ``cat`` as ``assembly_seconds_per_byte``, into a tensor whose memory is already
-    touched: the copy alone. What ``assembly_seconds_per_byte`` costs beyond it is the new tensor's first touch,
-    which a backward without pieces pays as well, in the matmul that writes the whole gradient
-    (``bench.predict._graphddp_inputs`` moves it from there to the copy instead of counting it twice)."""
-    device = device or torch.device("cpu")
-    blocks = _assembly_blocks(device, nbytes)
-    out = torch.empty(nbytes // 4 // ASSEMBLY_BLOCKS * ASSEMBLY_BLOCKS, device=device)
-    return _best_of(lambda: torch.cat(blocks, out=out), device) / nbytes
-
-
-def _assembly_blocks(device: torch.device, nbytes: int) -> list[torch.Tensor]:
-    return [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
 
 
 def _best_of(op: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
