@@ -16,7 +16,7 @@ from torch import nn
 
 import graphddp
 from graphddp.ddp import BucketOptions
-from graphddp.passes import ParamSpec, plan_buckets
+from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
 
 MODES = ("local", "local-compiled", "comm", "bound", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled")
 """The default modes (``local-compiled``: ``local`` under ``torch.compile`` with the inner compiler, the compute the
@@ -220,13 +220,11 @@ def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _comm_only(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """The buckets' all-reduces alone, no compute (the lower bound on communication)."""
-    buffers = _bucket_buffers(model, cfg)
+    buffers = dense_bucket_buffers(model, cfg.caps)
 
     def step(batch: tuple, log: Any = None) -> None:
         _mark(log, "allreduce")
-        works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
-        for w in works:
-            w.wait()
+        all_reduce_every(buffers)()
         _mark(log, "end")
 
     return step, None
@@ -239,15 +237,14 @@ def _bound(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     (``bench.matrix.testbed_limit``): what gloo's thread takes from this workload's own compute is in it. It bounds
     a DDP that sends at least the dense bytes (the matrix's tied GPTs send their part and rows, more); one that
     sends fewer, an untied table as rows, may beat it."""
-    buffers = _bucket_buffers(model, cfg)
+    buffers = dense_bucket_buffers(model, cfg.caps)
 
     def send() -> Callable[[Any], None]:
-        works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
+        wait_all = all_reduce_every(buffers)
 
         def wait(log: Any) -> None:
             _mark(log, "allreduce")  # what of the link outlasts the compute
-            for w in works:
-                w.wait()
+            wait_all()
 
         return wait
 
@@ -255,7 +252,19 @@ def _bound(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     return step, None
 
 
-def _bucket_buffers(model: nn.Module, cfg: ModeConfig) -> list[torch.Tensor]:
-    """One zero buffer per bucket of the dense plan at ``cfg``'s caps (what a dense DDP sends)."""
+def dense_bucket_buffers(model: nn.Module, caps: BucketCaps, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """One zero buffer per bucket of graphddp's dense plan of ``model`` at ``caps``, on ``device``: the bytes and
+    collectives a dense DDP sends (``comm``, ``bound``, and ``bench.overhead``'s ``bound``)."""
     specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    return [torch.zeros(b.numel, dtype=b.dtype) for b in plan_buckets(specs, caps=cfg.caps).buckets]
+    return [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in plan_buckets(specs, caps=caps).buckets]
+
+
+def all_reduce_every(buffers: list[torch.Tensor]) -> Callable[[], None]:
+    """Issue every buffer's all-reduce now, in order; the returned call waits for them all."""
+    works = [dist.all_reduce(buf, async_op=True) for buf in buffers]
+
+    def wait() -> None:
+        for w in works:
+            w.wait()
+
+    return wait

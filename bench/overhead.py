@@ -52,9 +52,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
+from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port
 
-from .modes import reduction_ran
+from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
 EAGER_MODES = ("local", "bound", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "bound-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
@@ -118,9 +119,10 @@ class OverheadOptions:
 
     def modes(self, world_size: int) -> list[str]:
         """The modes a run at ``world_size`` times, in the order each round times them."""
-        names = [m for m in EAGER_MODES if world_size > 1 or m not in LINK_MODES]
-        compiled = [m for m in COMPILED_MODES if world_size > 1 or m not in LINK_MODES]
-        return names + [f"{m}:{inner}" for inner in self.inners for m in compiled]
+        def timed(modes: tuple[str, ...]) -> list[str]:  # one rank has no link to send beside
+            return [m for m in modes if world_size > 1 or m not in LINK_MODES]
+
+        return timed(EAGER_MODES) + [f"{m}:{inner}" for inner in self.inners for m in timed(COMPILED_MODES)]
 
 
 def build_model(o: OverheadOptions) -> torch.nn.Module:
@@ -213,7 +215,8 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
             opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
             step = functools.partial(one_step, step_model, opt, x, y)
             if mode.partition(":")[0] in LINK_MODES:
-                step = functools.partial(link_beside, dense_buckets(step_model, o), step)
+                caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
+                step = functools.partial(link_beside, dense_bucket_buffers(step_model, caps, o.device), step)
             for _ in range(1 + o.warmup):
                 step()
             sync()
@@ -245,23 +248,11 @@ def bucket_count(ddp: Any) -> int | None:
     return len(sizes.split(",")) if sizes else None
 
 
-def dense_buckets(model: torch.nn.Module, o: OverheadOptions) -> list[torch.Tensor]:
-    """One zero buffer per bucket of graphddp's dense plan at ``o``'s caps (ramps off, as the DDP modes run): the
-    bytes and collectives a dense DDP sends."""
-    from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
-
-    cap = int(o.cap_mb * 2**20)
-    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    plan = plan_buckets(specs, caps=BucketCaps(bucket=cap, first=cap, last=cap, ramps=False))
-    return [torch.zeros(b.numel, dtype=b.dtype, device=o.device) for b in plan.buckets]
-
-
 def link_beside(buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None) -> int | None:
     """``bound``: every bucket's all-reduce issued before ``step`` (the step without DDP) and waited for after it."""
-    works = [dist.all_reduce(b, async_op=True) for b in buffers]
+    wait = all_reduce_every(buffers)
     calls = step(count)
-    for w in works:
-        w.wait()
+    wait()
     return calls
 
 
