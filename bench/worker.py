@@ -234,7 +234,7 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     table: the row mask, then the rows some rank touched in the recorded iteration, or the whole table where the
     one rule, ``goes_as_rows``, sent it dense; in-graph, only the table once its dense streak gave up),
     ``stepped``, the bytes of parameters an optimizer stepping in backward can step once it is done, and
-    ``assembled``, the bytes of a gradient sent in pieces that are copied back into one once it is done, and
+    ``assembled``, the bytes of a gradient sent in pieces that are copied into it once it is done, and
     ``bucket``, the plan's bucket (a bucket in pieces has an entry per block; all go on its channel)."""
     if not isinstance(m.ddp, graphddp.DDP):
         return None
@@ -244,10 +244,9 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     for b in m.ddp.bucket_plan.buckets:
         stepped = sum(p.nbytes for p in b.params if not p.part)  # a part's table steps with the table's own bucket
         if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
-            big, _ = b.pieces
             layout += [{"bytes": n, "sent": n, "row_sparse": False, "stepped": 0, "assembled": 0, "bucket": b.index} for n in b.piece_bytes]
             layout[-1]["stepped"] = stepped  # its step waits for the last block
-            layout[-1]["assembled"] = b.params[big].nbytes  # then its blocks are copied into one gradient
+            layout[-1]["assembled"] = b.assembled_bytes  # then its first block is copied into the gradient
             continue
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
         sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes

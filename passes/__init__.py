@@ -4,6 +4,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
+from .blocks_in_place import write_blocks_in_place
 from .caps_choice import (
     CapsChoice,
     CapsSearch,
@@ -132,6 +133,7 @@ __all__ = [
     "segment_backward_seconds",
     "reduce_in_place",
     "schedule_reductions",
+    "write_blocks_in_place",
     "sink_bucket_steps",
     "sink_rows_nodes",
     "sink_waits",

@@ -8,9 +8,10 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
     segment p, T seconds, big gradient's matmul W of them:  | block 0 | block 1 | ... | block n-1 | the rest (T - W) |
 
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
-gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy that
-puts the blocks back together runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an
-optimizer step per bucket after that. Every block goes on its bucket's channel (``StepInputs.bucket_of``).
+gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
+block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
+in place]) runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an optimizer step per bucket
+after that. Every block goes on its bucket's channel (``StepInputs.bucket_of``).
 A whole bucket the same segment completes counts as complete with the first block after it in plan order (a
 bucket before a big one: with its block 0, which is late by that block's matmul; one after every big one: at
 the segment's end). ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands
@@ -107,7 +108,7 @@ def step_inputs_in_pieces(
                 bytes_.append(size)
                 sends.append((bucket.index, j))
                 last = j == len(rows) - 1
-                tails.append(tail + assembly_seconds_per_byte * gradient.nbytes if last else 0.0)
+                tails.append(tail + assembly_seconds_per_byte * bucket.assembled_bytes if last else 0.0)
                 steps.append(step if last else 0.0)
         segments.append(left)  # the segment's other work (all of it, without a big gradient)
         segment_of.append((p, None))

@@ -37,11 +37,13 @@ messages (the bench MLP's 64 MiB weights go in 16 and 32 blocks), and each block
 more. ``graphddp.passes.compute_pieces_separately`` then computes each block by its own matmul (a row block of a
 weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so ``launch_collectives_early`` sends block 1 while block 2
 is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
-the matmul; every rank cuts the same blocks, as they follow from the agreed plan. Each block comes back from its
-all-reduce in a tensor of its own, so once the last one is waited for they are copied into one gradient (a cat,
-at the end of backward, with the waits): on a CPU host a large new tensor costs more to touch than to fill (the
-bench MLP's 144 MiB of pieces: ~120 ms), and the step cost model charges it there (``StepInputs.tail_per_bucket_s``),
-before the bucket's optimizer step. The split strategy sends whole
+the matmul; every rank cuts the same blocks, as they follow from the agreed plan. Each block's matmul writes
+its rows of the gradient, and the block is divided and all-reduced there (Note [Blocks written in place] in
+``passes/blocks_in_place.py``); only the first block, sent with the bucket's small gradients, comes back in a
+tensor of its own and is copied in once the last block is waited for: ``Bucket.assembled_bytes``, which the step
+cost model charges there (``StepInputs.tail_per_bucket_s``, before the bucket's optimizer step). Copying every
+block back (a ``cat``, as a functional graph spells it) cost the bench MLP ~120 ms at the end of backward: on a
+CPU host a large new tensor costs more to touch than to fill. The split strategy sends whole
 gradients (its hooks see whole ones). Only a gradient that is one matmul's is cut (``ParamSpec.one_matmul``): a
 tied table's whole gradient (a lookup's rows plus the head's matmul) or a convolution's is whole before any block
 of it could go, and cutting it only adds collectives and copies (cutting the whole tied table of ``bench.overhead``'s
@@ -317,6 +319,16 @@ class Bucket:
         big, rows = self.pieces
         per_row = self.params[big].nbytes // sum(rows)
         return (self.nbytes - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:]))
+
+    @property
+    def assembled_bytes(self) -> int:
+        """Bytes copied into its big gradient once the last block is in, reduced in-graph: the first block's, which
+        travels with the bucket's small gradients; the other blocks are written in place (Note [Blocks written in
+        place] in ``passes/blocks_in_place.py``). 0 without pieces."""
+        if self.pieces is None:
+            return 0
+        big, rows = self.pieces
+        return self.params[big].nbytes // sum(rows) * rows[0]
 
     @property
     def in_graph_collectives(self) -> int:

@@ -28,7 +28,7 @@ from tabulate import tabulate
 from torch import fx
 
 from .._version import __version__
-from ..passes import BucketPlan, GraphSplit, schedule_reductions
+from ..passes import BucketPlan, GraphSplit, schedule_reductions, write_blocks_in_place
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from .capture import as_fake
 
@@ -140,6 +140,7 @@ def aot_graphs(module: fx.GraphModule, fake_args: list[Any]) -> dict[str, str]:
     def keep(kind: str):
         def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
             if kind == "backward" and any(schedule_reductions(gm.graph)):  # in-graph reduction: as graphddp compiles it
+                write_blocks_in_place(gm.graph)
                 gm.recompile()
             graphs[kind] = _code(gm)
             return make_boxed_func(gm.forward)

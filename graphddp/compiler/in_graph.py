@@ -26,8 +26,9 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
    op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
    ``graphddp.passes.reduce_in_place`` has the division write into the bucket's gathered copy and the
-   all-reduce reduce the division's result (a block of a big gradient, a view, is still divided into a tensor
-   of its own).
+   all-reduce reduce the division's result. Under both, a big gradient sent in blocks is then written block by
+   block into the gradient itself, each block divided and all-reduced there (``write_blocks_in_place``, Note
+   [Blocks written in place] in ``passes/blocks_in_place.py``), not copied together after the last.
    On one rank under graphddp's own averaging nothing is inserted: the average of one gradient is itself
    (``local_average``, the rule the Reducer's ``LocalReduction`` follows); a comm hook still runs, as in PyTorch.
 3. The gradient that autograd accumulates into ``.grad`` is already averaged. The Reducer's hooks are off for
@@ -70,8 +71,9 @@ from ..passes import (
     bucket_channel,
     reduce_in_place,
     schedule_reductions,
+    write_blocks_in_place,
 )  # fmt: skip
-from ..runtime import in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp::reduce_rows, ::step_bucket)
+from ..runtime import in_graph_blocks, in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp's ops)
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -354,6 +356,7 @@ class _Inserting:
 def _scheduling_pass() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # Inductor only when used
 
+    from ..passes import blocks_in_place
     from ..passes import reduction as reduction_passes
 
     class ScheduleReductions(CustomGraphPass):
@@ -366,12 +369,13 @@ def _scheduling_pass() -> type:
             if self.before is not None:
                 self.before(graph)
             schedule_reductions(graph)
+            write_blocks_in_place(graph)
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
             # The pass's source itself: a changed pass (an upgrade of graphddp) must not reuse a graph the old one
             # ordered; a fixed version tag did, and ran steps after every wait (Note [Steps in the compiled backward]).
             before = self.before.uuid() if self.before is not None and hasattr(self.before, "uuid") else None
-            return ("graphddp.schedule_reductions", get_hash_for_files((reduction_passes.__file__,)), before)
+            return ("graphddp.schedule_reductions", get_hash_for_files((reduction_passes.__file__, blocks_in_place.__file__)), before)
 
     return ScheduleReductions
 
@@ -390,6 +394,7 @@ def _op_by_op(compiler: Callable[..., Any]) -> Callable[..., Any]:
 
     def compile_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         schedule_reductions(gm.graph)
+        write_blocks_in_place(gm.graph)
         reduce_in_place(gm.graph)
         gm.recompile()
         return compiler(gm, example_inputs)

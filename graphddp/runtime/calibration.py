@@ -212,9 +212,9 @@ ASSEMBLY_BLOCKS = 16
 
 
 def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int = SERIES_MAX_BYTES) -> float:
-    """Seconds per byte of putting a gradient sent in pieces back together (Note [Gradient pieces] in
-    ``passes/plan.py``): a ``cat`` of ``ASSEMBLY_BLOCKS`` blocks of ``nbytes`` in all into a new tensor, as the
-    compiled backward does after the last block's wait, best of 5. This process's figure (no process group).
+    """Seconds per byte of copying blocks of a gradient sent in pieces into it (Note [Gradient pieces] in
+    ``passes/plan.py``; the compiled backward copies the first block, ``Bucket.assembled_bytes``, after the last
+    block's wait): a ``cat`` of ``ASSEMBLY_BLOCKS`` blocks of ``nbytes`` in all into a new tensor, best of 5. This process's figure (no process group).
     A new tensor, as in the graph: on a CPU host a large one may come fresh from the OS, and touching its pages
     first then costs more than the copy (64 MiB on the 2-vCPU testbed: ~65 ms, of which ~14 ms the copy; the
     bench's calibrations of one session ranged over 0.13-1.01 ms per MB, the low end below the copy alone: the

@@ -103,8 +103,8 @@ def graph_step_inputs(gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates
 def in_graph_step_inputs(gm: fx.GraphModule, prepared: PreparedGraph, rates: ComputeRates) -> tuple[StepInputs, PiecesLayout]:
     """``graph_step_inputs`` for a graph reduced in-graph: its big gradients sent in blocks as their matmuls
     compute them (``graphddp.passes.step_inputs_in_pieces``, Note [Gradient pieces]). A weight gradient's matmul
-    costs what the forward's matmul with the weight costs (the same flops); putting the blocks back together, a
-    copy: each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
+    costs what the forward's matmul with the weight costs (the same flops); copying its first block in
+    (``Bucket.assembled_bytes``): each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
     ``graphddp.runtime.calibration.assembly_seconds_per_byte``, fresh pages included)."""
     node_seconds = forward_seconds(gm, rates)
     uses = {p.spec.name: p.uses for p in prepared.params}

@@ -1,0 +1,75 @@
+"""The ops a big gradient's blocks are written and reduced in place with (Note [Blocks written in place] in
+``passes/blocks_in_place.py``): ``graphddp::reduce_block_`` and ``graphddp::wait_blocks_``.
+
+Each block's all-reduce is issued asynchronously on the group the functional one would have used, in the graph's
+order, so every rank issues the same collectives in the same order; its ``Work`` is kept with the gradient's
+storage until ``wait_blocks_`` waits for it (on CUDA, as a functional collective's wait: the current stream waits
+for the collective). The first block of a gradient starts its list afresh, so a backward abandoned half-way leaves
+nothing for the next one to wait for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ..passes.blocks_in_place import BLOCK_OP, WAIT_BLOCKS_OP  # the pass calls the ops by these names
+
+_pending: dict[int, list[dist.Work]] = {}
+"""The blocks' all-reduces in flight, by the data pointer of the gradient they write."""
+
+
+def _rows_of(gradient: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The block of ``gradient`` (1-D) that starts at ``offset``, as a contiguous ``shape`` view."""
+    return gradient.view(-1)[offset : offset + shape[0] * shape[1]].view(shape)
+
+
+@torch.library.custom_op(BLOCK_OP, mutates_args=("gradient",))
+def reduce_block_(
+    gradient: torch.Tensor,
+    rows: torch.Tensor,
+    by: torch.Tensor,
+    offset: int,
+    divisor: float,
+    group_name: str,
+    first: bool,
+) -> None:
+    """``rows @ by`` written into ``gradient`` at ``offset``, divided by ``divisor`` there, and all-reduced there
+    (asynchronously, on ``group_name``)."""
+    block = _rows_of(gradient, offset, (rows.shape[0], by.shape[1]))  # [r, C]
+    torch.mm(rows, by, out=block)
+    block.div_(divisor)
+    work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
+    key = gradient.untyped_storage().data_ptr()
+    if first:
+        _pending[key] = []
+    _pending.setdefault(key, []).append(work)
+
+
+@torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",))
+def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
+    """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset."""
+    for work in _pending.pop(gradient.untyped_storage().data_ptr(), []):
+        work.wait()
+    flat = gradient.view(-1)
+    for copy, offset in zip(copies, offsets):
+        flat[offset : offset + copy.numel()].copy_(copy.reshape(-1))
+
+
+@reduce_block_.register_fake
+def _(
+    gradient: torch.Tensor,
+    rows: torch.Tensor,
+    by: torch.Tensor,
+    offset: int,
+    divisor: float,
+    group_name: str,
+    first: bool,
+) -> None:
+    return None
+
+
+@wait_blocks_.register_fake
+def _(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
+    return None
