@@ -297,7 +297,8 @@ def test_channels_are_chosen_where_latency_binds_and_not_where_bandwidth_does() 
 
 def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_computes_it() -> None:
     """Issue 27, items 2 and 5: in-graph, a bucket with pieces is one all-reduce per block of rows, each sent once
-    its rows exist (its matmul first in its segment), the bias with block 0, the copy after the last block."""
+    its rows exist (its matmul first in its segment), the bias with block 0, block 0's copy into the gradient after
+    the last block (Note [Blocks written in place])."""
     big = dataclasses.replace(ParamSpec.of("w", torch.zeros(64, 100)), one_matmul=True)  # 25 600 B: 3 blocks at 10 kB
     plan = plan_bucket_groups([[ParamSpec.of("c", torch.zeros(500))], [ParamSpec.of("b", torch.zeros(64)), big]],
                               caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))  # fmt: skip
@@ -306,7 +307,8 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     pieces, layout = step_inputs_in_pieces(whole, plan, {("w", ""): 0.0064}, assembly_seconds_per_byte=1e-9)
     assert pieces.segment_backward_s == pytest.approx((0.004, 0.0022, 0.0021, 0.0021, 0.0036))
     assert pieces.bucket_bytes == (2000, 25856 - 400 * 42, 8400, 8400) and pieces.completed_by == (0, 1, 2, 3)
-    assert pieces.tail_per_bucket_s == pytest.approx((0.0, 0.0, 0.0, 25600e-9)) and pieces.bucket_of == (0, 1, 1, 1)
+    # After the last block, only block 0 (22 rows of 400 B) is copied in: the others are written in place
+    assert pieces.tail_per_bucket_s == pytest.approx((0.0, 0.0, 0.0, 8800e-9)) and pieces.bucket_of == (0, 1, 1, 1)
     assert [layout.name(f"segment {i}") for i in range(5)] == ["segment 0", "segment 1 block 0", "segment 1 block 1", "segment 1 block 2", "segment 1"]
     assert [layout.name(f"bucket {k}") for k in range(4)] == ["bucket 0", "bucket 1 block 0", "bucket 1 block 1", "bucket 1 block 2"]
     # On a slow link (8 ms per 10 kB) the first block goes 7.8 ms before the whole gradient would have.
