@@ -30,6 +30,7 @@ from torch import fx
 from .._version import __version__
 from ..passes import BucketPlan, GraphSplit, schedule_reductions, write_blocks_in_place
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
+from ..runtime import in_graph_blocks  # noqa: F401  (registers the ops write_blocks_in_place puts in)
 from .capture import as_fake
 
 ENV_VAR = "GRAPHDDP_DEBUG_DIR"
