@@ -5,8 +5,9 @@ Note [Blocks written in place]
 In-graph, a gradient sent in pieces (Note [Gradient pieces] in ``passes/plan.py``) is computed block by block,
 each block by its own matmul, divided by the world size and all-reduced on its own. Written functionally, each
 block's all-reduce returns a tensor of its own, and once the last one is waited for a ``cat`` copies them all
-into the gradient: at the end of backward, after the link is done, a copy of the whole gradient into memory no
-one has touched yet (the bench MLP's two 64 MiB weights: ~65 ms each on a 2-vCPU host, most of it page faults).
+into the gradient: a copy of the whole gradient into memory no one has touched yet (the bench MLP's two 64 MiB
+weights: ~65 ms each on a 2-vCPU host, most of it page faults), on the CPU or stream the next computation and the
+collectives share, and, for the gradient completed last, after the link is done.
 Neither compiler removes it: Inductor realises the blocks before it lowers the ``cat``, and aot_eager runs the
 graph as written.
 

@@ -42,8 +42,8 @@ its rows of the gradient, and the block is divided and all-reduced there (Note [
 ``passes/blocks_in_place.py``); only the first block, sent with the bucket's small gradients, comes back in a
 tensor of its own and is copied in once the last block is waited for: ``Bucket.assembled_bytes``, which the step
 cost model charges there (``StepInputs.tail_per_bucket_s``, before the bucket's optimizer step). Copying every
-block back (a ``cat``, as a functional graph spells it) cost the bench MLP ~120 ms at the end of backward: on a
-CPU host a large new tensor costs more to touch than to fill. The split strategy sends whole
+block back instead (a ``cat``, as a functional graph spells it) cost the bench MLP 144 MiB of copies per step
+into new memory, most of it hidden behind the later buckets' all-reduces (``docs/benchmarks.md``, session 18). The split strategy sends whole
 gradients (its hooks see whole ones). Only a gradient that is one matmul's is cut (``ParamSpec.one_matmul``): a
 tied table's whole gradient (a lookup's rows plus the head's matmul) or a convolution's is whole before any block
 of it could go, and cutting it only adds collectives and copies (cutting the whole tied table of ``bench.overhead``'s
