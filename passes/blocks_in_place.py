@@ -37,6 +37,8 @@ import dataclasses
 import torch
 from torch import fx
 
+from .reduction import transposed_input
+
 BLOCK_OP = "graphddp::reduce_block_"
 """A block written into its gradient, divided and all-reduced there: ``(gradient, rows, by, offset, divisor,
 group_name, first) -> None``, writes ``gradient`` (the block is ``rows @ by``; ``first``: the gradient's first such block)."""
@@ -68,17 +70,6 @@ def _value(node: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _transposed(node: fx.Node) -> fx.Node | None:
-    """X, when ``node`` is X's 2-D transpose (``t``, or ``permute`` by [1, 0])."""
-    if node.op != "call_function":
-        return None
-    if node.target is torch.ops.aten.t.default:
-        return node.args[0]  # type: ignore[return-value]
-    if node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]:  # type: ignore[arg-type]
-        return node.args[0]  # type: ignore[return-value]
-    return None
-
-
 def _block(wait: object, assembly: fx.Node) -> _Block | None:
     """The block behind ``wait`` (an input of ``assembly``) when it is a plain matmul's, sent alone; else None."""
     if (
@@ -99,14 +90,14 @@ def _block(wait: object, assembly: fx.Node) -> _Block | None:
     if not isinstance(flat, fx.Node) or flat.target not in _FLATTEN or not _used_only_by(flat, divide):
         return None
     chain, source = [flat], flat.args[0]
-    while isinstance(source, fx.Node) and (inner := _transposed(source)) is not None:  # pairs of transposes only
+    while isinstance(source, fx.Node) and (inner := transposed_input(source)) is not None:  # pairs of transposes only
         outer = source
-        if not _used_only_by(outer, chain[-1]) or not isinstance(inner, fx.Node) or _transposed(inner) is None:
+        if not _used_only_by(outer, chain[-1]) or not isinstance(inner, fx.Node) or transposed_input(inner) is None:
             return None
         if not _used_only_by(inner, outer):
             return None
         chain += [outer, inner]
-        source = _transposed(inner)
+        source = transposed_input(inner)
     if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.mm.default:
         return None
     if not _used_only_by(source, chain[-1]):

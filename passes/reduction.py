@@ -183,7 +183,7 @@ def _collectives_first(segment: list[fx.Node], order: dict[fx.Node, int]) -> lis
 
 
 # -- a big gradient computed in pieces ---------------------------------------------------------------------------
-def _transposed_input(node: fx.Node) -> fx.Node | None:
+def transposed_input(node: fx.Node) -> fx.Node | None:
     """X, when ``node`` is X's 2-D transpose (``t``, or ``permute`` by [1, 0])."""
     if node.op != "call_function":
         return None
@@ -207,7 +207,7 @@ def _slice_spec(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
 def _sliced_at_the_source(graph: fx.Graph, source: fx.Node, dim: int, start: int, end: int) -> fx.Node | None:
     """A node computing ``source[start:end]`` along ``dim`` from sliced inputs of the matmul that makes it, through
     its transposes; None when ``source`` is no such chain (then nothing was added)."""
-    inner = _transposed_input(source)
+    inner = transposed_input(source)
     if inner is not None:
         sliced = _sliced_at_the_source(graph, inner, 1 - dim, start, end)
         return None if sliced is None else graph.call_function(source.target, (sliced, *source.args[1:]))
@@ -262,7 +262,7 @@ def _feeds_a_collective(node: fx.Node, hops: int = 5) -> bool:
 
 def _is_matmul_chain(node: fx.Node) -> bool:
     """``node`` is a matmul, or transposes of one each used once along the way."""
-    while (inner := _transposed_input(node)) is not None:
+    while (inner := transposed_input(node)) is not None:
         if len(inner.users) != 1:
             return False
         node = inner
