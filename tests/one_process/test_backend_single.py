@@ -209,8 +209,11 @@ def test_in_graph_reduction_shows_one_functional_all_reduce_per_bucket_in_the_pr
     names = [e.name for e in prof.events()]
     assert ddp.reducer.compile_target.gate.open
     collectives = sum(b.in_graph_collectives for b in ddp.bucket_plan.buckets)  # fc2.weight in 2 blocks
-    # aot_eager runs the backward op by op: each all-reduce in the tensor it was gathered in (reduce_in_place).
-    assert names.count("_c10d_functional::all_reduce_") == collectives > len(ddp.bucket_plan.buckets) > 1
+    buckets = len(ddp.bucket_plan.buckets)
+    # aot_eager runs the backward op by op: each all-reduce in the tensor it was gathered in (reduce_in_place);
+    # fc2.weight's second block is written into the gradient and sent from there (Note [Blocks written in place]).
+    assert names.count("_c10d_functional::all_reduce_") == buckets > 1
+    assert names.count("graphddp::reduce_block_") == collectives - buckets == 1
     assert "_c10d_functional::all_reduce" not in names
     assert not any(n.startswith("graphddp: all-reduce bucket") for n in names)  # the Reducer sent nothing
 
@@ -250,9 +253,13 @@ def test_the_dump_shows_the_in_graph_variant_with_its_all_reduces_and_sunk_waits
     loss(model).backward()
     (folder,) = (tmp_path / "rank0").glob("graph*_in_graph")  # graphs are numbered across the process
     backward = (folder / "aot" / "in_graph.backward.py").read_text()
-    collectives = sum(b.in_graph_collectives for b in ddp.reducer.compile_target.splits[0].plan.buckets)
-    assert backward.count("_c10d_functional.all_reduce.default") == collectives > 1
-    assert backward.count("_c10d_functional.wait_tensor.default") == collectives
+    buckets = ddp.reducer.compile_target.splits[0].plan.buckets
+    collectives = sum(b.in_graph_collectives for b in buckets)
+    # One functional all-reduce per bucket; a big gradient's later blocks are sent from where their matmul wrote
+    # them, and waited for together (Note [Blocks written in place]).
+    assert backward.count("_c10d_functional.all_reduce.default") == len(buckets) > 1
+    assert backward.count("graphddp.reduce_block_.default") == collectives - len(buckets) > 0
+    assert backward.count("_c10d_functional.wait_tensor.default") == len(buckets)
     assert backward.rindex("aten.mm.default") < backward.index("wait_tensor"), "every wait after the last matmul"
     # The last layer's bucket goes out before its input gradient is computed (launch_collectives_early).
     assert backward.index("all_reduce.default") < backward.index("aten.mm.default(tangents_1"), backward

@@ -92,7 +92,10 @@ def train_on_channels(rank: int, world: int, channels: int, compiled: bool) -> d
     if compiled:  # the all-reduces are ops of the compiled backward: count them there, by the group each names
         calls.clear()
         for backward in pathlib.Path(dump).rglob("in_graph.backward.py"):
-            calls.update(re.findall(r"_c10d_functional\.all_reduce\.default\([^)]*'([^']+)'\)", backward.read_text()))
+            code = backward.read_text()
+            calls.update(re.findall(r"_c10d_functional\.all_reduce\.default\([^)]*'([^']+)'\)", code))
+            # a big gradient's later blocks, sent from the gradient itself (Note [Blocks written in place])
+            calls.update(re.findall(r"graphddp\.reduce_block_\.default\([^)]*'([^']+)', (?:True|False)\)", code))
         groups.update({name: dist.distributed_c10d._resolve_process_group(name) for name in calls})
     shutil.rmtree(dump)
     buckets = len(ddp.bucket_plan.buckets)
