@@ -37,7 +37,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from .reduction import transposed_input
+from .reduction import is_wait, transposed_input
 
 BLOCK_OP = "graphddp::reduce_block_"
 """A block written into its gradient, divided and all-reduced there: ``(gradient, rows, by, offset, divisor,
@@ -72,11 +72,7 @@ def _value(node: object) -> torch.Tensor | None:
 
 def _block(wait: object, assembly: fx.Node) -> _Block | None:
     """The block behind ``wait`` (an input of ``assembly``) when it is a plain matmul's, sent alone; else None."""
-    if (
-        not isinstance(wait, fx.Node)
-        or wait.op != "call_function"
-        or getattr(wait.target, "name", lambda: "")() != "_c10d_functional::wait_tensor"
-    ):
+    if not isinstance(wait, fx.Node) or not is_wait(wait):
         return None
     reduce = wait.args[0]
     if not isinstance(reduce, fx.Node) or reduce.target is not torch.ops._c10d_functional.all_reduce.default:
@@ -91,13 +87,11 @@ def _block(wait: object, assembly: fx.Node) -> _Block | None:
         return None
     chain, source = [flat], flat.args[0]
     while isinstance(source, fx.Node) and (inner := transposed_input(source)) is not None:  # pairs of transposes only
-        outer = source
-        if not _used_only_by(outer, chain[-1]) or not isinstance(inner, fx.Node) or transposed_input(inner) is None:
+        innermost = transposed_input(inner) if isinstance(inner, fx.Node) else None
+        if innermost is None or not _used_only_by(source, chain[-1]) or not _used_only_by(inner, source):
             return None
-        if not _used_only_by(inner, outer):
-            return None
-        chain += [outer, inner]
-        source = transposed_input(inner)
+        chain += [source, inner]
+        source = innermost
     if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.mm.default:
         return None
     if not _used_only_by(source, chain[-1]):
@@ -157,9 +151,8 @@ def write_blocks_in_place(graph: fx.Graph) -> int:
         assembly.replace_all_uses_with(gradient)  # read after ``done``: the gradient, whole and averaged
         graph.erase_node(assembly)
         for block in (b for b in blocks if b is not None):
-            for node in reversed(block.chain):
-                if not node.users:
-                    graph.erase_node(node)
+            for node in reversed(block.chain):  # each used only by the next, the wait by the erased cat
+                graph.erase_node(node)
     if written:
         graph.lint()
     return written

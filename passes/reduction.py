@@ -77,7 +77,7 @@ _VIEW_OPS = {"view", "_unsafe_view", "slice", "reshape", "alias", "as_strided", 
 """ATen ops whose result is a view of their input (``operator.getitem`` of a split's outputs counts too)."""
 
 
-def _is_wait(node: fx.Node) -> bool:
+def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "_c10d_functional::wait_tensor"
 
 
@@ -96,7 +96,7 @@ def sink_waits(graph: fx.Graph) -> int:
     collective then runs while it is in flight. Returns how many waits moved. Pure graph surgery: only nodes
     before that first consumer move, down, in their order, so every input still comes first."""
     moved = 0
-    for wait in [n for n in graph.nodes if _is_wait(n)]:
+    for wait in [n for n in graph.nodes if is_wait(n)]:
         chain, frontier = {wait}, [wait]
         while frontier:  # the views of the result, all the way down
             for user in frontier.pop().users:
@@ -131,7 +131,7 @@ def _is_collective(node: fx.Node) -> bool:
 def _is_barrier(node: fx.Node) -> bool:
     """A node nothing may cross: it mutates or has another side effect (a functional collective and its wait
     have none that ordering could break: each rank issues them in the same order either way)."""
-    if node.op != "call_function" or _is_collective(node) or _is_wait(node):
+    if node.op != "call_function" or _is_collective(node) or is_wait(node):
         return False
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable) or node.is_impure()
@@ -324,7 +324,7 @@ def sink_bucket_steps(graph: fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     # A rows node waits for the link like a wait does: left in place it would hold every step behind the last
     # bucket's all-reduce; in the tail it runs just before its table's step.
-    after_waits = _downstream([n for n in graph.nodes if _is_wait(n) or _op_name(n) == ROWS_OP])
+    after_waits = _downstream([n for n in graph.nodes if is_wait(n) or _op_name(n) == ROWS_OP])
     tail: list[fx.Node] = []
     placed: set[fx.Node] = set()
     for step in steps:
