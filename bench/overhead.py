@@ -22,8 +22,17 @@ width, and times, interleaved round by round in the same processes,
   it the floor is approximate.)
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
-ramps off. One mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's caches warm), warms
-it up and times ``--steps`` steps, so slow drifts of the machine hit every mode alike.
+ramps off. Two orders (``--interleave``):
+
+- ``modes`` (the default): one mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's
+  caches warm), warms it up and times ``--steps`` steps in a row. Drift of the machine between rounds hits every
+  mode alike, drift within a round (seconds to minutes here) does not.
+- ``steps``: each round builds every mode, warms each up, then times one step of each mode in turn, ``--steps``
+  times over, with a barrier before each step. A mode's steps and its baseline's are then at most one pass over
+  the modes apart (~2 s), so a ratio of added times is not moved by drift slower than that. Each mode's model gets
+  a ``forward`` code object of its own (``isolated_model``): Dynamo keeps its compiled code per code object, so no
+  mode's step looks through another mode's cache entries, and no compiled graph is reused by another mode. A
+  step that compiles anything while timed is counted (``compiles_while_timed``) and the run says so.
 
 Besides time, it *counts* (never times) the Python function calls one backward makes, per mode, with
 ``sys.setprofile`` in every thread that runs it: what a DDP adds over its baseline is the per-gradient and
@@ -39,10 +48,12 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +79,7 @@ BASELINE = {"bound": "local", "torch-eager": "local", "graphddp-eager": "local",
 TORCH_PEER = {"bound": "torch-eager", "graphddp-eager": "torch-eager", "bound-compiled": "torch-compiled",
               "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
 """Which of PyTorch's DDP modes each mode's added time is compared with."""
+INTERLEAVINGS = ("modes", "steps")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +111,9 @@ class OverheadOptions:
     """graphddp's ``sparse_embedding_grads``: ``"auto"`` (the default: rows where they pay on the link measured at
     construction), True (rows wherever they apply) or False (dense,
     as PyTorch's DDP reduces them)."""
+    interleave: str = "modes"
+    """The order of the timed steps (see the module's docstring): ``"modes"``, ``--steps`` of one mode in a row,
+    each mode built afresh; or ``"steps"``, one step of every mode in turn, every mode alive at once."""
     device: str = "cpu"
     out: str = "bench-overhead"
 
@@ -116,6 +131,8 @@ class OverheadOptions:
             raise ValueError(f"--width must be a multiple of 32 (heads of 32), got {self.width}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.interleave not in INTERLEAVINGS:
+            raise ValueError(f"--interleave must be one of {', '.join(INTERLEAVINGS)}, got {self.interleave!r}")
 
     def modes(self, world_size: int) -> list[str]:
         """The modes a run at ``world_size`` times, in the order each round times them."""
@@ -132,13 +149,29 @@ def build_model(o: OverheadOptions) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=o.vocab, block_size=o.seq, n_layer=o.layers, n_head=o.width // 32, n_embd=o.width))
 
 
-def build_mode(mode: str, o: OverheadOptions) -> tuple[torch.nn.Module, Any]:
+def isolated_model(model: torch.nn.Module, tag: str) -> torch.nn.Module:
+    """``model``, its class replaced by a subclass whose ``forward`` runs the same code from a code object of its
+    own (named after ``tag``). Dynamo caches compiled code per code object, so modes alive at once (``--interleave
+    steps``) neither reuse nor look through each other's compiled graphs."""
+    cls = type(model)
+    forward = cls.forward
+    name = "forward_" + re.sub(r"\W", "_", tag)
+    code = forward.__code__.replace(co_name=name, co_qualname=f"{cls.__qualname__}.{name}")
+    own = types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
+    own.__kwdefaults__ = forward.__kwdefaults__
+    model.__class__ = type(f"{cls.__name__}_{name}", (cls,), {"forward": own, "__module__": cls.__module__})
+    return model
+
+
+def build_mode(mode: str, o: OverheadOptions, *, isolated: bool = False) -> tuple[torch.nn.Module, Any]:
     """``(what a step calls, the DDP module or None)`` for ``mode`` (``name`` or ``name:inner``); ``bound``'s
-    link is added by ``measure`` (``link_beside``)."""
+    link is added by ``measure`` (``link_beside``). ``isolated``: the model's compiled code is its own
+    (``isolated_model``)."""
     import graphddp
 
     name, _, inner = mode.partition(":")
-    model = build_model(o).to(o.device)
+    model = build_model(o)
+    model = (isolated_model(model, mode) if isolated else model).to(o.device)
     device_ids = [torch.cuda.current_device()] if o.device == "cuda" else None
     ddp: Any = None
     if name.startswith("torch"):
@@ -201,40 +234,104 @@ def run_rank(rank: int, world_size: int, port: int, o: OverheadOptions, results:
 
 
 def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
-    """Every mode, round by round: step times (this rank), and the calls of one backward (last round)."""
+    """Every mode, round by round, in the order ``o.interleave`` names: step times (this rank), and the calls of
+    one backward (last round)."""
     g = torch.Generator().manual_seed(100 + rank)
     idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    world_size = dist.get_world_size()
-    record: dict[str, Any] = {m: {"times_s": []} for m in o.modes(world_size)}
-    sync: Callable[[], None] = torch.cuda.synchronize if o.device == "cuda" else (lambda: None)
+    modes = o.modes(dist.get_world_size())
+    record: dict[str, Any] = {m: {"times_s": [], "compiles_while_timed": 0} for m in modes}
+    rounds = _rounds_of_steps if o.interleave == "steps" else _rounds_of_modes
+    rounds(o, modes, x, y, record)
+    return record
+
+
+def _rounds_of_modes(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any]) -> None:
+    """``--interleave modes``: one mode alive at a time, built afresh each round, its steps timed in a row."""
     for r in range(o.rounds):
-        for mode in o.modes(world_size):
+        for mode in modes:
             torch._dynamo.reset()
-            step_model, ddp = build_mode(mode, o)
-            opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
-            step = functools.partial(one_step, step_model, opt, x, y)
-            if mode.partition(":")[0] in LINK_MODES:
-                caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
-                step = functools.partial(link_beside, dense_bucket_buffers(step_model, caps, o.device), step)
-            for _ in range(1 + o.warmup):
-                step()
-            sync()
+            prepared = _Prepared.build(mode, o, x, y, isolated=False)
+            prepared.warm_up(o)
             dist.barrier()
             for _ in range(o.steps):
-                start = time.perf_counter()
-                step()
-                sync()
-                record[mode]["times_s"].append(time.perf_counter() - start)
+                prepared.time_one(o, record[mode])
             if r == o.rounds - 1:
-                record[mode]["backward_calls"] = step(CallCounter())
-                if ddp is not None:
-                    record[mode]["buckets"] = bucket_count(ddp)
-                    if hasattr(ddp, "bucket_plan"):
-                        record[mode]["reduction"] = reduction_ran(ddp)
-            record[mode]["params"] = sum(1 for p in step_model.parameters() if p.requires_grad)
-            del step, step_model, ddp, opt
-    return record
+                prepared.count_calls(record[mode])
+            record[mode]["params"] = prepared.params
+            del prepared
+
+
+def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any]) -> None:
+    """``--interleave steps``: every mode alive at once, one step of each in turn, a barrier before each."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 2 * len(modes))  # DDP.forward frames are shared by modes
+    try:
+        for r in range(o.rounds):
+            torch._dynamo.reset()
+            prepared = {mode: _Prepared.build(mode, o, x, y, isolated=True) for mode in modes}
+            for p in prepared.values():
+                p.warm_up(o)
+            for _ in range(o.steps):
+                for mode, p in prepared.items():
+                    dist.barrier()
+                    p.time_one(o, record[mode])
+            for mode, p in prepared.items():
+                if r == o.rounds - 1:
+                    p.count_calls(record[mode])
+                record[mode]["params"] = p.params
+            del prepared
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """One mode, built: the step it times and what its record needs."""
+
+    step: Callable[..., int | None]
+    ddp: Any
+    params: int
+
+    @classmethod
+    def build(cls, mode: str, o: OverheadOptions, x: torch.Tensor, y: torch.Tensor, *, isolated: bool) -> _Prepared:
+        step_model, ddp = build_mode(mode, o, isolated=isolated)
+        opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
+        step = functools.partial(one_step, step_model, opt, x, y)
+        if mode.partition(":")[0] in LINK_MODES:
+            caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
+            step = functools.partial(link_beside, dense_bucket_buffers(step_model, caps, o.device), step)
+        return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad))
+
+    def warm_up(self, o: OverheadOptions) -> None:
+        for _ in range(1 + o.warmup):  # the first compiles
+            self.step()
+        _sync(o)
+
+    def time_one(self, o: OverheadOptions, record: dict[str, Any]) -> None:
+        compiled = graphs_compiled()
+        start = time.perf_counter()
+        self.step()
+        _sync(o)
+        record["times_s"].append(time.perf_counter() - start)
+        record["compiles_while_timed"] += graphs_compiled() - compiled
+
+    def count_calls(self, record: dict[str, Any]) -> None:
+        record["backward_calls"] = self.step(CallCounter())
+        if self.ddp is not None:
+            record["buckets"] = bucket_count(self.ddp)
+            if hasattr(self.ddp, "bucket_plan"):
+                record["reduction"] = reduction_ran(self.ddp)
+
+
+def _sync(o: OverheadOptions) -> None:
+    if o.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (its own counter): a timed step that moves it compiled."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def bucket_count(ddp: Any) -> int | None:
@@ -280,7 +377,8 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
         rows.append({"mode": mode, "step_s": statistics.median(times), "round_step_s": rounds,
                      "backward_calls": per_rank[0][mode].get("backward_calls"),
                      "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
-                     "reduction": per_rank[0][mode].get("reduction")})  # fmt: skip
+                     "reduction": per_rank[0][mode].get("reduction"),
+                     "compiles_while_timed": sum(per_rank[r][mode].get("compiles_while_timed", 0) for r in per_rank)})  # fmt: skip
     by_mode = {row["mode"]: row for row in rows}
     for row in rows:
         name, _, inner = row["mode"].partition(":")
@@ -334,7 +432,8 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     Path(o.out).mkdir(parents=True, exist_ok=True)
     for world_size in o.world_sizes:
-        print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps", flush=True)
+        print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps, "
+              f"interleaved by {o.interleave}", flush=True)
         queue = mp.get_context("spawn").SimpleQueue()
         mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
         per_rank = dict(queue.get() for _ in range(world_size))
@@ -357,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         help="graphddp's sparse_embedding_grads: auto (rows where they pay), rows (True), dense (False, as PyTorch)",
     )  # fmt: skip
     p.add_argument("--dense-tables", dest="tables", action="store_const", const="dense", help="--tables dense")
+    p.add_argument(
+        "--interleave", choices=INTERLEAVINGS, default=d.interleave,
+        help="modes: each mode's steps in a row, built afresh each round; steps: one step of each mode in turn",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=d.out)
     args = p.parse_args(argv)
@@ -364,13 +467,17 @@ def main(argv: list[str] | None = None) -> int:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "device", "out")},
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "out")},
             tables={"auto": "auto", "rows": True, "dense": False}[args.tables],
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     rows = run(o)
     print(render(rows))
+    for row in rows:
+        if row["compiles_while_timed"]:
+            print(f"bench.overhead: {row['mode']} at {row['world_size']} rank(s) compiled {row['compiles_while_timed']} "
+                  "graph(s) in timed steps (summed over ranks): its times include compiling")
     print(f"bench.overhead: wrote {Path(o.out, 'overhead.json')}")
     return 0
 

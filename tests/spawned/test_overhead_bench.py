@@ -7,7 +7,16 @@ import json
 import pytest
 import torch
 
-from bench.overhead import CallCounter, OverheadOptions, main, round_spread, summarise
+from bench.overhead import (
+    CallCounter,
+    OverheadOptions,
+    build_model,
+    graphs_compiled,
+    isolated_model,
+    main,
+    round_spread,
+    summarise,
+)
 
 
 def test_bad_options_are_refused_with_the_flag() -> None:
@@ -15,8 +24,26 @@ def test_bad_options_are_refused_with_the_flag() -> None:
         OverheadOptions(cap_mb=0.5)
     with pytest.raises(ValueError, match="--width must be a multiple of 32"):
         OverheadOptions(width=100)
+    with pytest.raises(ValueError, match="--interleave must be one of modes, steps"):
+        OverheadOptions(interleave="rounds")
     with pytest.raises(SystemExit):
         main(["--world-sizes", "0"])
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_isolated_models_compile_apart_and_compute_as_the_model() -> None:
+    """``--interleave steps`` keeps every mode alive: each model's forward has a code object of its own, so each
+    compiles its own graph (Dynamo caches per code object) and computes what the plain model does."""
+    o = OverheadOptions(layers=1)
+    plain, first, second = build_model(o), isolated_model(build_model(o), "a:x"), isolated_model(build_model(o), "b")
+    assert type(first).forward.__code__ is not type(second).forward.__code__
+    assert isinstance(first, type(plain)) and type(first).__name__ == "GPT_forward_a_x"
+    idx = torch.randint(0, o.vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = graphs_compiled()
+    outputs = [torch.compile(m, backend="aot_eager")(idx, idx) for m in (first, second)]
+    assert graphs_compiled() - before == 2  # the second model did not reuse the first one's graph
+    for out in outputs:
+        torch.testing.assert_close(out, plain(idx, idx))
 
 
 def test_the_counter_sees_calls_a_backward_hook_makes() -> None:
@@ -108,3 +135,17 @@ def test_compiled_graphddp_reduces_in_graph_with_python_calls_per_bucket_not_per
     assert in_graph["reduction"] == "in_graph" and split["reduction"] == "split (asked for)"
     # The split's hooks cost Python per gradient; the in-graph backward runs none of graphddp's.
     assert in_graph["added_calls"] < split["added_calls"] - in_graph["params"]
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_steps_interleaved_time_every_mode_compiled_before_timing(tmp_path, capsys) -> None:
+    assert main(["--world-sizes", "2", "--inners", "aot_eager", "--layers", "1", "--steps", "2", "--rounds", "1",
+                 "--warmup", "1", "--interleave", "steps", "--out", str(tmp_path)]) == 0  # fmt: skip
+    by_mode = {r["mode"]: r for r in json.loads((tmp_path / "overhead.json").read_text())["rows"]}
+    assert list(by_mode) == OverheadOptions(inners=("aot_eager",)).modes(2)
+    assert all(r["compiles_while_timed"] == 0 for r in by_mode.values())
+    assert by_mode["graphddp-compiled:aot_eager"]["reduction"] == "in_graph"
+    # Each compiled mode ran its own compiled graph, not the eager model: aot_eager's backward is Python.
+    assert by_mode["local-compiled:aot_eager"]["backward_calls"] > by_mode["local"]["backward_calls"]
+    assert by_mode["torch-compiled:aot_eager"]["added_calls"] > 0
+    assert "interleaved by steps" in capsys.readouterr().out
