@@ -4,7 +4,7 @@ A step is *launch-bound* when its time goes to starting work rather than to the 
 small matmuls. Then a DDP's own Python (hooks per gradient, copies, checks, per-bucket bookkeeping) shows in the
 step time, as it does on a GPU, where the CPU that launches kernels is the backward's pace. This benchmark builds
 such a step anywhere: GPT-2-small's parameter structure (12 blocks, 148 parameter tensors, tied head) at a small
-width, and times, interleaved round by round in the same processes,
+width, and times, interleaved step by step in the same processes (``--interleave``, below),
 
 - ``local`` and ``local-compiled``: no DDP (the baselines each DDP is measured against);
 - ``torch-eager`` / ``graphddp-eager``: PyTorch's DDP (C++ Reducer) and graphddp's;
@@ -24,15 +24,17 @@ width, and times, interleaved round by round in the same processes,
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. Two orders (``--interleave``):
 
-- ``modes`` (the default): one mode is alive at a time; each round builds it afresh (Dynamo reset, Inductor's
-  caches warm), warms it up and times ``--steps`` steps in a row. Drift of the machine between rounds hits every
-  mode alike, drift within a round (seconds to minutes here) does not.
-- ``steps``: each round builds every mode, warms each up, then times one step of each mode in turn, ``--steps``
-  times over, with a barrier before each step. A mode's steps and its baseline's are then at most one pass over
-  the modes apart (~2 s), so a ratio of added times is not moved by drift slower than that. Each mode's model gets
-  a ``forward`` code object of its own (``isolated_model``): Dynamo keeps its compiled code per code object, so no
-  mode's step looks through another mode's cache entries, and no compiled graph is reused by another mode. A
-  step that compiles anything while timed is counted (``compiles_while_timed``) and the run says so.
+- ``steps`` (the default): each round builds every mode, warms each up, then times one step of each mode in turn,
+  ``--steps`` times over, with a barrier before each step. A mode's steps and its baseline's are then at most one
+  pass over the modes apart (~2 s), so a ratio of added times is not moved by drift slower than that. Each mode's
+  model gets a ``forward`` code object of its own (``isolated_model``): Dynamo keeps its compiled code per code
+  object, so no mode's step looks through another mode's cache entries, and no compiled graph is reused by
+  another mode. A step that compiles anything while timed is counted (``compiles_while_timed``) and the run says
+  so.
+- ``modes`` (the default up to session 18, ``docs/benchmarks.md``): one mode is alive at a time; each round builds
+  it afresh (Dynamo reset, Inductor's caches warm), warms it up and times ``--steps`` steps in a row. Drift of the
+  machine between rounds hits every mode alike; drift within a round (a mode's steps and its baseline's sit up to a
+  minute apart) does not, and on a 2-vCPU VM it moved ratios of added times by about ±0.5.
 
 Besides time, it *counts* (never times) the Python function calls one backward makes, per mode, with
 ``sys.setprofile`` in every thread that runs it: what a DDP adds over its baseline is the per-gradient and
@@ -79,7 +81,7 @@ BASELINE = {"bound": "local", "torch-eager": "local", "graphddp-eager": "local",
 TORCH_PEER = {"bound": "torch-eager", "graphddp-eager": "torch-eager", "bound-compiled": "torch-compiled",
               "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
 """Which of PyTorch's DDP modes each mode's added time is compared with."""
-INTERLEAVINGS = ("modes", "steps")
+INTERLEAVINGS = ("steps", "modes")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,9 +113,9 @@ class OverheadOptions:
     """graphddp's ``sparse_embedding_grads``: ``"auto"`` (the default: rows where they pay on the link measured at
     construction), True (rows wherever they apply) or False (dense,
     as PyTorch's DDP reduces them)."""
-    interleave: str = "modes"
-    """The order of the timed steps (see the module's docstring): ``"modes"``, ``--steps`` of one mode in a row,
-    each mode built afresh; or ``"steps"``, one step of every mode in turn, every mode alive at once."""
+    interleave: str = "steps"
+    """The order of the timed steps (see the module's docstring): ``"steps"``, one step of every mode in turn,
+    every mode alive at once; or ``"modes"``, ``--steps`` of one mode in a row, each mode built afresh."""
     device: str = "cpu"
     out: str = "bench-overhead"
 
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-tables", dest="tables", action="store_const", const="dense", help="--tables dense")
     p.add_argument(
         "--interleave", choices=INTERLEAVINGS, default=d.interleave,
-        help="modes: each mode's steps in a row, built afresh each round; steps: one step of each mode in turn",
+        help="steps (default): one step of each mode in turn; modes: each mode's steps in a row, built afresh each round",
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=d.out)
