@@ -4,7 +4,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 ``graphddp`` to ``graphddp.passes``. Everything is testable on a graph, without processes.
 """
 
-from .blocks_in_place import write_blocks_in_place
+from .blocks_in_place import arrange_reductions, write_blocks_in_place
 from .caps_choice import (
     CapsChoice,
     CapsSearch,
@@ -98,6 +98,7 @@ __all__ = [
     "Segment",
     "Tap",
     "allreduce_seconds",
+    "arrange_reductions",
     "choose_channels",
     "choose_optimizer_overlap",
     "assign_segments",

@@ -37,7 +37,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from .reduction import is_wait, transposed_input
+from .reduction import is_wait, schedule_reductions, transposed_input
 
 BLOCK_OP = "graphddp::reduce_block_"
 """A block written into its gradient, divided and all-reduced there: ``(gradient, rows, by, offset, divisor,
@@ -156,3 +156,12 @@ def write_blocks_in_place(graph: fx.Graph) -> int:
     if written:
         graph.lint()
     return written
+
+
+def arrange_reductions(graph: fx.Graph) -> bool:
+    """The passes graphddp runs on an in-graph backward, in their one order, wherever it compiles or shows one
+    (Inductor's post-grad pass, the aot_eager runner, the debug dump): ``schedule_reductions``, then
+    ``write_blocks_in_place``, whose ops write a buffer and so are barriers the scheduling passes could not move
+    (Note [Blocks written in place]). Returns whether the graph changed."""
+    moved = schedule_reductions(graph)
+    return write_blocks_in_place(graph) > 0 or any(moved)

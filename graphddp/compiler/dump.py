@@ -28,9 +28,9 @@ from tabulate import tabulate
 from torch import fx
 
 from .._version import __version__
-from ..passes import BucketPlan, GraphSplit, schedule_reductions, write_blocks_in_place
+from ..passes import BucketPlan, GraphSplit, arrange_reductions
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
-from ..runtime import in_graph_blocks  # noqa: F401  (registers the ops write_blocks_in_place puts in)
+from ..runtime import in_graph_blocks  # noqa: F401  (registers the ops arrange_reductions puts in)
 from .capture import as_fake
 
 ENV_VAR = "GRAPHDDP_DEBUG_DIR"
@@ -140,8 +140,7 @@ def aot_graphs(module: fx.GraphModule, fake_args: list[Any]) -> dict[str, str]:
 
     def keep(kind: str):
         def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-            if kind == "backward" and any(schedule_reductions(gm.graph)):  # in-graph reduction: as graphddp compiles it
-                write_blocks_in_place(gm.graph)
+            if kind == "backward" and arrange_reductions(gm.graph):  # in-graph reduction: as graphddp compiles it
                 gm.recompile()
             graphs[kind] = _code(gm)
             return make_boxed_func(gm.forward)

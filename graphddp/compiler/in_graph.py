@@ -68,10 +68,9 @@ from ..passes import (
     GraphParam,
     GraphUse,
     ParamSpec,
+    arrange_reductions,
     bucket_channel,
     reduce_in_place,
-    schedule_reductions,
-    write_blocks_in_place,
 )  # fmt: skip
 from ..runtime import in_graph_blocks, in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp's ops)
 
@@ -360,7 +359,7 @@ def _scheduling_pass() -> type:
     from ..passes import reduction as reduction_passes
 
     class ScheduleReductions(CustomGraphPass):
-        """Inductor's post-grad hook running ``schedule_reductions`` (after a pass the user had set)."""
+        """Inductor's post-grad hook running ``arrange_reductions`` (after a pass the user had set)."""
 
         def __init__(self, before: Any = None) -> None:
             self.before = before
@@ -368,8 +367,7 @@ def _scheduling_pass() -> type:
         def __call__(self, graph: fx.Graph) -> None:
             if self.before is not None:
                 self.before(graph)
-            schedule_reductions(graph)
-            write_blocks_in_place(graph)
+            arrange_reductions(graph)
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
             # The pass's source itself: a changed pass (an upgrade of graphddp) must not reuse a graph the old one
@@ -393,8 +391,7 @@ def _op_by_op(compiler: Callable[..., Any]) -> Callable[..., Any]:
     make of it: scheduled, and the reductions in place (``reduce_in_place``: no clone per collective)."""
 
     def compile_backward(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        schedule_reductions(gm.graph)
-        write_blocks_in_place(gm.graph)
+        arrange_reductions(gm.graph)
         reduce_in_place(gm.graph)
         gm.recompile()
         return compiler(gm, example_inputs)

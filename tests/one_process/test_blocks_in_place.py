@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphddp.passes import write_blocks_in_place
+from graphddp.passes import arrange_reductions, schedule_reductions, write_blocks_in_place
 from graphddp.runtime import in_graph_blocks  # noqa: F401  (registers graphddp::reduce_block_, ::wait_blocks_)
 
 ROWS = (3, 2, 2, 1)
@@ -71,3 +71,23 @@ def test_a_block_cast_for_the_wire_keeps_its_functional_all_reduce() -> None:
     rewritten = make_fx(_pieces_backward(dist.group.WORLD.group_name, wire=torch.float16), tracing_mode="fake")(*_inputs())
     before = _ops(rewritten.graph)
     assert write_blocks_in_place(rewritten.graph) == 0 and _ops(rewritten.graph) == before
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_arrange_reductions_schedules_then_writes_the_blocks_as_every_compile_path_does() -> None:
+    """The one order the Inductor pass, the aot_eager runner and the dump share: the blocks' ops are written after
+    scheduling (they are barriers to it), so the result is the two passes run in that order, and its values the
+    functional graph's."""
+    group = dist.group.WORLD.group_name
+    functional = make_fx(_pieces_backward(group), tracing_mode="fake")(*_inputs())
+    by_hand = make_fx(_pieces_backward(group), tracing_mode="fake")(*_inputs())
+    schedule_reductions(by_hand.graph)
+    write_blocks_in_place(by_hand.graph)
+    arranged = make_fx(_pieces_backward(group), tracing_mode="fake")(*_inputs())
+    assert arrange_reductions(arranged.graph)
+    assert _ops(arranged.graph) == _ops(by_hand.graph) and "graphddp::reduce_block_" in _ops(arranged.graph)
+    arranged.recompile()
+    for expected, got in zip(functional(*_inputs()), arranged(*_inputs())):
+        torch.testing.assert_close(got, expected)
+    plain = make_fx(lambda x, w: torch.mm(x, w).sum(), tracing_mode="fake")(*_inputs()[:2])
+    assert not arrange_reductions(plain.graph)  # nothing to schedule, no blocks: the graph as it was
