@@ -26,11 +26,11 @@ ramps off. Two orders (``--interleave``):
 
 - ``steps`` (the default): each round builds every mode, warms each up, then times one step of each mode in turn,
   ``--steps`` times over, with a barrier before each step. A mode's steps and its baseline's are then at most one
-  pass over the modes apart (~2 s), so a ratio of added times is not moved by drift slower than that. Each mode's
-  model gets a ``forward`` code object of its own (``isolated_model``): Dynamo keeps its compiled code per code
-  object, so no mode's step looks through another mode's cache entries, and no compiled graph is reused by
-  another mode. A step that compiles anything while timed is counted (``compiles_while_timed``) and the run says
-  so.
+  pass over the modes apart (~2.5 s for the 14 modes at two ranks), so a ratio of added times is not moved by
+  drift slower than that. Each mode's model gets a ``forward`` code object of its own (``isolated_model``): Dynamo
+  keeps its compiled code per code object, so no mode's step looks through another mode's cache entries, and no
+  compiled graph is reused by another mode. A step that compiles anything while timed is counted
+  (``compiles_while_timed``) and the run says so.
 - ``modes`` (the default up to session 18, ``docs/benchmarks.md``): one mode is alive at a time; each round builds
   it afresh (Dynamo reset, Inductor's caches warm), warms it up and times ``--steps`` steps in a row. Drift of the
   machine between rounds hits every mode alike; drift within a round (a mode's steps and its baseline's sit up to a
@@ -267,7 +267,7 @@ def _rounds_of_modes(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
 def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any]) -> None:
     """``--interleave steps``: every mode alive at once, one step of each in turn, a barrier before each."""
     limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * len(modes))  # DDP.forward frames are shared by modes
+    torch._dynamo.config.recompile_limit = max(limit, 2 * len(modes))  # frames outside the isolated forward (a DDP's own) are shared
     try:
         for r in range(o.rounds):
             torch._dynamo.reset()
