@@ -258,9 +258,7 @@ def _rounds_of_modes(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
             dist.barrier()
             for _ in range(o.steps):
                 prepared.time_one(o, record[mode])
-            if r == o.rounds - 1:
-                prepared.count_calls(record[mode])
-            record[mode]["params"] = prepared.params
+            prepared.end_round(record[mode], last=r == o.rounds - 1)
             del prepared
 
 
@@ -279,9 +277,7 @@ def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
                     dist.barrier()
                     p.time_one(o, record[mode])
             for mode, p in prepared.items():
-                if r == o.rounds - 1:
-                    p.count_calls(record[mode])
-                record[mode]["params"] = p.params
+                p.end_round(record[mode], last=r == o.rounds - 1)
             del prepared
     finally:
         torch._dynamo.config.recompile_limit = limit
@@ -317,6 +313,12 @@ class _Prepared:
         _sync(o)
         record["times_s"].append(time.perf_counter() - start)
         record["compiles_while_timed"] += graphs_compiled() - compiled
+
+    def end_round(self, record: dict[str, Any], *, last: bool) -> None:
+        """After a round's timed steps: the parameter count, and in the ``last`` round the calls of one backward."""
+        if last:
+            self.count_calls(record)
+        record["params"] = self.params
 
     def count_calls(self, record: dict[str, Any]) -> None:
         record["backward_calls"] = self.step(CallCounter())
