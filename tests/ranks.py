@@ -34,7 +34,13 @@ class RankTimeout(AssertionError):
 
 
 def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, backend: str) -> None:
+    import faulthandler
+
     import torch
+
+    # A rank killed by a signal (SIGSEGV, or SIGABRT from a heap check) otherwise shows only its exit code: print
+    # every thread's Python stack to stderr, which pytest shows with the failure, to say which test and which line.
+    faulthandler.enable(all_threads=True)
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores shared by up to 3 ranks: oversubscription only adds noise
@@ -84,7 +90,11 @@ class RankPool:
                 pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
             if dead:
-                raise RankFailure(f"{fn.__name__}: rank(s) {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})")
+                codes = [self._procs[r].exitcode for r in dead]
+                raise RankFailure(
+                    f"{fn.__name__}: rank(s) {dead} died (exit codes {codes}; a negative code is the signal that "
+                    "killed it, and its Python stack is in the captured stderr)"
+                )
             if time.monotonic() > deadline:
                 waiting = sorted(set(range(self.world_size)) - set(done))
                 failed = {r: v for r, (ok, v) in done.items() if not ok}
