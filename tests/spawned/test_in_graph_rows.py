@@ -75,6 +75,17 @@ def _rounding_order(grad: torch.Tensor) -> dict[str, float]:
     return {"rtol": 1.6e-2, "atol": float(grad.abs().max()) * 2**-8}
 
 
+def _stepped(param: torch.Tensor, inner: str, lr: float) -> dict[str, float]:
+    """Tolerances for a parameter after an AdamW step from gradients that passed ``_rounding_order``. AdamW divides
+    each element by its own gradient scale, so a rounding on a tiny element becomes up to a step's worth: under
+    Inductor, on a CPU whose kernels vectorise differently from eager's, ``wte.weight``'s gradient at one element
+    was 2e-7 on both sides, 0.8 % apart, and the two steps 2.2e-5 apart (lr 0.01). Allowed: 1 % of ``lr``. The
+    gradients themselves, the real check, are held to ``assert_close``'s defaults every step."""
+    if param.dtype == torch.float32 and inner == "inductor":
+        return {"rtol": 1.3e-6, "atol": 0.01 * lr}
+    return {}
+
+
 def train(rank: int, world: int, model_name: str, inner: str, stepping: bool, dump: str | None, variant: Variant = Variant()) -> dict:
     """Five steps of ``model_name`` compiled with rows on, against PyTorch's DDP: gradients (or, stepping in
     backward, parameters and AdamW's state) checked every step; per step the gate and the hook calls of the
@@ -83,7 +94,8 @@ def train(rank: int, world: int, model_name: str, inner: str, stepping: bool, du
     vocab = 512
     model = build_model(model_name, vocab=vocab).to(getattr(torch, variant.dtype))
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    opt, ref_opt = (getattr(torch.optim, variant.optimizer)(m.parameters(), lr=0.01, weight_decay=0.1) for m in (model, ref))
+    lr = 0.01
+    opt, ref_opt = (getattr(torch.optim, variant.optimizer)(m.parameters(), lr=lr, weight_decay=0.1) for m in (model, ref))
     record = []
     with counted_hooks() as calls:
         ddp = graphddp.DDP(model, **CAPS, sparse_embedding_grads=True, channels=variant.channels)
@@ -108,10 +120,10 @@ def train(rank: int, world: int, model_name: str, inner: str, stepping: bool, du
             ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
             for p, q in zip(ddp.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q)
+                torch.testing.assert_close(p, q, **_stepped(q, inner, lr))
                 if "exp_avg_sq" in ref_opt.state[q]:
                     torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"])
-                if p.dtype == torch.bfloat16:  # bf16 roundings compound over steps: each step from the same weights
+                if p.dtype == torch.bfloat16 or _stepped(q, inner, lr):  # roundings compound: each step from the same weights
                     p.data.copy_(q.data)
     return {
         "steps": record,
