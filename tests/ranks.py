@@ -37,11 +37,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     import faulthandler
 
     import torch
+    import torch.distributed as dist
 
     # A rank killed by a signal (SIGSEGV, or SIGABRT from a heap check) otherwise shows only its exit code: print
     # every thread's Python stack to stderr, which pytest shows with the failure, to say which test and which line.
     faulthandler.enable(all_threads=True)
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores shared by up to 3 ranks: oversubscription only adds noise
     if torch.cuda.is_available():  # the GPU tests: rank r on GPU r (mod the count; gloo ranks may share one)

@@ -120,10 +120,11 @@ def train(rank: int, world: int, model_name: str, inner: str, stepping: bool, du
             ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
             for p, q in zip(ddp.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, **_stepped(q, inner, lr))
+                stepped = _stepped(q, inner, lr)
+                torch.testing.assert_close(p, q, **stepped)
                 if "exp_avg_sq" in ref_opt.state[q]:
                     torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"])
-                if p.dtype == torch.bfloat16 or _stepped(q, inner, lr):  # roundings compound: each step from the same weights
+                if p.dtype == torch.bfloat16 or stepped:  # roundings compound: each step from the same weights
                     p.data.copy_(q.data)
     return {
         "steps": record,
