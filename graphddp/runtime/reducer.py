@@ -123,7 +123,10 @@ class Reducer:
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
 
     def _make_launcher(self) -> Launcher:
-        dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank) for b in self.buckets]
+        dense = [
+            dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad)
+            for b in self.buckets
+        ]
         each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, channels=self._channels)
         return Launcher(self.buckets, self._skip.reductions(self.buckets, each, dense), self._policy, self._events)
 

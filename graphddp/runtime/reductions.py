@@ -29,6 +29,23 @@ The outcome depends only on the all-reduced mask, so every rank takes the same b
 ``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying until the plan
 changes; the Reducer then also drops its parts from the plan.
 
+Note [Sparse gradients, gathered]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``torch.sparse`` gradient (``nn.Embedding(sparse=True)``, its own bucket: ``buckets.SparseGradBucket``) is averaged
+by ``GatheredSparseReduction`` with dense collectives, never the backend's sparse all-reduce:
+
+* ``start``: every rank's ``nnz`` (its gradient coalesced: ``[S, nnz]`` indices, ``[nnz, *D]`` values), all-gathered;
+* ``commit``: the indices and the values, each padded to the largest ``nnz``, all-gathered (nothing when no rank has
+  a row);
+* ``wait``: every rank's rows, unpadded, as one sparse tensor, coalesced: rows several ranks touched are summed (the
+  Reducer divided by the world size while putting the gradient in its bucket).
+
+Why not ``all_reduce`` of the sparse tensor, as PyTorch's Reducer does: gloo's sparse all-reduce corrupts the heap
+now and then when other collectives run beside it (``tests/repro/sparse_gloo_heap.py`` kills a rank of PyTorch's own
+DDP within minutes; docs/reliability.md, "A heap corruption with sparse gradients on gloo"), and all-gathers of dense
+tensors are what every backend has. They are what gloo's sparse all-reduce does inside (sizes, then indices and
+values), with padding to the largest ``nnz``. A user's comm hook still gets the sparse tensor itself, as in PyTorch.
+
 Note [Lean bucket path]
 ~~~~~~~~~~~~~~~~~~~~~~~
 What a plain dense bucket costs per iteration, the path of nearly every bucket (PyTorch's C++ Reducer runs the same
@@ -166,21 +183,36 @@ class LocalReduction:
         return SkippedInFlight(buffer, outcome=None)
 
 
+class GatheredSparseReduction:
+    """A ``torch.sparse`` gradient (``nn.Embedding(sparse=True)``) averaged with dense all-gathers, not the backend's
+    sparse all-reduce (Note [Sparse gradients, gathered]). The Reducer scaled it while putting it in its bucket."""
+
+    gave_up = False
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> GatheredSparseInFlight:
+        return GatheredSparseInFlight(self.group, buffer)
+
+
 def local_average(world_size: int, hook: CommHook) -> bool:
     """The one rule for ``LocalReduction``: one rank, graphddp's own averaging (a user's hook runs even alone, as
     in PyTorch: it may compress, and so change the gradient)."""
     return world_size == 1 and not hook.custom
 
 
-DenseReduction = HookReduction | AveragingReduction | LocalReduction
+DenseReduction = HookReduction | AveragingReduction | LocalReduction | GatheredSparseReduction
 
 
-def dense_reduction(hook: CommHook, group: dist.ProcessGroup, rank: int) -> DenseReduction:
-    """The whole bucket through ``hook``: the user's (a future), graphddp's averaging (its ``Work``), or nothing
-    to do on one rank."""
+def dense_reduction(hook: CommHook, group: dist.ProcessGroup, rank: int, *, sparse: bool = False) -> DenseReduction:
+    """The whole bucket through ``hook``: the user's (a future), graphddp's averaging (its ``Work``; a ``torch.sparse``
+    gradient, ``sparse``, by all-gathers), or nothing to do on one rank."""
     if hook.custom:
-        return HookReduction(hook, rank)
-    return LocalReduction() if local_average(group.size(), hook) else AveragingReduction(group)
+        return HookReduction(hook, rank)  # a user's hook gets a sparse gradient as it is, as in PyTorch
+    if local_average(group.size(), hook):
+        return LocalReduction()
+    return GatheredSparseReduction(group) if sparse else AveragingReduction(group)
 
 
 def bucket_reductions(
@@ -292,6 +324,67 @@ class SkippedInFlight:
 
     def wait(self) -> torch.Tensor:
         return self._buffer
+
+
+class GatheredSparseInFlight:
+    """One iteration's average of one ``torch.sparse`` gradient (``[S, nnz]`` indices, ``[nnz, *D]`` values):
+    ``start`` gathers every rank's ``nnz``; ``commit`` gathers the indices and values, each padded to the largest
+    ``nnz``; ``wait`` sums them into one coalesced sparse tensor."""
+
+    pending_commit = True
+    outcome = None
+
+    def __init__(self, group: dist.ProcessGroup, grad: torch.Tensor) -> None:
+        grad = grad.coalesce()  # a no-op for the Reducer's (``SparseGradBucket.put``); zeros for a joined rank
+        self._group, self._shape = group, grad.shape
+        self._indices, self._values = grad._indices(), grad._values()  # [S, nnz], [nnz, *D]
+        count = torch.tensor([self._values.shape[0]], dtype=torch.long, device=self._values.device)
+        self._counts = count.new_empty(group.size())  # [world]
+        self._count_work = group._allgather_base(self._counts, count)  # all_gather_into_tensor, without its checks
+        self._works: list[Any] = []
+        self._gathered: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+        self._future: torch.futures.Future | None = None
+
+    @property
+    def future(self) -> torch.futures.Future | None:
+        """Once committed: done when both gathers are (the launcher asks while recording events)."""
+        if self._gathered is None:
+            return None
+        if self._future is None:
+            self._future = torch.futures.collect_all([w.get_future() for w in self._works])
+        return self._future
+
+    def commit(self) -> None:
+        if self._gathered is not None:
+            return
+        self._count_work.wait()
+        counts = self._counts.tolist()  # the same on every rank
+        most, world = max(counts), len(counts)
+        indices = self._indices.new_zeros(world, self._indices.shape[0], most)  # [world, S, most]
+        values = self._values.new_zeros(world, most, *self._values.shape[1:])  # [world, most, *D]
+        if most > 0:  # else no rank has a row: nothing to send (every rank knows it)
+            mine_i, mine_v = self._indices.new_zeros(indices.shape[1:]), self._values.new_zeros(values.shape[1:])
+            mine_i[:, : self._indices.shape[1]] = self._indices
+            mine_v[: self._values.shape[0]] = self._values
+            gather = self._group._allgather_base  # flat: the output is the inputs one after the other
+            self._works = [gather(indices.view(-1), mine_i.view(-1)), gather(values.view(-1), mine_v.view(-1))]
+        self._gathered = (counts, indices, values)
+
+    def done(self) -> bool:
+        return self._gathered is not None and all(w.is_completed() for w in self._works)
+
+    def wait(self) -> torch.Tensor:
+        assert self._gathered is not None, "wait() before commit()"
+        for work in self._works:
+            work.wait()
+        counts, indices, values = self._gathered
+        summed = torch.sparse_coo_tensor(
+            torch.cat([indices[r, :, :n] for r, n in enumerate(counts)], dim=1),  # [S, sum(counts)]
+            torch.cat([values[r, :n] for r, n in enumerate(counts)]),  # [sum(counts), *D]
+            self._shape,
+            check_invariants=False,  # each rank's indices were a coalesced gradient's, in range
+        )
+        return summed.coalesce()  # a row several ranks touched: summed
 
 
 def touched_rows_mask(table: torch.Tensor) -> torch.Tensor:

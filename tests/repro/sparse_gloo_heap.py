@@ -7,7 +7,8 @@ embedding gradient under a DDP, a fresh model every 6 steps, until ``--seconds``
 With ``--impl torch`` nothing of graphddp is imported: PyTorch's own DDP (built-in reduction) dies with
 "malloc(): unaligned tcache chunk detected" (SIGABRT) or SIGSEGV within a minute or two on this project's 2-core
 VM. A rank that dies prints its Python stack (faulthandler); a core file (``ulimit -c unlimited``) shows the
-corruption found by a gloo worker thread's allocation. Not a test: it runs until it fails, and a run that survives
+corruption found by a gloo worker thread's allocation. With ``--impl graphddp`` the sparse gradient goes through
+dense all-gathers instead (Note [Sparse gradients, gathered] in ``graphddp/runtime/reductions.py``). Not a test: it runs until it fails, and a run that survives
 proves little.
 """
 

@@ -38,3 +38,82 @@ def test_sparse_gradient_used_on_one_rank_only(world: int) -> None:
     """PyTorch's DDP fails here ("Expected sparse gradient to be defined"); graphddp all-reduces an empty sparse
     tensor from the ranks that did not use the table."""
     run_on_ranks(sparse_table_used_on_rank0_only, world)
+
+
+def rank_gradient(rank: int, shape: tuple[int, ...], sparse_dims: int) -> torch.Tensor:
+    """Rank ``rank``'s sparse gradient: a different number of entries per rank (none on rank 1), some shared."""
+    g = torch.Generator().manual_seed(rank)
+    count = 0 if rank == 1 else 3 + 2 * rank
+    indices = torch.stack([torch.randint(0, shape[d], (count,), generator=g) for d in range(sparse_dims)])  # [S, n]
+    values = torch.randn(count, *shape[sparse_dims:], generator=g)  # [n, *D]
+    return torch.sparse_coo_tensor(indices, values, shape).coalesce()  # repeated indices: summed
+
+
+def gathered_sum_of_every_rank(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from graphddp.runtime.reductions import GatheredSparseReduction
+
+    reduction = GatheredSparseReduction(dist.group.WORLD)
+    for shape, sparse_dims in [((7, 3), 1), ((5, 4), 2), ((6, 2, 2), 1)]:
+        in_flight = reduction.start(None, rank_gradient(rank, shape, sparse_dims), is_last=True)  # type: ignore[arg-type]
+        in_flight.commit()
+        summed = in_flight.wait()
+        expected = sum(rank_gradient(r, shape, sparse_dims).to_dense() for r in range(world))
+        assert summed.is_sparse and summed.is_coalesced(), f"rank {rank}: {shape} came back as {summed.layout}"
+        torch.testing.assert_close(summed.to_dense(), expected, msg=lambda m: f"rank {rank}, shape {shape}: {m}")
+    nothing = reduction.start(None, torch.zeros(4, 2).to_sparse(1), is_last=True)  # type: ignore[arg-type]
+    nothing.commit()
+    assert nothing.wait()._nnz() == 0 and nothing.done(), f"rank {rank}: no rank had an entry, yet some came back"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_sparse_reduction_sums_every_ranks_entries(world: int) -> None:
+    """Note [Sparse gradients, gathered]: ranks with different entry counts (one with none, some indices shared),
+    hybrid and fully sparse layouts, and no entry on any rank."""
+    run_on_ranks(gathered_sum_of_every_rank, world)
+
+
+def _refusing_sparse_all_reduce() -> object:
+    """Make every ``ProcessGroup.allreduce`` of this process refuse a sparse tensor; returns the original, to
+    restore."""
+    import torch.distributed as dist
+
+    original = dist.ProcessGroup.__dict__["allreduce"]  # the binding itself: restored as it was
+    call = dist.ProcessGroup.allreduce
+
+    def allreduce(self, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if any(t.is_sparse for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)):
+            raise RuntimeError("test: the backend's sparse all-reduce was called")
+        return call(self, tensors, *args, **kwargs)
+
+    dist.ProcessGroup.allreduce = allreduce
+    return original
+
+
+def trained_without_sparse_all_reduce(rank: int, world: int, ddp_options: dict) -> None:
+    import torch.distributed as dist
+
+    idx = torch.tensor([[1, 2], [2, 7], [3, 3], [9, 1]])  # [world * 2, 2]: two samples per rank
+    reference, model = SparseTable(), SparseTable()
+    original = _refusing_sparse_all_reduce()
+    try:
+        ddp = graphddp.DDP(model, **ddp_options)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference))
+        for step in range(3):
+            batch = idx.roll(step, 0)
+            ddp(batch[2 * rank : 2 * rank + 2], True).backward()
+            (reference(batch[: 2 * world], True) / world).backward()  # the mean of the ranks' losses
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    finally:
+        dist.ProcessGroup.allreduce = original  # the rank process is pooled: leave it as it was
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, ref, msg=lambda m: f"rank {rank}, {name} after 3 steps: {m}")
+
+
+@pytest.mark.parametrize("ddp_options", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}], ids=str)
+def test_sparse_gradients_never_use_the_backends_sparse_all_reduce(ddp_options: dict) -> None:
+    """gloo's sparse all-reduce corrupts the heap now and then (docs/reliability.md): graphddp averages a ``torch.sparse`` gradient with all-gathers (Note [Sparse gradients, gathered]), and trains as one
+    process on the whole batch does, with a group whose sparse all-reduce refuses."""
+    run_on_ranks(trained_without_sparse_all_reduce, 2, ddp_options)
