@@ -110,6 +110,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
         self.options, self._precision = given.options, given.precision  # the policy for mixed_precision
         self.module = module
+        self._sparse_grads = sparse_gradient_params(module)  # torch.sparse gradients: each alone, averaged sparse
         self.process_group, self.device_mesh = given.process_group, given.device_mesh
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self._delayed_names = named_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
@@ -131,11 +132,10 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         rows = self.options.sparse_embedding_grads
         reduces_rows = rows_apply(enabled=rows is not False, world_size=self.world_size, device=str(self.device), custom_comm_hook=False)
         row_sparse = embedding_tables(self.module) - self.parameters_to_ignore if reduces_rows else frozenset()  # ranks compare these
-        sparse = sparse_gradient_params(self.module)  # torch.sparse gradients: each alone, all-reduced sparse
 
         def spec(name: str, p: torch.Tensor, label: str = "") -> ParamSpec:
             return ParamSpec.of(
-                label + name, p, row_sparse=name in row_sparse, sparse_grad=name in sparse,
+                label + name, p, row_sparse=name in row_sparse, sparse_grad=name in self._sparse_grads,
                 dtype=self._precision.reduce_dtype_of(p),  # buckets in mixed_precision's reduce_dtype
             )
 
@@ -215,7 +215,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         compile_target.enter(self.reducer.compile_target)  # graphs Dynamo captures now are planned for this Reducer
         previous = dynamo_hook.activate(self)  # and split at its buckets whatever the backend (Note [Split without asking])
         try:
-            output = self._precision.run(self.module, inputs, kwargs, self.parameters_to_ignore)
+            output = self._precision.run(self.module, inputs, kwargs, self.parameters_to_ignore, self._sparse_grads)
         finally:
             dynamo_hook.deactivate(previous)
             compile_target.leave()

@@ -126,7 +126,7 @@ class ParamSpec:
     sparse_grad: bool = False
     """Autograd gives this parameter a ``torch.sparse`` COO gradient (``nn.Embedding``/``nn.EmbeddingBag`` with
     ``sparse=True``): its bucket holds it alone and the Reducer averages it as a sparse tensor, as PyTorch's DDP
-    does (by dense all-gathers, Note [Sparse gradients, gathered] in ``graphddp.runtime.reductions``) (``sparse_gradient_params`` in ``passes/row_sparse.py`` says which)."""
+    does (graphddp through dense all-gathers: Note [Sparse gradients, gathered] in ``graphddp.runtime.reductions``) (``sparse_gradient_params`` in ``passes/row_sparse.py`` says which)."""
     one_matmul: bool = False
     """Its gradient is one matmul's: the only use in the captured graph that sends a gradient back is a linear or
     matmul (``find_graph_params``), or, for a part, its use is (``part_at``); False in eager plans. Only such a gradient is sent in pieces, each block

@@ -223,7 +223,7 @@ def embedding_tables(module: nn.Module) -> frozenset[str]:
 def sparse_gradient_params(module: nn.Module) -> frozenset[str]:
     """Trainable weights that autograd gives a ``torch.sparse`` gradient: those of ``nn.Embedding`` and
     ``nn.EmbeddingBag`` modules built with ``sparse=True``, the rule PyTorch's DDP applies. Each is planned alone
-    (``ParamSpec.sparse_grad``) and all-reduced as a sparse tensor; never as rows, which are for dense tables."""
+    (``ParamSpec.sparse_grad``) and averaged as a sparse tensor; never as rows, which are for dense tables."""
     names = {id(p): n for n, p in module.named_parameters()}
     return frozenset(
         names[id(m.weight)]

@@ -110,8 +110,9 @@ class FlatBucket:
 
 class SparseGradBucket(FlatBucket):
     """A bucket of one ``torch.sparse`` gradient (``ParamSpec.sparse_grad``): no flat storage, ``buffer`` *is* the
-    gradient, put there when it is ready (``grad_layout.SparseGrads``) and replaced by the reduced tensor (a
-    sparse all-reduce returns a tensor of its own size), as PyTorch's Reducer does with sparse gradients."""
+    gradient in the bucket's dtype (``mixed_precision``'s ``reduce_dtype``), put there when it is ready
+    (``grad_layout.SparseGrads``) and replaced by the reduced tensor (a sparse average has a size of its own), as
+    PyTorch's Reducer does with sparse gradients."""
 
     def __init__(self, spec: Bucket, params: list[torch.nn.Parameter], param_indices: list[int]) -> None:
         super().__init__(spec, params, param_indices)
@@ -125,13 +126,13 @@ class SparseGradBucket(FlatBucket):
 
     @torch.no_grad()
     def put(self, grad: torch.Tensor | None, scale: float | None) -> None:
-        """The parameter's gradient, scaled, as the bucket's content (a copy: ``.grad`` stays as it was until the
-        write-back); no gradient: a tensor with no rows."""
+        """The parameter's gradient in the bucket's dtype, scaled, as the bucket's content (a copy: ``.grad`` stays
+        as it was until the write-back); no gradient: a tensor with no rows. Every rank's is then of one dtype."""
+        spec = self.spec.params[0]
         if grad is None:
-            spec = self.spec.params[0]
             self.buffer = _no_rows(spec.shape, spec.dtype, spec.device)
         else:
-            grad = grad.coalesce()
+            grad = grad.coalesce().to(spec.dtype)  # a copy only where mixed_precision reduces in another dtype
             self.buffer = grad * scale if scale is not None else grad.clone()
 
     def take(self, reduced: torch.Tensor) -> None:
@@ -140,7 +141,7 @@ class SparseGradBucket(FlatBucket):
 
 def _no_rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     # indices [1, 0], values [0, *shape[1:]]: the hybrid layout of an embedding's gradient, so ranks that had no
-    # gradient all-reduce a tensor shaped like the others'.
+    # gradient send a tensor laid out like the others' (the only sparse gradients planned: sparse_gradient_params).
     return torch.sparse_coo_tensor(
         torch.empty(1, 0, dtype=torch.long), torch.empty(0, *shape[1:], dtype=dtype), shape, device=device,
         check_invariants=False,  # empty: nothing to check

@@ -215,7 +215,7 @@ class SparseGrads(PerParameter):
 
     def from_bucket(self, param: torch.Tensor, view: torch.Tensor, parts: Sequence[torch.Tensor] = ()) -> None:
         assert not parts, "a sparse gradient has no parts"
-        param.grad = self.bucket.buffer
+        param.grad = self.bucket.buffer.to(param.dtype)  # from mixed_precision's reduce_dtype, if it is another
 
     def move(self, param: torch.Tensor, new_view: torch.Tensor) -> None:
         """Buckets were re-planned: the gradient is its own tensor, nothing to move."""

@@ -127,7 +127,8 @@ class Launcher:
         buffer once its reduction is done, the lowest index first among those done, so a bucket that finished
         before an earlier one (gloo runs two collectives at once, by default) is stepped while that one is still
         being sent. In index order (``reduced_in_order``) while a collective is still to be issued (``ChainedLaunch``,
-        a row-sparse table's rows): waiting in index order is what issues those, at the same point on every rank."""
+        a row-sparse table's rows, a sparse gradient's gathers): waiting in index order is what issues those, at the
+        same point on every rank."""
         if self.policy.chains or self.committing:
             yield from self.reduced_in_order()
             return

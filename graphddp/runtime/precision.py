@@ -13,7 +13,9 @@ no backward leaves the parameters in low precision). graphddp runs the module on
 differentiable cast (``torch.func.functional_call``): the parameters never change dtype, autograd casts each
 gradient back to the parameter's dtype on its way to ``.grad`` (an exact widening), and the Reducer's buckets are
 planned in ``reduce_dtype`` (``MixedPrecision.reduce_dtype_of``), so the all-reduce runs in that dtype as in
-PyTorch. Any comm hook can still be registered; ``no_sync`` accumulates in full precision.
+PyTorch. Any comm hook can still be registered; ``no_sync`` accumulates in full precision. A ``torch.sparse``
+gradient (``nn.Embedding(sparse=True)``) comes back through ``SparseGradCast`` (autograd's cast refuses a sparse
+gradient) and is averaged in ``reduce_dtype`` as well (``buckets.SparseGradBucket.put`` casts it).
 
 The average: graphddp scales each gradient by 1/world while copying it into its bucket (as PyTorch's default
 Reducer does); PyTorch's mixed-precision hook divides after the sum. In a low-precision ``reduce_dtype`` the two
@@ -30,11 +32,26 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 
+class SparseGradCast(torch.autograd.Function):
+    """``param.to(dtype)`` whose backward casts a ``torch.sparse`` gradient back too: autograd's own cast refuses one
+    ("to(options) doesn't support converting to a different layout"), so an ``nn.Embedding(sparse=True)`` could not
+    run in ``param_dtype`` otherwise."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = param.dtype
+        return param.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None  # keeps grad's layout, sparse or strided
+
+
 @dataclasses.dataclass(frozen=True)
 class FullPrecision:
     """No ``mixed_precision``: the module runs as it is."""
 
-    def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[str]) -> Any:
+    def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[str], sparse_grads: frozenset[str]) -> Any:
         return module(*inputs, **kwargs)
 
     def reduce_dtype_of(self, param: torch.Tensor) -> torch.dtype:
@@ -72,13 +89,15 @@ class MixedPrecision:
                 f"reduce_dtype, buffer_dtype), got {type(config).__name__}"
             ) from None
 
-    def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[str]) -> Any:
+    def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[str], sparse_grads: frozenset[str]) -> Any:
         """``module(*inputs, **kwargs)`` on ``param_dtype`` copies of its floating parameters (but ``skip``: the
-        ignored ones) and floating inputs; gradients flow back to the full-precision parameters through the casts."""
+        ignored ones) and floating inputs; gradients flow back to the full-precision parameters through the casts
+        (``sparse_grads``: parameters autograd gives a ``torch.sparse`` gradient, cast by ``SparseGradCast``)."""
         if self.param_dtype is None:
             return module(*inputs, **kwargs)
         low = {
-            name: p.to(self.param_dtype)  # [same shape]: a differentiable cast, a new tensor each forward
+            # [same shape]: a differentiable cast, a new tensor each forward
+            name: SparseGradCast.apply(p, self.param_dtype) if name in sparse_grads else p.to(self.param_dtype)
             for name, p in module.named_parameters()
             if p.is_floating_point() and name not in skip
         }

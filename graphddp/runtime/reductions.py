@@ -9,9 +9,11 @@ Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective 
 * ``wait()`` returns the reduced bucket, checked: one tensor with the buffer's element count.
 
 ``dense_reduction``: the bucket through the user's comm hook (``HookReduction``), or graphddp's averaging
-all-reduce (``AveragingReduction``), one step, nothing to commit. The averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a
-GPU a Python future chain (``get_future().then(...)``, its ``value()``) costs ~0.4 ms of CPU per bucket, measured on
-an H100 (docs/gpu.md), which a backward that feeds the GPU from Python cannot hide.
+all-reduce (``AveragingReduction``), one step, nothing to commit; a ``torch.sparse`` gradient under graphddp's
+averaging through all-gathers, two steps (``GatheredSparseReduction``, Note [Sparse gradients, gathered]). The
+averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a GPU a Python
+future chain (``get_future().then(...)``, its ``value()``) costs ~0.4 ms of CPU per bucket, measured on an H100
+(docs/gpu.md), which a backward that feeds the GPU from Python cannot hide.
 
 ``RowSparseReduction`` (Note [Row-sparse gradients] in ``passes/row_sparse.py``): an embedding table's gradient
 in two steps, both issued from the thread that runs backward:
@@ -44,7 +46,9 @@ Why not ``all_reduce`` of the sparse tensor, as PyTorch's Reducer does: gloo's s
 now and then when other collectives run beside it (``tests/repro/sparse_gloo_heap.py`` kills a rank of PyTorch's own
 DDP within minutes; docs/reliability.md, "A heap corruption with sparse gradients on gloo"), and all-gathers of dense
 tensors are what every backend has. They are what gloo's sparse all-reduce does inside (sizes, then indices and
-values), with padding to the largest ``nnz``. A user's comm hook still gets the sparse tensor itself, as in PyTorch.
+values), with padding to the largest ``nnz``: each rank receives ``world`` times the largest rank's entries, so one
+rank with many rows makes every rank's buffers that large (the backend's sparse all-reduce receives each rank's own
+count). A user's comm hook still gets the sparse tensor itself, as in PyTorch.
 
 Note [Lean bucket path]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -338,16 +342,17 @@ class GatheredSparseInFlight:
         grad = grad.coalesce()  # a no-op for the Reducer's (``SparseGradBucket.put``); zeros for a joined rank
         self._group, self._shape = group, grad.shape
         self._indices, self._values = grad._indices(), grad._values()  # [S, nnz], [nnz, *D]
-        count = torch.tensor([self._values.shape[0]], dtype=torch.long, device=self._values.device)
-        self._counts = count.new_empty(group.size())  # [world]
-        self._count_work = group._allgather_base(self._counts, count)  # all_gather_into_tensor, without its checks
+        count = torch.full((1,), self._values.shape[0], dtype=torch.long, device=self._values.device)  # no H2D copy
+        self._counts = count.new_empty(group.size(), 1)  # [world, 1]
+        self._count_work = _all_gather(group, self._counts, count)
         self._works: list[Any] = []
         self._gathered: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
         self._future: torch.futures.Future | None = None
 
     @property
     def future(self) -> torch.futures.Future | None:
-        """Once committed: done when both gathers are (the launcher asks while recording events)."""
+        """Once committed: done when both gathers are (the launcher asks while recording events; the count's
+        gather is done by then: ``commit`` waited for it)."""
         if self._gathered is None:
             return None
         if self._future is None:
@@ -358,7 +363,7 @@ class GatheredSparseInFlight:
         if self._gathered is not None:
             return
         self._count_work.wait()
-        counts = self._counts.tolist()  # the same on every rank
+        counts = self._counts.view(-1).tolist()  # the same on every rank
         most, world = max(counts), len(counts)
         indices = self._indices.new_zeros(world, self._indices.shape[0], most)  # [world, S, most]
         values = self._values.new_zeros(world, most, *self._values.shape[1:])  # [world, most, *D]
@@ -366,8 +371,7 @@ class GatheredSparseInFlight:
             mine_i, mine_v = self._indices.new_zeros(indices.shape[1:]), self._values.new_zeros(values.shape[1:])
             mine_i[:, : self._indices.shape[1]] = self._indices
             mine_v[: self._values.shape[0]] = self._values
-            gather = self._group._allgather_base  # flat: the output is the inputs one after the other
-            self._works = [gather(indices.view(-1), mine_i.view(-1)), gather(values.view(-1), mine_v.view(-1))]
+            self._works = [_all_gather(self._group, indices, mine_i), _all_gather(self._group, values, mine_v)]
         self._gathered = (counts, indices, values)
 
     def done(self) -> bool:
@@ -385,6 +389,13 @@ class GatheredSparseInFlight:
             check_invariants=False,  # each rank's indices were a coalesced gradient's, in range
         )
         return summed.coalesce()  # a row several ranks touched: summed
+
+
+def _all_gather(group: dist.ProcessGroup, out: torch.Tensor, mine: torch.Tensor) -> Any:
+    """``out[r] = rank r's mine`` (``out``: ``[world, *mine.shape]``), issued on ``group``: its ``allgather`` with
+    views of ``out`` as outputs, which every backend has had (gloo's all-gather into one tensor is recent), without
+    ``dist.all_gather``'s per-call checks. Returns the ``Work``."""
+    return group.allgather([list(out.unbind(0))], [mine])
 
 
 def touched_rows_mask(table: torch.Tensor) -> torch.Tensor:

@@ -18,26 +18,31 @@ class SparseTable(nn.Module):
         self.head = nn.Linear(4, 1)
 
     def forward(self, idx: torch.Tensor, use_table: bool) -> torch.Tensor:
-        x = self.table(idx).sum(1) if use_table else torch.zeros(idx.shape[0], 4)  # [B, 2] -> [B, 4]
+        x = self.table(idx).sum(1) if use_table else self.head.weight.new_zeros(idx.shape[0], 4)  # [B, 2] -> [B, 4]
         return self.head(x + 1).sum()
 
 
-def sparse_table_used_on_rank0_only(rank: int, world: int) -> None:
+def sparse_table_used_on_rank0_only(rank: int, world: int, reduce_dtype: torch.dtype | None) -> None:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
     idx = torch.tensor([[1, 2], [2, 7]])
     reference = SparseTable()
     reference(idx, True).backward()  # rank 0's gradient of the table
-    ddp = graphddp.DDP(SparseTable(), find_unused_parameters=True)
+    precision = _MixedPrecision(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype) if reduce_dtype else None
+    ddp = graphddp.DDP(SparseTable(), find_unused_parameters=True, mixed_precision=precision)
     ddp(idx, rank == 0).backward()
     grad = ddp.module.table.weight.grad
     assert grad is not None and grad.is_sparse, f"rank {rank}: the table's reduced gradient must stay sparse, got {grad}"
-    torch.testing.assert_close(grad.to_dense(), reference.table.weight.grad.to_dense() / world)
+    assert grad.dtype == torch.float32, f"rank {rank}: .grad must be in the parameter's dtype, got {grad.dtype}"
+    low = {"rtol": 1e-2, "atol": 1e-2} if reduce_dtype else {}  # bfloat16 forward, backward and average
+    torch.testing.assert_close(grad.to_dense(), reference.table.weight.grad.to_dense() / world, **low)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sparse_gradient_used_on_one_rank_only(world: int) -> None:
-    """PyTorch's DDP fails here ("Expected sparse gradient to be defined"); graphddp all-reduces an empty sparse
-    tensor from the ranks that did not use the table."""
-    run_on_ranks(sparse_table_used_on_rank0_only, world)
+@pytest.mark.parametrize(("world", "reduce_dtype"), [(2, None), (3, None), (2, torch.bfloat16)])
+def test_sparse_gradient_used_on_one_rank_only(world: int, reduce_dtype: torch.dtype | None) -> None:
+    """PyTorch's DDP fails here ("Expected sparse gradient to be defined"); graphddp sends an empty sparse tensor
+    from the ranks that did not use the table (no entries to gather)."""
+    run_on_ranks(sparse_table_used_on_rank0_only, world, reduce_dtype)
 
 
 def rank_gradient(rank: int, shape: tuple[int, ...], sparse_dims: int) -> torch.Tensor:
