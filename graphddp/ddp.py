@@ -109,8 +109,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.dim, self.batched_grad_copy, self.mixed_precision = dim, batched_grad_copy, mixed_precision  # PyTorch's
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)  # reductions.SkippedReduction
         self.options, self._precision = given.options, given.precision  # the policy for mixed_precision
-        self.module = module
-        self._sparse_grads = sparse_gradient_params(module)  # torch.sparse gradients: each alone, averaged sparse
+        self.module, self._sparse_grads = module, sparse_gradient_params(module)  # torch.sparse gradients: averaged sparse
         self.process_group, self.device_mesh = given.process_group, given.device_mesh
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self._delayed_names = named_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
