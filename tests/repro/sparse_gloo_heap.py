@@ -8,8 +8,8 @@ With ``--impl torch`` nothing of graphddp is imported: PyTorch's own DDP (built-
 "malloc(): unaligned tcache chunk detected" (SIGABRT) or SIGSEGV within a minute or two on this project's 2-core
 VM. A rank that dies prints its Python stack (faulthandler); a core file (``ulimit -c unlimited``) shows the
 corruption found by a gloo worker thread's allocation. With ``--impl graphddp`` the sparse gradient goes through
-dense all-gathers instead (Note [Sparse gradients, gathered] in ``graphddp/runtime/reductions.py``). Not a test: it runs until it fails, and a run that survives
-proves little.
+dense all-gathers instead (Note [Sparse gradients, gathered] in ``graphddp/runtime/reductions.py``). Not a test:
+it runs until it fails, and a run that survives proves little.
 """
 
 from __future__ import annotations

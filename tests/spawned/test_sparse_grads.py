@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from ranks import run_on_ranks
@@ -79,12 +82,13 @@ def test_gathered_sparse_reduction_sums_every_ranks_entries(world: int) -> None:
     run_on_ranks(gathered_sum_of_every_rank, world)
 
 
-def _refusing_sparse_all_reduce() -> object:
-    """Make every ``ProcessGroup.allreduce`` of this process refuse a sparse tensor; returns the original, to
-    restore."""
+@contextlib.contextmanager
+def refusing_sparse_all_reduce() -> Iterator[None]:
+    """Every ``ProcessGroup.allreduce`` of this process refuses a sparse tensor while inside; the binding is put
+    back as it was after (the rank process is pooled)."""
     import torch.distributed as dist
 
-    original = dist.ProcessGroup.__dict__["allreduce"]  # the binding itself: restored as it was
+    original = dist.ProcessGroup.__dict__["allreduce"]  # the binding itself, to restore
     call = dist.ProcessGroup.allreduce
 
     def allreduce(self, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -93,16 +97,16 @@ def _refusing_sparse_all_reduce() -> object:
         return call(self, tensors, *args, **kwargs)
 
     dist.ProcessGroup.allreduce = allreduce
-    return original
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.allreduce = original
 
 
 def trained_without_sparse_all_reduce(rank: int, world: int, ddp_options: dict) -> None:
-    import torch.distributed as dist
-
     idx = torch.tensor([[1, 2], [2, 7], [3, 3], [9, 1]])  # [world * 2, 2]: two samples per rank
     reference, model = SparseTable(), SparseTable()
-    original = _refusing_sparse_all_reduce()
-    try:
+    with refusing_sparse_all_reduce():
         ddp = graphddp.DDP(model, **ddp_options)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference))
         for step in range(3):
@@ -111,14 +115,13 @@ def trained_without_sparse_all_reduce(rank: int, world: int, ddp_options: dict) 
             (reference(batch[: 2 * world], True) / world).backward()  # the mean of the ranks' losses
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
-    finally:
-        dist.ProcessGroup.allreduce = original  # the rank process is pooled: leave it as it was
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, ref, msg=lambda m: f"rank {rank}, {name} after 3 steps: {m}")
 
 
 @pytest.mark.parametrize("ddp_options", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}], ids=str)
 def test_sparse_gradients_never_use_the_backends_sparse_all_reduce(ddp_options: dict) -> None:
-    """gloo's sparse all-reduce corrupts the heap now and then (docs/reliability.md): graphddp averages a ``torch.sparse`` gradient with all-gathers (Note [Sparse gradients, gathered]), and trains as one
-    process on the whole batch does, with a group whose sparse all-reduce refuses."""
+    """gloo's sparse all-reduce corrupts the heap now and then (docs/reliability.md): graphddp averages a
+    ``torch.sparse`` gradient with all-gathers (Note [Sparse gradients, gathered]), and trains as one process on
+    the whole batch does, with a group whose sparse all-reduce refuses."""
     run_on_ranks(trained_without_sparse_all_reduce, 2, ddp_options)
