@@ -65,7 +65,8 @@ class Case:
     """Keyword arguments given to graphddp.DDP only (caps PyTorch's DDP has no argument for, ...), later ones
     winning, over ``GRAPHDDP_DEFAULTS``."""
     hook: str | None = None
-    """``allreduce``, ``fp16``, ``bf16`` or ``powersgd``, registered before step ``hook_at``."""
+    """``allreduce``, ``fp16``, ``bf16``, ``powersgd`` or ``sparse_as_dense`` (``sparse_as_dense_allreduce_hook``),
+    registered before step ``hook_at``."""
     hook_at: int = 0
     accumulate: int = 1
     """Micro-batches per step; all but the last run under ``no_sync()``."""
@@ -155,6 +156,8 @@ def make_hook(name: str) -> tuple[Any, Any]:
 
     if name == "allreduce":
         return None, default_hooks.allreduce_hook
+    if name == "sparse_as_dense":
+        return None, sparse_as_dense_allreduce_hook
     if name == "fp16":
         return None, default_hooks.fp16_compress_hook
     if name == "bf16":
@@ -165,6 +168,51 @@ def make_hook(name: str) -> tuple[Any, Any]:
         )
         return state, powerSGD_hook.powerSGD_hook
     raise ValueError(name)
+
+
+SPARSE_AS_DENSE_BUCKETS = [0]
+"""How many sparse buckets ``sparse_as_dense_allreduce_hook`` has averaged in this process (PyTorch's C++ Reducer
+calls the backend without Python, so this count is how a test sees that its sparse buckets went through the hook)."""
+
+
+def sparse_as_dense_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # PyTorch's DDP refuses string annotations
+    """A comm hook that averages a ``torch.sparse`` gradient as a dense tensor and hands it back sparse (the
+    dense buckets: PyTorch's ``allreduce_hook``). PyTorch's DDP, the parity tests' reference, runs it on models
+    with sparse gradients, so that no test calls gloo's sparse all-reduce, which corrupts a rank's heap now and then
+    (``docs/reliability.md``); graphddp never calls it (Note [Sparse gradients, gathered])."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    grad = bucket.buffer()
+    if not grad.is_sparse:
+        return default_hooks.allreduce_hook(state, bucket)
+    SPARSE_AS_DENSE_BUCKETS[0] += 1
+    dense = grad.to_dense().div_(dist.get_world_size())
+    work = dist.all_reduce(dense, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to_sparse(grad.sparse_dim()))
+
+
+@contextlib.contextmanager
+def refusing_sparse_all_reduce() -> Iterator[None]:
+    """Every ``ProcessGroup.allreduce`` of this process refuses a sparse tensor while inside; the binding is put
+    back as it was after (the rank process is pooled)."""
+    original = dist.ProcessGroup.__dict__["allreduce"]  # the binding itself, to restore
+    call = dist.ProcessGroup.allreduce
+
+    def allreduce(self, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if any(t.is_sparse for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)):
+            raise RuntimeError("test: the backend's sparse all-reduce was called")
+        return call(self, tensors, *args, **kwargs)
+
+    dist.ProcessGroup.allreduce = allreduce
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.allreduce = original
+
+
+def has_sparse_gradients(module: nn.Module) -> bool:
+    """Some table of ``module`` makes ``torch.sparse`` gradients (``nn.Embedding``/``nn.EmbeddingBag``, ``sparse=True``)."""
+    return any(getattr(m, "sparse", False) is True for m in module.modules())
 
 
 def ddp_kwargs(case: Case) -> dict[str, Any]:
@@ -186,6 +234,8 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
                     p.add_(0.01 * rank)
     if impl == "torch":
         ddp = nn.parallel.DistributedDataParallel(module, **ddp_kwargs(case))
+        if has_sparse_gradients(module) and case.hook is None:
+            ddp.register_comm_hook(*make_hook("sparse_as_dense"))  # not gloo's sparse all-reduce (see the hook)
         return ddp, ddp
     if impl != "graphddp":
         raise ValueError(impl)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 from ranks import run_on_ranks
 from torch import nn
+from training import refusing_sparse_all_reduce
 
 import graphddp
 
@@ -80,27 +78,6 @@ def test_gathered_sparse_reduction_sums_every_ranks_entries(world: int) -> None:
     """Note [Sparse gradients, gathered]: ranks with different entry counts (one with none, some indices shared),
     hybrid and fully sparse layouts, and no entry on any rank."""
     run_on_ranks(gathered_sum_of_every_rank, world)
-
-
-@contextlib.contextmanager
-def refusing_sparse_all_reduce() -> Iterator[None]:
-    """Every ``ProcessGroup.allreduce`` of this process refuses a sparse tensor while inside; the binding is put
-    back as it was after (the rank process is pooled)."""
-    import torch.distributed as dist
-
-    original = dist.ProcessGroup.__dict__["allreduce"]  # the binding itself, to restore
-    call = dist.ProcessGroup.allreduce
-
-    def allreduce(self, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if any(t.is_sparse for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)):
-            raise RuntimeError("test: the backend's sparse all-reduce was called")
-        return call(self, tensors, *args, **kwargs)
-
-    dist.ProcessGroup.allreduce = allreduce
-    try:
-        yield
-    finally:
-        dist.ProcessGroup.allreduce = original
 
 
 def trained_without_sparse_all_reduce(rank: int, world: int, ddp_options: dict) -> None:
