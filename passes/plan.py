@@ -31,12 +31,20 @@ A parameter larger than its bucket's cap fills a bucket of its own (with its bia
 bucket's all-reduce can start only once the whole gradient is computed: an MLP's 64 MiB weight gradient keeps the
 link idle through the whole matmul that makes it. Reduced in-graph (Note [In-graph reduction]), such a gradient
 is sent in ``Bucket.pieces``: blocks of whole rows of at most about the cap each, each its own all-reduce (the
-bucket's small gradients, a bias, with the first). The cap is the bucket's own (``Bucket.cap_bytes``): under the
-ramps (Note [Bucket ramps]) blocks are small at the head and the tail of backward, where the ramps want small
-messages (the bench MLP's 64 MiB weights go in 16 and 32 blocks), and each block costs the link's latency once
-more. ``graphddp.passes.compute_pieces_separately`` then computes each block by its own matmul (a row block of a
-weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so ``launch_collectives_early`` sends block 1 while block 2
-is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
+bucket's small gradients, a bias, with the first). The blocks follow the ramps (Note [Bucket ramps]):
+
+* at the tail and in the middle, every block is about the bucket's own cap (``Bucket.cap_bytes``): small at the
+  tail, where the last block is exposed (the bench MLP's 64 MiB weights go in 16 and 32 blocks);
+* in the first bucket and the head ramp's (``Bucket.blocks_grow_to``), the first block is the bucket's cap and
+  each next one twice as large, up to the middle cap, the last what is left: the first still leaves early, and
+  while each block travels the next, twice as large, is computed, as the buckets of the ramp are. Cut at the
+  first cap alone, the bench GPT's 16 MiB head part went in 16 all-reduces of 1 MiB at the head of backward,
+  each costing two ranks that share a CPU a worker's wake-up where a fast link did not need them
+  (``docs/benchmarks.md``, session 22); it now goes in 5 (1, 2, 4, 8 and 1 MiB).
+
+Each block costs the link's latency once more. ``graphddp.passes.compute_pieces_separately`` then computes each
+block by its own matmul (a row block of a weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so
+``launch_collectives_early`` sends block 1 while block 2 is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
 the matmul; every rank cuts the same blocks, as they follow from the agreed plan. Each block's matmul writes
 its rows of the gradient, and the block is divided and all-reduced there (Note [Blocks written in place] in
 ``passes/blocks_in_place.py``); only the first block, sent with the bucket's small gradients, comes back in a
@@ -269,6 +277,10 @@ class Bucket:
     """Parameters in the order of their slices in the flat buffer (their expected ready order)."""
     cap_bytes: int
     """The cap this bucket was filled up to."""
+    blocks_grow_to: int | None = None
+    """Set on the buckets of the head ramp (Note [Bucket ramps]): the blocks its big gradient is sent in, reduced
+    in-graph (Note [Gradient pieces]), double from ``cap_bytes`` up to this many bytes, as the buckets after it
+    would. None: every block about ``cap_bytes``."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -297,7 +309,8 @@ class Bucket:
         ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap and whose
         gradient is one matmul's (``ParamSpec.one_matmul``), the rows of
         each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
-        equal as rows allow; the bucket's other (small) gradients travel with the first block."""
+        equal as rows allow, or blocks that grow up to ``blocks_grow_to``; the bucket's other (small) gradients
+        travel with the first block."""
         big = [
             k for k, p in enumerate(self.params)
             if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
@@ -306,6 +319,8 @@ class Bucket:
         if len(big) != 1:
             return None
         p = self.params[big[0]]
+        if self.blocks_grow_to is not None:
+            return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
         count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
         rows, extra = divmod(p.shape[0], count)
         return big[0], tuple(rows + (1 if k < extra else 0) for k in range(count))
@@ -345,6 +360,17 @@ class Bucket:
     def sparse_grad(self) -> bool:
         """The bucket is one ``torch.sparse`` gradient (``ParamSpec.sparse_grad``; alone, too)."""
         return len(self.params) == 1 and self.params[0].sparse_grad
+
+
+def _growing_blocks(rows: int, row_bytes: int, first: int, largest: int) -> tuple[int, ...]:
+    """Rows of each block of a gradient of ``rows`` rows cut under the head ramp: about ``first`` bytes, then
+    twice as many each time up to ``largest``, the last block what is left (Note [Gradient pieces])."""
+    blocks: list[int] = []
+    cap = first
+    while rows > sum(blocks):
+        blocks.append(min(rows - sum(blocks), max(1, cap // row_bytes)))
+        cap = min(2 * cap, largest)
+    return tuple(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +420,7 @@ class BucketPlan:
                 if not (p.part and p.name in names)
             )
             if params:
-                kept.append(Bucket(len(kept), params, b.cap_bytes))
+                kept.append(dataclasses.replace(b, index=len(kept), params=params))
         return BucketPlan(tuple(kept), self.caps, self.source)
 
     def bucket_of(self, name: str, part: str = "") -> int:
@@ -490,37 +516,44 @@ def plan_bucket_groups(
     # Bucket 0 is the one whose first gradient is ready first (see the Note).
     position = {key: i for i, key in enumerate(keys)}
     cut.sort(key=lambda item: position[item[0][0].key])
-    buckets = tuple(Bucket(k, tuple(params), cap) for k, (params, cap) in enumerate(cut))
+    buckets = tuple(Bucket(k, tuple(params), cap, grows) for k, (params, cap, grows) in enumerate(cut))
     return BucketPlan(buckets, caps, source)
 
 
-def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[tuple[list[ParamSpec], int]]:
-    """One lane's buckets ``(params, cap)`` in ready order (Note [Bucket ramps]): the first bucket, then the
-    tail filled from the end, then the head ramp and the middle on what is left in between; or, with a cap per
-    bucket (``caps.sequence``), bucket after bucket in ready order."""
+Cut = tuple[list[ParamSpec], int, int | None]
+"""One bucket as ``_cut_lane`` cuts it: its parameters, its cap, and ``Bucket.blocks_grow_to``."""
+
+
+def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
+    """One lane's buckets in ready order (Note [Bucket ramps]): the first bucket, then the tail filled from the
+    end, then the head ramp and the middle on what is left in between; or, with a cap per bucket
+    (``caps.sequence``), bucket after bucket in ready order. The first bucket and the head ramp's let a big
+    gradient's blocks grow as the ramp does (``Bucket.blocks_grow_to``)."""
     if caps.sequence:
-        cut: list[tuple[list[ParamSpec], int]] = []
+        cut: list[Cut] = []
         for cap in itertools.chain(caps.sequence, itertools.repeat(caps.sequence[-1])):
             if not items:
                 return cut
             n = _fitting(items, cap)
-            cut.append((_flat(items[:n]), cap))
+            cut.append((_flat(items[:n]), cap, None))
             items = items[n:]
+    grows = caps.bucket if caps.ramps and caps.first < caps.bucket else None
     n = _fitting(items, caps.first)
-    first, rest = (_flat(items[:n]), caps.first), items[n:]
-    tail: list[tuple[list[ParamSpec], int]] = []
+    first, rest = (_flat(items[:n]), caps.first, grows), items[n:]
+    tail: list[Cut] = []
     for cap in caps.ramp(caps.last):  # the last bucket first
         if not rest:
             break
         n = _fitting(rest[::-1], cap)
-        tail.insert(0, (_flat(rest[len(rest) - n :]), cap))
+        tail.insert(0, (_flat(rest[len(rest) - n :]), cap, None))
         rest = rest[: len(rest) - n]
-    head: list[tuple[list[ParamSpec], int]] = []
-    for cap in itertools.chain(caps.ramp(2 * caps.first), itertools.repeat(caps.bucket)):
+    head: list[Cut] = []
+    ramp = list(caps.ramp(2 * caps.first))
+    for cap in itertools.chain(ramp, itertools.repeat(caps.bucket)):
         if not rest:
             break
         n = _fitting(rest, cap)
-        head.append((_flat(rest[:n]), cap))
+        head.append((_flat(rest[:n]), cap, caps.bucket if len(head) < len(ramp) else None))
         rest = rest[n:]
     return [first, *head, *tail]
 
@@ -586,14 +619,14 @@ def compose_plans(
     Parameters no graph covers (used eagerly) follow, planned from ``rest_in_ready_order``.
     """
     claimed: set[tuple[str, str]] = set()
-    kept: list[list[tuple[tuple[ParamSpec, ...], int]]] = []
+    kept: list[list[Bucket]] = []
     for plan in graph_plans_in_forward_order:
-        buckets = [(tuple(p for p in b.params if p.key not in claimed), b.cap_bytes) for b in plan.buckets]
-        kept.append([(params, cap) for params, cap in buckets if params])
+        buckets = [dataclasses.replace(b, params=tuple(p for p in b.params if p.key not in claimed)) for b in plan.buckets]
+        kept.append([b for b in buckets if b.params])
         claimed |= {p.key for b in plan.buckets for p in b.params}
     rest = [p for p in rest_in_ready_order if p.key not in claimed]
     eager = plan_buckets(rest, caps=caps) if rest else None
-    groups = [group for graph in reversed(kept) for group in graph]
-    groups += [(b.params, b.cap_bytes) for b in eager.buckets] if eager else []
-    buckets = tuple(Bucket(k, params, cap) for k, (params, cap) in enumerate(groups))
+    groups = [bucket for graph in reversed(kept) for bucket in graph]
+    groups += list(eager.buckets) if eager else []
+    buckets = tuple(dataclasses.replace(b, index=k) for k, b in enumerate(groups))
     return BucketPlan(buckets, caps, source="graph")

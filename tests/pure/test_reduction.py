@@ -460,6 +460,34 @@ def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
     assert graph_plan.buckets[0].pieces == (1, (22, 21, 21))
 
 
+def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_ramp() -> None:
+    """Note [Gradient pieces]: in the first bucket and the head ramp's, a big gradient's blocks start at the
+    bucket's cap and double up to the middle cap, as the buckets after them would; at the tail, in the middle and
+    without ramps every block is about the bucket's cap."""
+    big = dataclasses.replace(ParamSpec.of("w", torch.zeros(160, 100)), one_matmul=True)  # 400 bytes a row
+    small = [ParamSpec.of(f"p{i}", torch.zeros(100)) for i in range(40)]  # 400 bytes each
+    caps = BucketCaps(bucket=16_000, first=2_000, last=2_000)
+
+    first = plan_buckets([big, *small[:35]], caps=caps).buckets[0]
+    assert (first.cap_bytes, first.blocks_grow_to) == (2_000, 16_000)
+    assert first.pieces == (0, (5, 10, 20, 40, 40, 40, 5))  # 2 000, 4 000, 8 000, then 16 000 bytes, the rest last
+    assert first.piece_bytes == (2_000, 4_000, 8_000, 16_000, 16_000, 16_000, 2_000)
+    assert first.assembled_bytes == 2_000  # only the smallest block is copied in
+
+    # Five small gradients fill the first bucket, 35 the tail (2 000, 4 000, 8 000 bytes from the end): the big
+    # one is the head ramp's first bucket, capped at 4 000 bytes.
+    head = plan_buckets([*small[:5], big, *small[5:]], caps=caps).buckets[1]
+    assert (head.names, head.cap_bytes) == (("w",), 4_000)
+    assert head.pieces == (0, (10, 20, 40, 40, 40, 10))
+
+    tail = plan_buckets([*small[:5], big], caps=caps).buckets[-1]  # the last bucket: blocks of its cap
+    assert (tail.cap_bytes, tail.blocks_grow_to, tail.pieces) == (2_000, None, (0, (5,) * 32))
+    flat = plan_buckets([big, *small[:35]], caps=dataclasses.replace(caps, ramps=False)).buckets[0]
+    assert (flat.blocks_grow_to, flat.pieces) == (None, (0, (5,) * 32))
+    for bucket in (first, head, tail, flat):
+        assert sum(bucket.piece_bytes) == bucket.nbytes
+
+
 def test_only_a_gradient_that_is_one_matmuls_is_marked_for_pieces() -> None:
     """``find_graph_params``: a linear layer's weight (its one use that sends a gradient back) is one matmul's; a
     tied table (a lookup and the head's linear) and a convolution's weight are not (Note [Gradient pieces])."""

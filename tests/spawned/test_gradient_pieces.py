@@ -24,19 +24,42 @@ CAPS = {"bucket_cap_mb": 4 / 1024, "first_bucket_cap_mb": 4 / 1024, "last_bucket
 """4 KiB caps: ``Wide``'s 16 KiB weight goes in 4 blocks of 64 rows."""
 
 
-def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
+class BigFirst(nn.Module):
+    """``Wide`` without its last layer: the 16 KiB weight's gradient is the first backward makes, so it opens the
+    first bucket, where its blocks grow as the head ramp does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big = nn.Linear(8, 16), nn.Linear(16, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(torch.relu(self.a(x)))
+
+
+LAYOUTS = {
+    "even": (Wide, CAPS, [64] * 4),
+    # A 2 KiB first cap growing to the 8 KiB middle cap: blocks of 2, 4, 8 KiB, then the 2 KiB left (64-byte rows).
+    "growing": (BigFirst, {"bucket_cap_mb": 8 / 1024, "first_bucket_cap_mb": 2 / 1024, "last_bucket_cap_mb": 1 / 1024}, [32, 64, 128, 32]),
+}
+"""The model, graphddp's caps and the rows of the big weight's blocks: every block at the bucket's cap, or blocks
+that grow (``Bucket.blocks_grow_to``)."""
+
+
+def train_in_pieces(rank: int, world: int, inner: str, layout: str) -> dict[str, int]:
     """Five Adam steps beside PyTorch's DDP and one process that sees every rank's batch, parameters compared
     after each; the all-reduces in the compiled backward and the buckets of the plan."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Wide()
+    model_class, caps, rows = LAYOUTS[layout]
+    model = model_class()
     ref, single = nn.parallel.DistributedDataParallel(copy.deepcopy(model)), copy.deepcopy(model)
-    ddp = graphddp.DDP(model, **CAPS)
+    ddp = graphddp.DDP(model, **caps)
     dump = tempfile.mkdtemp(prefix=f"pieces-{rank}-")
     compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction="in_graph", debug_dir=dump))
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ddp, ref, single)]
+    outputs = model.big.out_features if model_class is BigFirst else 4
     for step in range(5):
-        batches = [batch(step, r) for r in range(world)]
+        batches = [batch(step, r, outputs) for r in range(world)]
         x, y = batches[rank]
         for module in (compiled, ref):
             F.mse_loss(module(x), y).backward()
@@ -54,32 +77,34 @@ def train_in_pieces(rank: int, world: int, inner: str) -> dict[str, int]:
     waits = len(re.findall(r"graphddp\.wait_blocks_\.default\(", code))
     records = [json.loads(p.read_text()) for p in pathlib.Path(dump).rglob("plan.json")]
     shown = [b["in_graph_pieces"] for r in records for b in r["buckets"] if b["in_graph_pieces"]]
-    assert shown and all(s == {"param": "big.weight", "rows": [64] * 4} for s in shown), shown  # the dump says so
+    assert shown and all(s == {"param": "big.weight", "rows": rows} for s in shown), shown  # the dump says so
     shutil.rmtree(dump)
     pieces = [b.pieces for b in ddp.bucket_plan.buckets if b.pieces is not None]
     blocks = sum(len(rows) for _, rows in pieces)
     return {"reduces": reduces, "in_place": in_place, "waits": waits, "buckets": len(ddp.bucket_plan.buckets), "blocks": blocks}
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+    return torch.randn(12, 8, generator=g), torch.randn(12, outputs, generator=g)
 
 
 def check(records: list[dict[str, int]]) -> None:
     for record in records:
-        assert record["blocks"] == 4, record  # big.weight: 16 KiB in 4 KiB blocks
+        assert record["blocks"] == 4, record  # big.weight: 16 KiB in 4 blocks
         # Block 0 goes with the bias, functionally; blocks 1-3 are written into the gradient and sent from there,
         # and one wait_blocks_ takes the place of the cat that copied them together (Note [Blocks written in place])
         assert record["reduces"] == record["buckets"], record
         assert (record["in_place"], record["waits"]) == (record["blocks"] - 1, 1), record
 
 
-def test_a_big_weight_gradient_goes_in_blocks_with_pytorchs_gradients() -> None:
-    check(run_on_ranks(train_in_pieces, 2, "aot_eager"))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_big_weight_gradient_goes_in_blocks_with_pytorchs_gradients(layout: str) -> None:
+    check(run_on_ranks(train_in_pieces, 2, "aot_eager", layout))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize(("world", "inner"), [(3, "aot_eager"), (2, "inductor")])
-def test_blocks_on_three_ranks_and_under_inductor(world: int, inner: str) -> None:
-    check(run_on_ranks(train_in_pieces, world, inner))
+def test_blocks_on_three_ranks_and_under_inductor(world: int, inner: str, layout: str) -> None:
+    check(run_on_ranks(train_in_pieces, world, inner, layout))
