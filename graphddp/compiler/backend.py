@@ -30,6 +30,7 @@ checkpointing) are split like any node, and any pair of caps works.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -58,7 +59,7 @@ from ..runtime.trace import Events
 from .compile_target import CompileTarget, running
 from .dump import DebugDump
 from .graph_pipeline import fake_mode_for, lower_graph, prepare_graph
-from .in_graph import ReductionSwitch, describe_inner, in_graph_compiler, insert_bucket_reductions
+from .in_graph import InGraphVariant, ReductionSwitch, describe_inner, in_graph_compiler, insert_bucket_reductions
 
 logger = logging.getLogger(__name__)
 
@@ -178,18 +179,7 @@ class GraphDDPBackend:
             _warn_once(f"graphddp: reduction='in_graph' was asked for, but this graph runs split: {choice.reason}")
         in_graph = None
         if target is not None and choice.strategy == "in_graph":  # compiled first: gm is cut for the split below
-            compiler = in_graph_compiler(self.inner)
-            assert compiler is not None, "choose_reduction checks the inner compiler"
-            reducing = insert_bucket_reductions(
-                gm, prepared.params, in_graph_plan, group_names=target.channel_names, divisor=target.world_size,
-                wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
-                rows_key=target.in_graph_rows_key,
-            )
-            signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes it last
-            in_graph = compiler(reducing, signalled)
-            if self.dump is not None:  # its forward and backward, waits sunk as compiled: beside the split's folder
-                folder = self.dump.graph_folder(f"{graph_key}_in_graph")
-                self.dump.write_aot(folder, {"in_graph": (reducing, signalled)}, fake_mode_for(example_inputs))
+            in_graph = self._compile_in_graph(gm, example_inputs, prepared.params, in_graph_plan, graph_key, target)
         split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
         if target is None:
             return split_fn
@@ -208,6 +198,33 @@ class GraphDDPBackend:
         if in_graph_compiler(self.inner) is None:
             blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
         return choose_reduction(self.reduction, blockers)
+
+    def _compile_in_graph(
+        self, gm: fx.GraphModule, example_inputs: list[Any], params: Sequence[Any], plan: BucketPlan, graph_key: str,
+        target: CompileTarget,
+    ) -> InGraphVariant:
+        """The graph with each bucket of ``plan`` reduced in its backward, compiled; built again, from a copy of
+        ``gm`` as captured (the split cuts ``gm`` itself), where a tied table gives up rows (``InGraphVariant``)."""
+        compiler = in_graph_compiler(self.inner)
+        assert compiler is not None, "choose_reduction checks the inner compiler"
+        captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if plan.parts else gm
+        signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes the signal last
+        dumped = (signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
+        variants = itertools.count()
+
+        def build(plan: BucketPlan) -> fx.GraphModule:
+            reducing = insert_bucket_reductions(
+                captured, params, plan, group_names=target.channel_names, divisor=target.world_size,
+                wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
+                rows_key=target.in_graph_rows_key,
+            )
+            if self.dump is not None and dumped is not None:  # forward and backward, waits sunk: beside the split's
+                variant = next(variants)  # _1, _2, ...: compiled again without a table's parts
+                folder = self.dump.graph_folder(f"{graph_key}_in_graph" + (f"_{variant}" if variant else ""))
+                self.dump.write_aot(folder, {"in_graph": (reducing, dumped[0])}, dumped[1])
+            return reducing
+
+        return InGraphVariant(build, compiler, plan, signalled)
 
     def _compile_split(
         self, prepared: Any, gm: fx.GraphModule, example_inputs: list[Any], graph_key: str, target: CompileTarget | None

@@ -104,6 +104,11 @@ class CompileTarget(PartSink, Protocol):
         in-graph variant (Note [In-graph reduction])."""
         ...
 
+    def tables_gone_dense_in_graph(self) -> frozenset[str]:
+        """Tables planned as rows whose in-graph rows node gave up rows: an in-graph variant that still sends their
+        parts is compiled again without them (``graphddp.compiler.in_graph.InGraphVariant``)."""
+        ...
+
 
 _running: list[CompileTarget] = []
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -73,6 +74,8 @@ from ..passes import (
     reduce_in_place,
 )  # fmt: skip
 from ..runtime import in_graph_blocks, in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp's ops)
+
+logger = logging.getLogger(__name__)
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -426,12 +429,36 @@ def describe_inner(inner: Any) -> str:
 
 
 # -- which variant runs --------------------------------------------------------------------------------------
+class InGraphVariant:
+    """A graph's in-graph variant, compiled for ``plan``, and compiled again without the parts of tied tables that
+    gave up rows (Note [Rows in the compiled backward], "Giving up"): their rows node sends them dense from then
+    on, and a part sent beside the whole table would send the output layer's contribution twice."""
+
+    def __init__(self, build: Callable[[BucketPlan], fx.GraphModule], compiler: CompilerFn, plan: BucketPlan, inputs: list[Any]) -> None:
+        self._build, self._compiler = build, compiler
+        self.plan = plan
+        self.tables_with_parts = frozenset(p.name for p in plan.parts)
+        """The tables whose giving up changes this variant: only a table with parts sends anything twice."""
+        self.fn = compiler(build(plan), inputs)
+
+    def drop_parts(self, tables: frozenset[str], inputs: list[Any]) -> None:
+        """Compile again for the plan with ``tables`` dense, their parts dropped (``BucketPlan.without_rows``):
+        ``inputs`` are a run's own (the graph's inputs, signal last), as Dynamo's guards passed them."""
+        self.plan = self.plan.without_rows(tables)
+        self.tables_with_parts = frozenset(p.name for p in self.plan.parts)
+        self.fn = self._compiler(self._build(self.plan), inputs)
+
+    def tables_to_drop(self, gone_dense: frozenset[str]) -> frozenset[str]:
+        """Of the tables that gave up rows in the compiled backward, those whose parts this variant still sends."""
+        return gone_dense & self.tables_with_parts
+
+
 class ReductionSwitch:
     """What Dynamo runs for a graph compiled for a graphddp.DDP: the in-graph variant while the DDP's gate is open
     for this graph's parameters, the split one otherwise (Note [In-graph reduction]). One Python call per graph
     and forward, nothing per parameter."""
 
-    def __init__(self, in_graph: Callable[..., Any] | None, split: Callable[..., Any], target: Any, params: frozenset[str]) -> None:
+    def __init__(self, in_graph: InGraphVariant | None, split: Callable[..., Any], target: Any, params: frozenset[str]) -> None:
         self.in_graph, self.split = in_graph, split
         self._target = weakref.ref(target)
         self.params = params
@@ -439,7 +466,16 @@ class ReductionSwitch:
     def __call__(self, *args: Any) -> Any:
         target = self._target()
         if target is not None and target.reduces_in_graph(self.params, self.in_graph is not None):
-            outputs = self.in_graph(*args, target.abandon_signal_for_run())  # type: ignore[misc]
+            variant = self.in_graph
+            assert variant is not None, "reduces_in_graph says no without a variant"
+            if variant.tables_with_parts and (dropped := variant.tables_to_drop(target.tables_gone_dense_in_graph())):
+                # Every rank gave up on the same step (the outcome is all-reduced), so every rank compiles again here.
+                logger.info(
+                    "[rank %d] graphddp: %s gave up rows in the compiled backward; its graph is compiled again "
+                    "without the parts it sent beside the whole table", target.rank, ", ".join(sorted(dropped)),
+                )
+                variant.drop_parts(dropped, [*args, target.abandon_signal])
+            outputs = variant.fn(*args, target.abandon_signal_for_run())
             target.watch_backward(outputs)  # Note [Abandoned backward]: no hook of the Reducer sees this backward
             return outputs
         return self.split(*args)

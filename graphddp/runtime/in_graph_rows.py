@@ -20,8 +20,13 @@ table, zero outside the rows. Both collectives are issued and waited inside the 
 * **Giving up**: as the Reducer's ``RowSparseReduction``, a table that goes dense ``DENSE_STREAK_LIMIT`` times in a
   row is reduced dense from then on, without its mask (``DenseStreak``, fed the all-reduced outcome, so every rank
   gives up on the same step). The streak is the DDP's, per table (``streak_key``): a graph one rank recompiled
-  alone counts on from where the others are. Unlike the Reducer, the in-graph variant cannot drop a tied table's
-  part from its graph: the part still travels on its own, early (``sparse_embedding_grads=False`` avoids it).
+  alone counts on from where the others are. A tied table's part, sent early on its own, would then send the
+  output layer's contribution a second time beside the whole table, so at the next forward each in-graph
+  variant that sends a part of a table that gave up is compiled again for its plan without the part
+  (``InGraphVariant`` in ``graphddp/compiler/in_graph.py``, ``BucketPlan.without_rows``): the table goes whole in
+  a dense bucket of its own. Every rank gave up on the same step, so every rank compiles again at the same forward
+  (a graph one rank recompiles later does so at its first run), and ranks keep issuing the same collectives.
+  The price is one compile of that graph, once; the Reducer re-plans its own plan the same way.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ class ReducerTarget:
 
     def tables_gone_dense_in_graph(self) -> frozenset[str]:
         """Tables planned as rows whose in-graph rows node gave up rows: they go dense, without their mask, in
-        every in-graph backward from now on (the Reducer re-plans its own instead)."""
+        every in-graph backward from now on, and an in-graph variant that sends a part of one is compiled again
+        without it (the Reducer re-plans its own instead)."""
         return frozenset(table for table, key in self._streak_keys.items() if rows_gave_up(key))
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:

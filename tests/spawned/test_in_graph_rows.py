@@ -234,3 +234,48 @@ def test_a_table_that_goes_dense_in_graph_stops_sending_its_mask() -> None:
     for per_step in run_on_ranks(train_dense_table, 2, timeout=300):
         # Step 0 runs split (the Reducer's own rows); in-graph, the mask goes out until the streak gives up.
         assert per_step[1:] == [1] * DENSE_STREAK_LIMIT + [0] * (5 - DENSE_STREAK_LIMIT), per_step
+
+
+def train_tied_table_gone_dense(rank: int, world: int, dump: str, inner: str) -> tuple[list[int], int]:
+    """A tied GPT whose 16-row table every batch touches, in-graph: the all-reduces of each step's backward (the
+    profiler's ``c10d::allreduce_``, which every collective runs, functional or not), gradients as PyTorch's DDP's
+    throughout; and how many fewer a plan without the table's part has (``BucketPlan.without_rows``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    model = build_model("gpt", vocab=16)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **CAPS, sparse_embedding_grads=True)
+    compiled = torch.compile(ddp, backend=graphddp.backend(inner, debug_dir=dump))
+    per_step = []
+    for step in range(6):
+        inputs = draw_tokens("gpt", torch.Generator().manual_seed(100 * step + rank), 4, 16)
+        loss = compiled(*inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as recorded:
+            loss.backward()
+        ref(*inputs).backward()
+        per_step.append(sum(e.name == "c10d::allreduce_" for e in recorded.events()))
+        for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}, step {step}: {m}")
+            p.grad = q.grad = None
+    assert ddp.reducer.compile_target.tables_gone_dense_in_graph() == {"wte.weight"}
+    plan = ddp.bucket_plan  # the graph's plan, agreed: the part in a bucket of its own, sent in blocks
+    assert plan.parts, plan.describe()
+    collectives = sum(b.in_graph_collectives for b in plan.buckets)
+    return per_step, collectives - sum(b.in_graph_collectives for b in plan.without_rows({"wte.weight"}).buckets)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_tied_table_that_goes_dense_in_graph_stops_sending_its_part(tmp_path: pathlib.Path, inner: str) -> None:
+    """Note [Rows in the compiled backward], "Giving up": once the table gives up rows, its graph is compiled again
+    without the part, which would send the output layer's contribution a second time beside the whole table."""
+    for per_step, part_collectives in run_on_ranks(train_tied_table_gone_dense, 2, str(tmp_path), inner, timeout=300):
+        # Step 0 runs split. In-graph, the part and the rows (a mask, then the table dense) until the streak gives
+        # up, in step DENSE_STREAK_LIMIT's backward; from the next forward, the table whole and no part.
+        trying, given_up = per_step[1 : DENSE_STREAK_LIMIT + 1], per_step[DENSE_STREAK_LIMIT + 1 :]
+        assert part_collectives >= 1 and len(set(trying)) == len(set(given_up)) == 1, (per_step, part_collectives)
+        assert given_up[0] == trying[0] - 1 - part_collectives, (per_step, part_collectives)  # no mask, no part
+    variants = sorted(p.name for p in (tmp_path / "rank0").glob("graph*_in_graph*"))
+    assert len(variants) == 2 and variants[1].endswith("_in_graph_1"), variants  # compiled again once
+    backward = (tmp_path / "rank0" / variants[1] / "aot" / "in_graph.backward.py").read_text()
+    assert "reduce_rows" not in backward and "all_reduce" in backward, backward  # the table in a dense bucket
