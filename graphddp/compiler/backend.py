@@ -211,8 +211,11 @@ class GraphDDPBackend:
         signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes the signal last
         dumped = (signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
         variants = itertools.count()
+        target_ref = weakref.ref(target)  # Dynamo's cache keeps the variant: it must not keep the DDP alive
 
         def build(plan: BucketPlan) -> fx.GraphModule:
+            target = target_ref()
+            assert target is not None, "a variant is built for a DDP that runs it"
             reducing = insert_bucket_reductions(
                 captured, params, plan, group_names=target.channel_names, divisor=target.world_size,
                 wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
