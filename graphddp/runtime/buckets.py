@@ -132,8 +132,10 @@ class SparseGradBucket(FlatBucket):
         if grad is None:
             self.buffer = _no_rows(spec.shape, spec.dtype, spec.device)
         else:
-            grad = grad.coalesce().to(spec.dtype)  # a copy only where mixed_precision reduces in another dtype
-            self.buffer = grad * scale if scale is not None else grad.clone()
+            # coalesce() and the cast (mixed_precision's reduce dtype) copy only where they must; either copy is
+            # already the bucket's own, so only a tensor that is still ``.grad`` itself is cloned.
+            own = grad.coalesce().to(spec.dtype)
+            self.buffer = own * scale if scale is not None else own if own is not grad else own.clone()
 
     def take(self, reduced: torch.Tensor) -> None:
         self.buffer = reduced
