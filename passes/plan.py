@@ -44,8 +44,9 @@ bucket's small gradients, a bias, with the first). The blocks follow the ramps (
 
 Each block costs the link's latency once more. ``graphddp.passes.compute_pieces_separately`` then computes each
 block by its own matmul (a row block of a weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so
-``launch_collectives_early`` sends block 1 while block 2 is computed. The blocks' gradients are the whole gradient's rows, up to the order of floating-point sums inside
-the matmul; every rank cuts the same blocks, as they follow from the agreed plan. Each block's matmul writes
+``launch_collectives_early`` sends block 1 while block 2 is computed. The blocks' gradients are the whole
+gradient's rows, up to the order of floating-point sums inside the matmul; every rank cuts the same blocks, as
+they follow from the agreed plan. Each block's matmul writes
 its rows of the gradient, and the block is divided and all-reduced there (Note [Blocks written in place] in
 ``passes/blocks_in_place.py``); only the first block, sent with the bucket's small gradients, comes back in a
 tensor of its own and is copied in once the last block is waited for: ``Bucket.assembled_bytes``, which the step
@@ -278,9 +279,9 @@ class Bucket:
     cap_bytes: int
     """The cap this bucket was filled up to."""
     blocks_grow_to: int | None = None
-    """Set on the buckets of the head ramp (Note [Bucket ramps]): the blocks its big gradient is sent in, reduced
-    in-graph (Note [Gradient pieces]), double from ``cap_bytes`` up to this many bytes, as the buckets after it
-    would. None: every block about ``cap_bytes``."""
+    """Set on the first bucket and the head ramp's (Note [Bucket ramps]): the blocks its big gradient is sent in,
+    reduced in-graph (Note [Gradient pieces]), double from ``cap_bytes`` up to this many bytes, as the buckets
+    after it would. None: every block about ``cap_bytes``."""
 
     @property
     def dtype(self) -> torch.dtype:
