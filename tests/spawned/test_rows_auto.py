@@ -1,9 +1,10 @@
 """``sparse_embedding_grads="auto"`` (the default) on spawned gloo ranks (Note [Row-sparse gradients], "When rows
-pay"): every rank decides alike from the link measured at construction. The tied GPT's 512-row table goes dense
-on a fast link, eagerly and compiled, and as rows on a slow link; compiled, the graph reduces in-graph either way
-(Note [Rows in the compiled backward]); training matches PyTorch's DDP. Over loopback, measured for real, the
-64 KiB table is a close call (its dense bytes against the mask's round trip and half the rows: on one VM it went
-dense, on another rows), so there the test holds the verdict to ``rows_pay`` on the link the ranks measured."""
+pay"): every rank decides alike from the link measured at construction. The tables go dense on a fast link and as
+rows on a slow one: compiled, the tied GPT's 512-row table (the graph reduces in-graph either way, Note [Rows in
+the compiled backward]); eagerly, where a tied table is never tried, the 16-row position table. Training matches
+PyTorch's DDP. Over loopback, measured for real, the verdict is a close call (a table's dense bytes against the
+mask's round trip and half the rows: on one VM the 64 KiB table went dense, on another rows), so there the test
+holds each mode's plan to ``rows_pay`` on the link the ranks measured, for the tables that mode decides on."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from training import Case, state_of, train
 
 import graphddp.runtime.calibration
 import graphddp.runtime.rows_rule
-from graphddp.passes import LinkModel, rows_pay
+from graphddp.passes import LinkModel, embedding_tables, rows_pay
 
 SLOW = LinkModel.of_rate(1e6)  # 1 Mbit/s: the table's 64 KiB cost half a second dense
 FAST = LinkModel.of_rate(100e9, latency_s=100e-6)  # 100 Gbit/s: 64 KiB dense in 5 us, less than a round trip
+MIDDLE = LinkModel.of_rate(1e9, latency_s=100e-6)  # 1 Gbit/s: the 64 KiB table pays as rows, the 2 KiB one does not
 AUTO = (("sparse_embedding_grads", "auto"),)
 
 
@@ -44,9 +46,17 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
     measured = graphddp.runtime.calibration.link_of(run.ddp.process_group) if link is None else link  # cached at construction
-    table = run.ddp.module.wte.weight
+    module = run.ddp.module
+    # The tables the DDP decides on: eagerly each untied nn.Embedding for itself (the tied wte never goes rows
+    # there, the 2 KiB position table may); compiled, the graph's tables together (wte: wpe is looked up with
+    # arange). Over loopback a verdict on one table says nothing of another's.
+    if compile is None:
+        tables = [[p] for n, p in module.named_parameters() if n in embedding_tables(module)]
+    else:
+        tables = [[module.wte.weight]]
+    verdicts = [rows_pay([(t.shape[0], t.shape[1] * t.element_size()) for t in group], link=measured, world=world).rows for group in tables]
     return {
-        "pays": rows_pay([(table.shape[0], table.shape[1] * table.element_size())], link=measured, world=world).rows,
+        "pays": any(verdicts),
         "state": state_of(run.ddp.module),
         "fingerprint": plan.fingerprint,
         "rows": bool(plan.parts) or any(b.row_sparse for b in plan.buckets),
@@ -65,6 +75,8 @@ def train_torch(rank: int, world: int) -> dict:
     (2, "torch.compile", FAST, False),
     (2, None, SLOW, True),
     (2, "torch.compile", SLOW, True),
+    (2, None, MIDDLE, False),  # eagerly only the position table is tried, and it does not pay
+    (2, "torch.compile", MIDDLE, True),
     pytest.param(3, "torch.compile", None, None, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_every_rank_decides_alike_and_trains_as_pytorchs_ddp(world: int, compile: str | None, link: LinkModel | None, rows: bool | None) -> None:
