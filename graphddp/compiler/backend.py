@@ -207,7 +207,10 @@ class GraphDDPBackend:
         ``gm`` as captured (the split cuts ``gm`` itself), where a tied table gives up rows (``InGraphVariant``)."""
         compiler = in_graph_compiler(self.inner)
         assert compiler is not None, "choose_reduction checks the inner compiler"
-        captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if plan.parts else gm
+        # Compiled again from a run's own inputs, a graph with symbolic shapes would come back specialised to that
+        # run's: such a graph keeps its parts (Note [Rows in the compiled backward], "Giving up").
+        again = bool(plan.parts) and not _symbolic(gm, example_inputs)
+        captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if again else gm
         signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes the signal last
         dumped = (signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
         variants = itertools.count()
@@ -227,7 +230,7 @@ class GraphDDPBackend:
                 self.dump.write_aot(folder, {"in_graph": (reducing, dumped[0])}, dumped[1])
             return reducing
 
-        return InGraphVariant(build, compiler, plan, signalled)
+        return InGraphVariant(build, compiler, plan, signalled, compiles_again=again)
 
     def _compile_split(
         self, prepared: Any, gm: fx.GraphModule, example_inputs: list[Any], graph_key: str, target: CompileTarget | None
@@ -243,6 +246,13 @@ class GraphDDPBackend:
 
         lower_graph(prepared, gm, example_inputs, name=graph_key, dump=self.dump, on_segment=compile_segment)
         return prepared.split_gm
+
+
+def _symbolic(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """The graph was captured with dynamic shapes: a size among its inputs, or a placeholder of symbolic shape."""
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes = [s for v in values if isinstance(v, torch.Tensor) for s in v.shape]
+    return any(isinstance(v, torch.SymInt) for v in [*example_inputs, *values, *sizes])
 
 
 _named_backends: dict[tuple[Any, ...], GraphDDPBackend] = {}

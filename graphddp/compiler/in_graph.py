@@ -434,11 +434,15 @@ class InGraphVariant:
     gave up rows (Note [Rows in the compiled backward], "Giving up"): their rows node sends them dense from then
     on, and a part sent beside the whole table would send the output layer's contribution twice."""
 
-    def __init__(self, build: Callable[[BucketPlan], fx.GraphModule], compiler: CompilerFn, plan: BucketPlan, inputs: list[Any]) -> None:
+    def __init__(
+        self, build: Callable[[BucketPlan], fx.GraphModule], compiler: CompilerFn, plan: BucketPlan, inputs: list[Any],
+        *, compiles_again: bool,
+    ) -> None:
         self._build, self._compiler = build, compiler
         self.plan = plan
-        self.tables_with_parts = frozenset(p.name for p in plan.parts)
-        """The tables whose giving up changes this variant: only a table with parts sends anything twice."""
+        self.tables_with_parts = frozenset(p.name for p in plan.parts) if compiles_again else frozenset()
+        """The tables whose giving up changes this variant: only a table with parts sends anything twice. None
+        where the graph cannot be compiled again from a run's inputs (``compiles_again`` False: symbolic shapes)."""
         self.fn = compiler(build(plan), inputs)
 
     def drop_parts(self, tables: frozenset[str], inputs: list[Any]) -> None:

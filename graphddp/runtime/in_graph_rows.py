@@ -26,7 +26,9 @@ table, zero outside the rows. Both collectives are issued and waited inside the 
   (``InGraphVariant`` in ``graphddp/compiler/in_graph.py``, ``BucketPlan.without_rows``): the table goes whole in
   a dense bucket of its own. Every rank gave up on the same step, so every rank compiles again at the same forward
   (a graph one rank recompiles later does so at its first run), and ranks keep issuing the same collectives.
-  The price is one compile of that graph, once; the Reducer re-plans its own plan the same way.
+  The price is one compile of that graph, once; the Reducer re-plans its own plan the same way. A graph captured
+  with dynamic shapes keeps its part: compiled again from one run's inputs it would be specialised to their
+  shapes, where Dynamo's guards let it run any.
 """
 
 from __future__ import annotations
