@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 from torch import fx, nn
+from torch._guards import detect_fake_mode
 
 from ..passes import (
     BucketCaps,
@@ -207,10 +208,9 @@ class GraphDDPBackend:
         ``gm`` as captured (the split cuts ``gm`` itself), where a tied table gives up rows (``InGraphVariant``)."""
         compiler = in_graph_compiler(self.inner)
         assert compiler is not None, "choose_reduction checks the inner compiler"
-        # Compiled again from a run's own inputs, a graph with symbolic shapes would come back specialised to that
-        # run's: such a graph keeps its parts (Note [Rows in the compiled backward], "Giving up").
-        again = bool(plan.parts) and not _symbolic(gm, example_inputs)
-        captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if again else gm
+        # Tables that gave up rows before this graph was compiled (a recompile) go without their parts from the start.
+        plan = plan.without_rows(target.tables_gone_dense_in_graph() & {p.name for p in plan.parts})
+        captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if plan.parts else gm
         signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes the signal last
         dumped = (signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
         variants = itertools.count()
@@ -230,7 +230,8 @@ class GraphDDPBackend:
                 self.dump.write_aot(folder, {"in_graph": (reducing, dumped[0])}, dumped[1])
             return reducing
 
-        return InGraphVariant(build, compiler, plan, signalled, compiles_again=again)
+        again = _fake_inputs(gm, target.abandon_signal) if plan.parts else None
+        return InGraphVariant(build, compiler, plan, signalled, again=again)
 
     def _compile_split(
         self, prepared: Any, gm: fx.GraphModule, example_inputs: list[Any], graph_key: str, target: CompileTarget | None
@@ -248,11 +249,15 @@ class GraphDDPBackend:
         return prepared.split_gm
 
 
-def _symbolic(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """The graph was captured with dynamic shapes: a size among its inputs, or a placeholder of symbolic shape."""
+def _fake_inputs(gm: fx.GraphModule, signal: torch.Tensor) -> list[Any] | None:
+    """The graph's inputs as Dynamo traced them (fake tensors and sizes, symbolic where its shapes are dynamic),
+    the abandon signal last: what compiling it again later takes, with no run's tensors kept alive and no run's
+    shapes baked in. None where a placeholder has no traced value."""
     values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    sizes = [s for v in values if isinstance(v, torch.Tensor) for s in v.shape]
-    return any(isinstance(v, torch.SymInt) for v in [*example_inputs, *values, *sizes])
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None or any(v is None for v in values):
+        return None
+    return [*values, fake_mode.from_tensor(signal)]
 
 
 _named_backends: dict[tuple[Any, ...], GraphDDPBackend] = {}

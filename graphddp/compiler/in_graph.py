@@ -436,21 +436,28 @@ class InGraphVariant:
 
     def __init__(
         self, build: Callable[[BucketPlan], fx.GraphModule], compiler: CompilerFn, plan: BucketPlan, inputs: list[Any],
-        *, compiles_again: bool,
+        *, again: list[Any] | None,
     ) -> None:
-        self._build, self._compiler = build, compiler
+        """``build`` inserts a plan's reductions into the graph as captured; ``inputs``: the example inputs it is
+        compiled with now; ``again``: the graph's inputs as Dynamo traced them, which compiling it again takes (None:
+        not known, so it is never compiled again)."""
+        self._build, self._compiler, self._again = build, compiler, again
         self.plan = plan
-        self.tables_with_parts = frozenset(p.name for p in plan.parts) if compiles_again else frozenset()
-        """The tables whose giving up changes this variant: only a table with parts sends anything twice. None
-        where the graph cannot be compiled again from a run's inputs (``compiles_again`` False: symbolic shapes)."""
+        self.tables_with_parts = frozenset(p.name for p in plan.parts) if again is not None else frozenset()
+        """The tables whose giving up changes this variant: only a table with parts sends anything twice."""
         self.fn = compiler(build(plan), inputs)
 
-    def drop_parts(self, tables: frozenset[str], inputs: list[Any]) -> None:
-        """Compile again for the plan with ``tables`` dense, their parts dropped (``BucketPlan.without_rows``):
-        ``inputs`` are a run's own (the graph's inputs, signal last), as Dynamo's guards passed them."""
+    def drop_parts(self, tables: frozenset[str]) -> None:
+        """Compile again for the plan with ``tables`` dense, their parts dropped (``BucketPlan.without_rows``), from
+        the inputs as Dynamo traced them (``again``: fake, symbolic where the graph's shapes are dynamic)."""
+        from torch._guards import TracingContext, tracing
+
+        assert self._again is not None, "tables_with_parts is empty without them"
         self.plan = self.plan.without_rows(tables)
         self.tables_with_parts = frozenset(p.name for p in self.plan.parts)
-        self.fn = self._compiler(self._build(self.plan), inputs)
+        fake_mode = next(v.fake_mode for v in self._again if isinstance(v, torch.Tensor))
+        with tracing(TracingContext(fake_mode)):
+            self.fn = self._compiler(self._build(self.plan), self._again)
 
     def tables_to_drop(self, gone_dense: frozenset[str]) -> frozenset[str]:
         """Of the tables that gave up rows in the compiled backward, those whose parts this variant still sends."""
@@ -478,7 +485,7 @@ class ReductionSwitch:
                     "[rank %d] graphddp: %s gave up rows in the compiled backward; its graph is compiled again "
                     "without the parts it sent beside the whole table", target.rank, ", ".join(sorted(dropped)),
                 )
-                variant.drop_parts(dropped, [*args, target.abandon_signal])
+                variant.drop_parts(dropped)
             outputs = variant.fn(*args, target.abandon_signal_for_run())
             target.watch_backward(outputs)  # Note [Abandoned backward]: no hook of the Reducer sees this backward
             return outputs

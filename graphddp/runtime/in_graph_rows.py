@@ -24,11 +24,11 @@ table, zero outside the rows. Both collectives are issued and waited inside the 
   output layer's contribution a second time beside the whole table, so at the next forward each in-graph
   variant that sends a part of a table that gave up is compiled again for its plan without the part
   (``InGraphVariant`` in ``graphddp/compiler/in_graph.py``, ``BucketPlan.without_rows``): the table goes whole in
-  a dense bucket of its own. Every rank gave up on the same step, so every rank compiles again at the same forward
-  (a graph one rank recompiles later does so at its first run), and ranks keep issuing the same collectives.
-  The price is one compile of that graph, once; the Reducer re-plans its own plan the same way. A graph captured
-  with dynamic shapes keeps its part: compiled again from one run's inputs it would be specialised to their
-  shapes, where Dynamo's guards let it run any.
+  a dense bucket of its own. Every rank gave up on the same step, so every rank compiles again at the same forward,
+  and a graph Dynamo compiles after that (a recompile, on one rank or all) is planned without the part from the
+  start: ranks keep issuing the same collectives. The variant is compiled again from the graph's inputs as Dynamo
+  traced them (fake, symbolic where its shapes are dynamic), so it runs whatever shapes Dynamo's guards let it run.
+  The price is one compile of that graph, once; the Reducer re-plans its own plan the same way.
 """
 
 from __future__ import annotations
