@@ -23,6 +23,7 @@ from models import VOCAB, build_model, compute_loss, default_batch, make_batch
 from torch import nn
 
 import graphddp
+from graphddp.passes import sparse_gradient_params
 from graphddp.runtime import countdown
 from graphddp.runtime.trace import EventLog
 
@@ -210,11 +211,6 @@ def refusing_sparse_all_reduce() -> Iterator[None]:
         dist.ProcessGroup.allreduce = original
 
 
-def has_sparse_gradients(module: nn.Module) -> bool:
-    """Some table of ``module`` makes ``torch.sparse`` gradients (``nn.Embedding``/``nn.EmbeddingBag``, ``sparse=True``)."""
-    return any(getattr(m, "sparse", False) is True for m in module.modules())
-
-
 def ddp_kwargs(case: Case) -> dict[str, Any]:
     """The keyword arguments both DDPs get: the case's own, and ``device_ids`` for a CUDA module."""
     kwargs = dict(case.ddp)
@@ -234,7 +230,7 @@ def wrap(impl: str, case: Case, rank: int = 0) -> tuple[nn.Module, nn.Module]:
                     p.add_(0.01 * rank)
     if impl == "torch":
         ddp = nn.parallel.DistributedDataParallel(module, **ddp_kwargs(case))
-        if has_sparse_gradients(module) and case.hook is None:
+        if sparse_gradient_params(module) and case.hook is None:  # the rule both DDPs apply
             ddp.register_comm_hook(*make_hook("sparse_as_dense"))  # not gloo's sparse all-reduce (see the hook)
         return ddp, ddp
     if impl != "graphddp":
