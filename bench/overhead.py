@@ -20,6 +20,11 @@ width, and times, interleaved step by step in the same processes (``--interleave
   on the same CPUs adds: where it is more than half of what PyTorch's DDP adds, halving PyTorch's added time is
   out of reach on that machine. (PyTorch's DDP sends the same bytes in fewer buckets, ``bucket_count``, so for
   it the floor is approximate.)
+- ``bound-backward`` / ``bound-backward-compiled``: the same, the all-reduces issued when the backward starts (the
+  forward has returned). A DDP's first byte leaves no earlier, and then not all of them at once, so this is a
+  floor under what *any* DDP adds that sends those bytes in those buckets: where gloo's thread costs the compute
+  more beside the backward than beside the forward, it lies above ``bound``, and the part of a target between the
+  two is out of reach of every DDP.
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. Two orders (``--interleave``):
@@ -70,15 +75,20 @@ from graphddp.tools.launch import free_port
 
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
-EAGER_MODES = ("local", "bound", "torch-eager", "graphddp-eager")
-COMPILED_MODES = ("local-compiled", "bound-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled-split")
-LINK_MODES = ("bound", "bound-compiled")
+EAGER_MODES = ("local", "bound", "bound-backward", "torch-eager", "graphddp-eager")
+COMPILED_MODES = ("local-compiled", "bound-compiled", "bound-backward-compiled", "torch-compiled", "graphddp-compiled",
+                  "graphddp-compiled-split")  # fmt: skip
+LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled")
 """The modes that only mean something where there is a link: left out at one rank."""
-BASELINE = {"bound": "local", "torch-eager": "local", "graphddp-eager": "local", "bound-compiled": "local-compiled",
+FROM_BACKWARD = ("bound-backward", "bound-backward-compiled")
+"""The link modes whose all-reduces start with the backward, not with the step."""
+BASELINE = {"bound": "local", "bound-backward": "local", "torch-eager": "local", "graphddp-eager": "local",
+            "bound-compiled": "local-compiled", "bound-backward-compiled": "local-compiled",
             "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled",
             "graphddp-compiled-split": "local-compiled"}  # fmt: skip
 """Which mode without DDP each mode's added time and calls are measured against."""
-TORCH_PEER = {"bound": "torch-eager", "graphddp-eager": "torch-eager", "bound-compiled": "torch-compiled",
+TORCH_PEER = {"bound": "torch-eager", "bound-backward": "torch-eager", "graphddp-eager": "torch-eager",
+              "bound-compiled": "torch-compiled", "bound-backward-compiled": "torch-compiled",
               "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
 """Which of PyTorch's DDP modes each mode's added time is compared with."""
 INTERLEAVINGS = ("steps", "modes")
@@ -298,7 +308,8 @@ class _Prepared:
         step = functools.partial(one_step, step_model, opt, x, y)
         if mode.partition(":")[0] in LINK_MODES:
             caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
-            step = functools.partial(link_beside, dense_bucket_buffers(step_model, caps, o.device), step)
+            link = link_from_backward if mode.partition(":")[0] in FROM_BACKWARD else link_beside
+            step = functools.partial(link, dense_bucket_buffers(step_model, caps, o.device), step)
         return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad))
 
     def warm_up(self, o: OverheadOptions) -> None:
@@ -357,10 +368,21 @@ def link_beside(buffers: list[torch.Tensor], step: Callable[..., int | None], co
     return calls
 
 
+def link_from_backward(buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None) -> int | None:
+    """``bound-backward``: every bucket's all-reduce issued once ``step``'s forward has returned, waited for after
+    the step."""
+    waits: list[Callable[[], None]] = []
+    calls = step(count, before_backward=lambda: waits.append(all_reduce_every(buffers)))
+    waits.pop()()
+    return calls
+
+
 def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-             count: CallCounter | None = None) -> int | None:
-    """Forward, backward (its Python calls counted when ``count`` is given), optimizer step."""
+             count: CallCounter | None = None, *, before_backward: Callable[[], None] | None = None) -> int | None:
+    """Forward, ``before_backward``, backward (its Python calls counted when ``count`` is given), optimizer step."""
     loss = model(x, y)
+    if before_backward is not None:
+        before_backward()
     calls = count.count_backward(loss) if count is not None else loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

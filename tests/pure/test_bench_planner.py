@@ -164,6 +164,26 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
 
 
+def test_the_matrix_shows_the_backward_floor_and_the_targets_no_ddp_meets_under_it() -> None:
+    s = summary()
+    s["calibration"]["cpu_seconds_per_byte"] = 1e-6
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["modes"]["torch-eager"]["median_s"] = 0.5  # 0.97 × 0.5 is above the 0.45 s limit
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert result["backward_floor_s"] is None and result["below_backward_floor"] == []
+    s["modes"]["bound-backward"] = {"median_s": 0.49, "phases_s": {}}  # the link costs more beside the backward
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert result["below_limit"] == [] and result["backward_floor_s"] == pytest.approx(0.49)
+    assert result["below_backward_floor"] == ["graphddp-eager / torch-eager"]  # 0.485 s < 0.49 s
+    assert result["limit_s"] == pytest.approx(0.45)  # the limit stays the issue's
+    text = matrix.report([result], command="c")
+    assert "graphddp-eager / torch-eager (below the backward floor: no DDP meets it here)" in text
+    header, _, row = text.splitlines()[2:5]
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["backward floor ms"] == "490" and cells["limit ms"] == "450"
+
+
 def test_compiled_modes_are_limited_and_predicted_by_the_compiled_compute_where_the_run_measured_it() -> None:
     # Inductor's kernels are not eager's: with local-compiled measured, a compiled mode's limit and prediction start
     # from its compute (here 20 % faster throughout), an eager mode's still from local's.

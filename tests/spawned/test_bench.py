@@ -19,14 +19,14 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_smoke_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "2", "--warmup", "0", "--inner", "aot_eager",
-         "--modes", "local,local-compiled,comm,bound,naive,torch-eager,torch-compiled,graphddp-eager,graphddp-compiled,graphddp-eager@auto+step",
+         "--modes", "local,local-compiled,comm,bound,bound-backward,naive,torch-eager,torch-compiled,graphddp-eager,graphddp-compiled,graphddp-eager@auto+step",
          "--out", str(tmp_path)],  # default caps: PyTorch's DDPOptimizer refuses a bucket cap below its 1 MiB first cap
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "results.json").read_text())
     assert list(summary["modes"]) == [
-        "local", "local-compiled", "comm", "bound", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled",
+        "local", "local-compiled", "comm", "bound", "bound-backward", "naive", "torch-eager", "torch-compiled", "graphddp-eager", "graphddp-compiled",
         "graphddp-eager@auto+step",
     ]  # fmt: skip
     for name, mode in summary["modes"].items():
@@ -34,7 +34,7 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
         assert len(mode["round_medians_s"]) == 2  # --rounds 2 (the default)
         phases = set(mode["phases_s"])
         with_wait = {"forward", "backward", "allreduce", "optimizer"}
-        expected = {"comm": {"allreduce"}, "naive": with_wait, "bound": with_wait}
+        expected = {"comm": {"allreduce"}, "naive": with_wait, "bound": with_wait, "bound-backward": with_wait}
         assert phases == expected.get(name, {"forward", "backward", "optimizer"}), (name, phases)
         reducer_ran = name.startswith("graphddp") and summary["reductions"][name] != "in_graph"
         assert (mode["tail_s"] is not None) == reducer_ran, name  # only a graphddp Reducer says

@@ -13,6 +13,8 @@ from bench.overhead import (
     build_model,
     graphs_compiled,
     isolated_model,
+    link_beside,
+    link_from_backward,
     main,
     round_spread,
     summarise,
@@ -74,17 +76,44 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
 
 def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_is_a_link() -> None:
     o = OverheadOptions(inners=("inductor",))
-    assert "bound" not in o.modes(1) and "bound-compiled:inductor" not in o.modes(1)
-    assert o.modes(2)[:2] == ["local", "bound"] and "bound-compiled:inductor" in o.modes(2)
-    times = {"local": 10, "bound": 13, "torch-eager": 16, "graphddp-eager": 15, "local-compiled:inductor": 8,
-             "bound-compiled:inductor": 11, "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12,
-             "graphddp-compiled-split:inductor": 16}  # fmt: skip
+    assert not {"bound", "bound-backward", "bound-compiled:inductor", "bound-backward-compiled:inductor"} & set(o.modes(1))
+    assert o.modes(2)[:3] == ["local", "bound", "bound-backward"]
+    assert {"bound-compiled:inductor", "bound-backward-compiled:inductor"} <= set(o.modes(2))
+    times = {"local": 10, "bound": 13, "bound-backward": 14, "torch-eager": 16, "graphddp-eager": 15,
+             "local-compiled:inductor": 8, "bound-compiled:inductor": 11, "bound-backward-compiled:inductor": 12,
+             "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12, "graphddp-compiled-split:inductor": 16}  # fmt: skip
     per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()} for r in (0, 1)}
     rows = {r["mode"]: r for r in summarise(o, 2, per_rank)}
     assert rows["bound"]["added_s"] == pytest.approx(3e-3) and rows["bound"]["added_vs_torch"] == pytest.approx(0.5)
     # The compiled floor, 3 of PyTorch's 6 ms: half of it is the most any DDP sending these bytes could save.
     assert rows["bound-compiled:inductor"]["added_vs_torch"] == pytest.approx(0.5)
     assert rows["graphddp-compiled:inductor"]["added_vs_torch"] == pytest.approx(4 / 6)
+    # Sent from the backward's start, the floor any DDP meets: 4 of PyTorch's 6 ms.
+    assert rows["bound-backward-compiled:inductor"]["added_vs_torch"] == pytest.approx(4 / 6)
+    assert rows["bound-backward"]["added_s"] == pytest.approx(4e-3)
+
+
+@pytest.mark.parametrize("link, expected", [
+    (link_beside, ["issue", "forward", "backward", "wait"]),
+    (link_from_backward, ["forward", "issue", "backward", "wait"]),
+])  # fmt: skip
+def test_the_floors_issue_the_link_at_the_step_or_at_the_backward(monkeypatch, link, expected) -> None:
+    events: list[str] = []
+
+    def all_reduce_every(buffers):
+        events.append("issue")
+        return lambda: events.append("wait")
+
+    def step(count=None, *, before_backward=None):
+        events.append("forward")
+        if before_backward is not None:
+            before_backward()
+        events.append("backward")
+        return 3
+
+    monkeypatch.setattr("bench.overhead.all_reduce_every", all_reduce_every)
+    assert link([torch.zeros(1)], step) == 3
+    assert events == expected
 
 
 def test_ratios_are_also_taken_round_by_round() -> None:
@@ -120,10 +149,10 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
     assert main(["--world-sizes", "2", "--inners", "", "--layers", "1", "--steps", "2", "--rounds", "1",
                  "--warmup", "0", "--interleave", "modes", "--out", str(tmp_path)]) == 0  # fmt: skip
     rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["local", "bound", "torch-eager", "graphddp-eager"]
-    bound = rows[1]
-    assert bound["step_s"] > 0 and bound.get("buckets") is None and "added_s" in bound and "added_vs_torch" in bound
-    assert bound["added_calls"] == 0  # the link beside the step runs no Python in backward
+    assert [r["mode"] for r in rows] == ["local", "bound", "bound-backward", "torch-eager", "graphddp-eager"]
+    for bound in rows[1:3]:
+        assert bound["step_s"] > 0 and bound.get("buckets") is None and "added_s" in bound and "added_vs_torch" in bound
+        assert bound["added_calls"] == 0  # the link beside the step runs no Python in backward
 
 
 @pytest.mark.timeout(300, func_only=True)
