@@ -27,9 +27,9 @@ Note [Automatic caps]), ``graphddp-compiled+step`` (each bucket's optimizer step
 ``graphddp-compiled+ch2`` (``channels=2``, buckets on two process groups in turn, Note [Channels]),
 ``graphddp-compiled+dense`` (every table dense); ``graphddp-eager@auto+step`` combines them."""
 
-MORE_MODES = ("bound-backward",)
-"""Modes known besides the default ones (``MODES``): ``bound-backward`` is ``bound`` with the all-reduces issued when
-the backward starts instead of the step: what no DDP can beat (``_bound_backward``)."""
+KNOWN_MODES = (*MODES, "bound-backward")
+"""Every mode, the default ones (``MODES``) and those named only on request: ``bound-backward`` is ``bound`` with the
+all-reduces issued when the backward starts instead of the step: what no DDP can beat (``_bound_backward``)."""
 
 NO_DDP = ("local", "local-compiled", "bound", "bound-backward")
 """The modes that compute with no DDP (``bound``, ``bound-backward`` with the link busy beside it): what the DDP modes
@@ -57,9 +57,9 @@ class ModeName:
     def parse(cls, name: str) -> ModeName:
         rest, *variants = name.split("+")
         base, _, cap = rest.partition("@")
-        if base not in (*MODES, *MORE_MODES):
+        if base not in KNOWN_MODES:
             raise ValueError(
-                f"unknown mode {name!r}; choose from {', '.join((*MODES, *MORE_MODES))} (graphddp modes also as MODE@CAP_MB, MODE@auto, "
+                f"unknown mode {name!r}; choose from {', '.join(KNOWN_MODES)} (graphddp modes also as MODE@CAP_MB, MODE@auto, "
                 "MODE+step, MODE+chK; graphddp-compiled also as MODE+split)"
             )
         unknown = [v for v in variants if v not in ("split", "step", "dense") and not re.fullmatch(r"ch[1-9][0-9]*", v)]
@@ -129,7 +129,7 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
         ),
     }
     if mode not in builders:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join((*MODES, *MORE_MODES))}")
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
     return builders[mode](model, cfg)
 
 

@@ -308,8 +308,8 @@ class _Prepared:
         step = functools.partial(one_step, step_model, opt, x, y)
         if mode.partition(":")[0] in LINK_MODES:
             caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
-            link = link_from_backward if mode.partition(":")[0] in FROM_BACKWARD else link_beside
-            step = functools.partial(link, dense_bucket_buffers(step_model, caps, o.device), step)
+            buffers = dense_bucket_buffers(step_model, caps, o.device)
+            step = functools.partial(link_beside, buffers, step, from_backward=mode.partition(":")[0] in FROM_BACKWARD)
         return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad))
 
     def warm_up(self, o: OverheadOptions) -> None:
@@ -360,19 +360,19 @@ def bucket_count(ddp: Any) -> int | None:
     return len(sizes.split(",")) if sizes else None
 
 
-def link_beside(buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None) -> int | None:
-    """``bound``: every bucket's all-reduce issued before ``step`` (the step without DDP) and waited for after it."""
-    wait = all_reduce_every(buffers)
-    calls = step(count)
-    wait()
-    return calls
-
-
-def link_from_backward(buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None) -> int | None:
-    """``bound-backward``: every bucket's all-reduce issued once ``step``'s forward has returned, waited for after
-    the step."""
+def link_beside(
+    buffers: list[torch.Tensor], step: Callable[..., int | None], count: CallCounter | None = None, *, from_backward: bool = False
+) -> int | None:
+    """``bound``: every bucket's all-reduce issued before ``step`` (the step without DDP), or, ``from_backward``
+    (``bound-backward``), once its forward has returned; waited for after the step."""
     waits: list[Callable[[], None]] = []
-    calls = step(count, before_backward=lambda: waits.append(all_reduce_every(buffers)))
+
+    def issue() -> None:
+        waits.append(all_reduce_every(buffers))
+
+    if not from_backward:
+        issue()
+    calls = step(count, before_backward=issue if from_backward else None)
     waits.pop()()
     return calls
 

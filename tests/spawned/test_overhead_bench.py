@@ -14,7 +14,6 @@ from bench.overhead import (
     graphs_compiled,
     isolated_model,
     link_beside,
-    link_from_backward,
     main,
     round_spread,
     summarise,
@@ -93,11 +92,11 @@ def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_
     assert rows["bound-backward"]["added_s"] == pytest.approx(4e-3)
 
 
-@pytest.mark.parametrize("link, expected", [
-    (link_beside, ["issue", "forward", "backward", "wait"]),
-    (link_from_backward, ["forward", "issue", "backward", "wait"]),
+@pytest.mark.parametrize("from_backward, expected", [
+    (False, ["issue", "forward", "backward", "wait"]),
+    (True, ["forward", "issue", "backward", "wait"]),
 ])  # fmt: skip
-def test_the_floors_issue_the_link_at_the_step_or_at_the_backward(monkeypatch, link, expected) -> None:
+def test_the_floors_issue_the_link_at_the_step_or_at_the_backward(monkeypatch, from_backward, expected) -> None:
     events: list[str] = []
 
     def all_reduce_every(buffers):
@@ -112,7 +111,7 @@ def test_the_floors_issue_the_link_at_the_step_or_at_the_backward(monkeypatch, l
         return 3
 
     monkeypatch.setattr("bench.overhead.all_reduce_every", all_reduce_every)
-    assert link([torch.zeros(1)], step) == 3
+    assert link_beside([torch.zeros(1)], step, from_backward=from_backward) == 3
     assert events == expected
 
 
