@@ -212,7 +212,7 @@ class GraphDDPBackend:
         plan = plan.without_rows(target.tables_gone_dense_in_graph() & {p.name for p in plan.parts})
         captured = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if plan.parts else gm
         signalled = [*example_inputs, target.abandon_signal]  # ReductionSwitch passes the signal last
-        dumped = (signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
+        dumped = (self.dump, signalled, fake_mode_for(example_inputs)) if self.dump is not None else None  # none kept otherwise
         variants = itertools.count()
         target_ref = weakref.ref(target)  # Dynamo's cache keeps the variant: it must not keep the DDP alive
 
@@ -224,10 +224,11 @@ class GraphDDPBackend:
                 wire=target.in_graph_wire(), signal=True, alone=target.averages_alone(), step_key=target.in_graph_step_key,
                 rows_key=target.in_graph_rows_key,
             )
-            if self.dump is not None and dumped is not None:  # forward and backward, waits sunk: beside the split's
+            if dumped is not None:  # forward and backward, waits sunk: beside the split's
+                dump, inputs, fake_mode = dumped
                 variant = next(variants)  # _1, _2, ...: compiled again without a table's parts
-                folder = self.dump.graph_folder(f"{graph_key}_in_graph" + (f"_{variant}" if variant else ""))
-                self.dump.write_aot(folder, {"in_graph": (reducing, dumped[0])}, dumped[1])
+                folder = dump.graph_folder(f"{graph_key}_in_graph" + (f"_{variant}" if variant else ""))
+                dump.write_aot(folder, {"in_graph": (reducing, inputs)}, fake_mode)
             return reducing
 
         again = _fake_inputs(gm, target.abandon_signal) if plan.parts else None

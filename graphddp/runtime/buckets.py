@@ -135,7 +135,12 @@ class SparseGradBucket(FlatBucket):
             # coalesce() and the cast (mixed_precision's reduce dtype) copy only where they must; either copy is
             # already the bucket's own, so only a tensor that is still ``.grad`` itself is cloned.
             own = grad.coalesce().to(spec.dtype)
-            self.buffer = own * scale if scale is not None else own if own is not grad else own.clone()
+            if scale is not None:
+                self.buffer = own * scale
+            elif own is grad:
+                self.buffer = own.clone()
+            else:
+                self.buffer = own
 
     def take(self, reduced: torch.Tensor) -> None:
         self.buffer = reduced
