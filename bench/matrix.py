@@ -42,13 +42,16 @@ from .predict import compute_phases
 from .run import AGAINST_TORCH, BenchOptions, run
 
 TARGETS = {
-    "graphddp-compiled / torch-compiled": 0.90,
+    "graphddp-compiled / torch-compiled": 0.95,
     "graphddp-eager / torch-eager": 0.97,
     "graphddp-compiled / limit": 1.10,
     "model's pick / limit": 1.10,
 }
-"""``model's pick``: graphddp-compiled, or ``+step`` where the model picks stepping the optimizer in backward
-(``choose_optimizer_overlap``): what a user who follows the planner runs."""
+"""The ratios each cell is held to: issue 27's (compiled against PyTorch's compiled DDP where the limit allows it, both
+against the limit; issue 14, resolved, asked 0.90 against PyTorch before the limit was measured) and issue 14's for
+the eager DDPs. ``model's pick``: graphddp-compiled, or ``+step`` where the model picks stepping the optimizer in
+backward (``choose_optimizer_overlap``): what a user who follows the planner runs. The report's headers and the
+cells' † markers (``below_limit``) read them from here."""
 MATRIX_MODES = (*MODES, "bound-backward", "graphddp-compiled+step")
 AUTO_WITHIN = 1.03
 """The automatic caps' target: within 3 % of the best fixed cap of the sweep."""
@@ -208,8 +211,10 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             (r.get("reductions") or {}).get("graphddp-compiled") or "-",
         ])  # fmt: skip
     headers = [
-        "workload", "link", "gddp-compiled ms", "torch-compiled ms", "ratio (≤0.90)", "gddp-eager ms", "torch-eager ms",
-        "ratio (≤0.97)", "limit ms", "backward floor ms", "compiled / limit (≤1.10)", "compiled+step ms", "model's pick / limit (≤1.10)", "optimizer: model's pick (/ compiled)", "worst prediction error", "auto / best fixed (≤1.03)",
+        "workload", "link", "gddp-compiled ms", "torch-compiled ms", f"ratio {_target('graphddp-compiled / torch-compiled')}",
+        "gddp-eager ms", "torch-eager ms", f"ratio {_target('graphddp-eager / torch-eager')}", "limit ms", "backward floor ms",
+        f"compiled / limit {_target('graphddp-compiled / limit')}", "compiled+step ms", "model's pick / limit " + _target("model's pick / limit"),
+        "optimizer: model's pick (/ compiled)", "worst prediction error", f"auto / best fixed (≤{AUTO_WITHIN:.2f})",
         "gddp-compiled reduction",
     ]  # fmt: skip
     lines = [f"Command: `{command}`", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
@@ -260,6 +265,10 @@ def picture(results: list[dict[str, Any]], path: Path) -> None:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def _target(label: str) -> str:
+    return f"(≤{TARGETS[label]:.2f})"
 
 
 def _ratio(ratios: dict[str, float], label: str) -> str:

@@ -184,6 +184,27 @@ def test_the_matrix_shows_the_backward_floor_and_the_targets_no_ddp_meets_under_
     assert cells["backward floor ms"] == "490" and cells["limit ms"] == "450"
 
 
+def test_the_matrix_holds_compiled_to_issue_27s_095_of_torch_compiled_and_marks_it_from_that_target() -> None:
+    # Issue 27: graphddp-compiled <= 0.95 x torch-compiled where the limit allows it. The column's header, its tick
+    # and the cell's marker all read the one figure in TARGETS (the matrix used to check issue 14's 0.90).
+    s = summary()
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.46, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["modes"]["torch-compiled"] = {"median_s": 0.49, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["ratios"]["graphddp-compiled / torch-compiled"] = 0.46 / 0.49  # 0.939: over 0.90, under 0.95
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert matrix.TARGETS["graphddp-compiled / torch-compiled"] == 0.95
+    assert result["met"]["graphddp-compiled / torch-compiled"]
+    text = matrix.report([result], command="c")
+    header, _, row = text.splitlines()[2:5]
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["ratio (≤0.95)"] == "0.939 ✓" and cells["ratio (≤0.97)"] == "1.000 ✗"
+    # 0.95 x 0.44 s is under this cell's 0.35 s + 0.1 s limit: no schedule meets it, and the cell says so.
+    s["calibration"]["cpu_seconds_per_byte"] = 1e-6
+    s["modes"]["torch-compiled"]["median_s"] = 0.44
+    assert "graphddp-compiled / torch-compiled" in matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)["below_limit"]
+
+
 def test_compiled_modes_are_limited_and_predicted_by_the_compiled_compute_where_the_run_measured_it() -> None:
     # Inductor's kernels are not eager's: with local-compiled measured, a compiled mode's limit and prediction start
     # from its compute (here 20 % faster throughout), an eager mode's still from local's.
