@@ -253,6 +253,11 @@ def test_a_cell_with_more_ranks_than_cpus_is_marked_and_compared_with_no_target(
     text = matrix.report([result], command="c")
     assert "mlp ‡" in text and "Targets missed: none" in text and "‡ not compared (more ranks than CPUs" in text
     assert not matrix.cell("mlp", "1gbit", s, swept=None, cpus=4)["oversubscribed"]
+    # Nor are its predictions counted: a 2-rank cell's are, the 3-rank cell's (50 % off) are not.
+    two = summary()
+    result["prediction_error"] = {"graphddp-eager": 0.5}
+    compared = matrix.cell("mlp", "1gbit", two, swept=None, cpus=2) | {"prediction_error": {"graphddp-eager": 0.05}}
+    assert "Predictions within 15 %: 1 of 1 (mode, cell) pairs outside ‡ cells" in matrix.report([compared, result], command="c")
 
 
 def test_scale_projection_slows_with_ranks() -> None:
