@@ -49,26 +49,34 @@ class RarelyUsed(nn.Module):
         return y + self.extra(x) if use_extra else y
 
 
-def train_rarely_used(rank: int, world: int, impl: str) -> tuple[dict[str, torch.Tensor], list[tuple[str, int | None]]]:
+def train_rarely_used(
+    rank: int, world: int, impl: str, compiled: bool = False
+) -> tuple[dict[str, torch.Tensor], list[tuple[str, int | None]], list[str]]:
     kwargs: dict[str, Any] = {"find_unused_parameters": True, "bucket_cap_mb": 0.0005}
     if impl == "graphddp":
         ddp: nn.Module = graphddp.DDP(RarelyUsed(), skip_all_reduce_unused_params=True, first_bucket_cap_mb=0.0005, **kwargs)
         ddp.reducer.events = log = EventLog()
     else:  # the reference: PyTorch's DDP without the skip (with it, step 3 would desynchronise the ranks)
         ddp, log = nn.parallel.DistributedDataParallel(RarelyUsed(), **kwargs), EventLog()
+    # Compiled, each value of use_extra is a graph of its own: rank 0 captures the second alone, at step 3.
+    model = torch.compile(ddp, backend=graphddp.backend("aot_eager")) if compiled else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(5):
         x, y = batch_for(Case(), step, 0, rank)
-        F.mse_loss(ddp(x, use_extra=step == 3 and rank == 0), y).backward()  # step 3: rank 0 uses it after all
+        F.mse_loss(model(x, use_extra=step == 3 and rank == 0), y).backward()  # step 3: rank 0 uses it after all
         opt.step()
         opt.zero_grad()
-    return state_of(ddp.module), [(e.kind, e.bucket) for e in log.events if e.kind in ("skipped", "late")]
+    strategies = [str(r) for r in ddp.reducer.compile_target.reductions] if compiled else []
+    return state_of(ddp.module), [(e.kind, e.bucket) for e in log.events if e.kind in ("skipped", "late")], strategies
 
 
-def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_what_one_did() -> None:
-    ours = run_on_ranks(train_rarely_used, 2, "graphddp")
-    theirs = run_on_ranks(train_rarely_used, 2, "torch")
-    for (state, events), (reference, _) in zip(ours, theirs):
+@pytest.mark.parametrize(
+    ("world", "compiled"), [(2, False), pytest.param(3, False, marks=pytest.mark.slow), (2, True), pytest.param(3, True, marks=pytest.mark.slow)]
+)
+def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_what_one_did(world: int, compiled: bool) -> None:
+    ours = run_on_ranks(train_rarely_used, world, "graphddp", compiled)
+    theirs = run_on_ranks(train_rarely_used, world, "torch")
+    for rank, ((state, events, strategies), (reference, _, _)) in enumerate(zip(ours, theirs)):
         torch.testing.assert_close(state, reference)
         skipped = [b for kind, b in events if kind == "skipped"]
         late = [b for kind, b in events if kind == "late"]
@@ -76,3 +84,6 @@ def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_
         # and from then on they are reduced as usual (rank 0 used them).
         assert skipped and late and set(late) == set(skipped), events
         assert len(skipped) == 3 * len(set(skipped)), events  # steps 1, 2 and 3
+        if compiled:  # the skip needs the Reducer's hooks: every graph stays on the split, and says why
+            assert len(strategies) == (2 if rank == 0 else 1), strategies
+            assert all(s.startswith("split") and "skip_all_reduce_unused_params" in s for s in strategies), strategies
