@@ -19,7 +19,9 @@ MIXED = {
     "bf16_reduce_fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
     "fp32_reduce_bf16": {"reduce_dtype": torch.bfloat16},
 }
-COMPILED = "bf16_reduce_fp32"  # also trained under torch.compile: graph plans use the reduce dtype too
+COMPILED = {"bf16_reduce_fp32": "in_graph", "fp32_reduce_bf16": "split"}
+"""Also trained under torch.compile (graph plans use the reduce dtype too), with the strategy each must run: a
+reduce dtype other than the parameters' keeps the split (the Reducer casts), else the gradients reduce in-graph."""
 
 
 def mixed_precision_reference(case: Case, world: int, dtypes: dict[str, torch.dtype]) -> nn.Module:
@@ -51,10 +53,17 @@ def train_mixed_precision(rank: int, world: int, name: str, compile: str | None)
         graphddp=(("first_bucket_cap_mb", 0.001),),
         compile=compile,
         steps=4,
+        record_events=compile is None,  # recording a timeline keeps a compiled graph off in-graph reduction
     )
     run = train("graphddp", case, rank)
     if compile:
         assert run.ddp.bucket_plan.source == "graph" and len(run.ddp.bucket_plan.buckets) > 1, run.ddp.bucket_plan.describe()
+        target = run.ddp.reducer.compile_target
+        strategies = [str(r) for r in target.reductions]
+        assert strategies and all(s.startswith(COMPILED[name]) for s in strategies), strategies
+        if COMPILED[name] == "split":
+            assert all("mixed_precision reduces in another dtype" in s for s in strategies), strategies
+        assert (target.gate.in_graph_forwards > 0) == (COMPILED[name] == "in_graph"), target.gate.in_graph_forwards
     reduce_dtype = MIXED[name].get("reduce_dtype", MIXED[name].get("param_dtype"))
     assert {b.dtype for b in run.ddp.bucket_plan.buckets} == {reduce_dtype}, run.ddp.bucket_plan.describe()
     for n, p in run.ddp.module.named_parameters():  # outside forward and backward: full precision
@@ -71,7 +80,8 @@ def train_mixed_precision(rank: int, world: int, name: str, compile: str | None)
     ("name", "world", "compile"),
     [(name, 2, None) for name in sorted(MIXED)]
     + [pytest.param(name, 3, None, marks=pytest.mark.slow) for name in sorted(MIXED)]  # 3 ranks: slow suite (time)
-    + [(COMPILED, 2, "torch.compile")],
+    + [(name, 2, "torch.compile") for name in sorted(COMPILED)]
+    + [pytest.param(name, 3, "torch.compile", marks=pytest.mark.slow) for name in sorted(COMPILED)],
 )
 def test_mixed_precision_matches_its_definition(name: str, world: int, compile: str | None) -> None:
     run_on_ranks(train_mixed_precision, world, name, compile)
