@@ -62,29 +62,34 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_on_channels(rank: int, world: int, channels: int, compiled: bool) -> dict[str, int]:
-    """Five SGD steps of graphddp.DDP(channels=...) beside PyTorch's DDP, parameters compared after each; returns the
-    all-reduces of the last backward per channel (by position: 0 is the DDP's own group)."""
+    """Five SGD steps of graphddp.DDP(channels=...) beside PyTorch's DDP, parameters compared after each, and with
+    one process trained on every rank's batch at the end; returns the all-reduces of the last backward per channel
+    (by position: 0 is the DDP's own group)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MLP()
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    single = copy.deepcopy(model)  # the reference without DDP: each step on the concatenation of the ranks' batches
     stack = contextlib.ExitStack()
     calls, groups = stack.enter_context(allreduces_by_group())  # before the DDP: its buckets bind the method
     ddp = graphddp.DDP(model, channels=channels, **SMALL)
     dump = tempfile.mkdtemp(prefix=f"channels-{rank}-")
     run = torch.compile(ddp, backend=graphddp.backend("aot_eager", reduction="in_graph", debug_dir=dump)) if compiled else ddp
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ref)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ref, single)]
     for step in range(5):
         x, y = batch(step, rank)
         calls.clear()
         F.mse_loss(run(x), y).backward()
         stack.close() if step == 4 else None
         F.mse_loss(ref(x), y).backward()
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        F.mse_loss(single(torch.cat(xs)), torch.cat(ys)).backward()  # [world * 6, IN]: the mean of the ranks' means
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         for p, q in zip(ddp.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q)
+    torch.testing.assert_close(dict(ddp.module.named_parameters()), dict(single.named_parameters()))
     main = dist.group.WORLD.group_name
     assert main in groups, "the DDP's own group carries channel 0"
     others = sorted((name for name in groups if name != main), key=lambda n: int(n) if n.isdigit() else n)
@@ -145,8 +150,9 @@ def test_auto_channels_are_what_the_model_picks_for_the_measured_link() -> None:
 
 
 @pytest.mark.slow
-def test_three_ranks_on_two_channels_match_pytorch() -> None:
-    for record in run_on_ranks(train_on_channels, 3, 2, False):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "in_graph"])
+def test_three_ranks_on_two_channels_match_pytorch(compiled: bool) -> None:
+    for record in run_on_ranks(train_on_channels, 3, 2, compiled):
         assert record["channel 1"] == record["expected"][1], record
 
 
