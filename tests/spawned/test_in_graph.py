@@ -171,7 +171,7 @@ def test_builtin_comm_hooks_are_traced_and_others_keep_the_split(hook_name: str)
             assert reductions == ["in_graph (traceable)"] and in_graph_runs == 3
 
 
-def compiled_autograd_steps(rank: int, world: int) -> None:
+def compiled_autograd_steps(rank: int, world: int) -> tuple[list[str], int]:
     ddp, ref = fresh_pair()
     compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
     from torch._dynamo import compiled_autograd
@@ -184,10 +184,61 @@ def compiled_autograd_steps(rank: int, world: int) -> None:
         for p, q in zip(ddp.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
         ddp.zero_grad(), ref.zero_grad()
+    target = ddp.reducer.compile_target
+    return sorted({str(r) for r in target.reductions}), target.gate.in_graph_forwards
 
 
 def test_in_graph_under_compiled_autograd() -> None:
-    run_on_ranks(compiled_autograd_steps, 2)
+    for reductions, in_graph_runs in run_on_ranks(compiled_autograd_steps, 2):
+        # compiled autograd traces the in-graph backward's collectives with the rest: still no hook, no split
+        assert reductions == ["in_graph (traceable)"] and in_graph_runs == 2, (reductions, in_graph_runs)
+
+
+def backward_calls_under_inductor(rank: int, world: int, cap_mb: float | None) -> tuple[int, int, list[str]]:
+    """(Python calls of one steady compiled backward, buckets, strategies) for 24 layers (48 parameters) under
+    Inductor: graphddp's DDP at ``cap_mb`` every cap, or the model alone (``None``)."""
+    import sys
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
+    ddp = None
+    if cap_mb is not None:
+        ddp = graphddp.DDP(model, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, last_bucket_cap_mb=cap_mb, bucket_ramps=False)
+    compiled = torch.compile(ddp if ddp is not None else model, backend=graphddp.backend("inductor") if ddp is not None else "inductor")
+    x = torch.randn(8, 16)  # [B, 16]
+    for _ in range(3):
+        compiled(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+    calls = 0
+
+    def count(frame, event, arg):  # a CPU backward runs on this thread
+        nonlocal calls
+        calls += event == "call"
+
+    loss = compiled(x).square().mean()
+    sys.setprofile(count)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    if ddp is None:
+        return calls, 0, []
+    return calls, len(ddp.bucket_plan.buckets), sorted({str(r) for r in ddp.reducer.compile_target.reductions})
+
+
+@pytest.mark.slow
+def test_in_graph_backward_costs_python_per_bucket_not_per_parameter() -> None:
+    """Issue 24: the Python calls a compiled backward adds at two ranks grow with the buckets, not the parameters."""
+    (alone, _, _), _ = run_on_ranks(backward_calls_under_inductor, 2, None)
+    (few, few_buckets, strategies), _ = run_on_ranks(backward_calls_under_inductor, 2, 0.02)
+    (many, many_buckets, _), _ = run_on_ranks(backward_calls_under_inductor, 2, 0.0025)
+    assert strategies == ["in_graph (traceable)"], strategies
+    assert many_buckets >= few_buckets + 10, (few_buckets, many_buckets)
+    per_bucket = (many - few) / (many_buckets - few_buckets)  # the functional collectives' Python entry points
+    assert per_bucket <= 12, (alone, few, few_buckets, many, many_buckets)
+    # What the DDP adds at few buckets is what those buckets cost, nothing per parameter (48 of them).
+    assert few - alone <= per_bucket * few_buckets + 8 < 48, (alone, few, few_buckets, per_bucket)
 
 
 @pytest.mark.slow
