@@ -166,28 +166,39 @@ def resources() -> tuple[int, int, int, int]:
     )
 
 
-def built_and_freed(rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Resources before a DDP on 4 channels, while it trains, and once it is freed."""
+def built_and_freed(rank: int, world: int, compiled: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """Resources before a DDP on 4 channels, while it trains (compiled: reducing in-graph, where the functional
+    collectives name the channels' groups), and once it is freed; and the steps that ran in-graph."""
     torch.manual_seed(0)
-    warm = graphddp.DDP(MLP(), **CAPS)  # what the first DDP of a process loads for good (Dynamo, hooks)
-    F.mse_loss(warm(batch(0, rank)[0]), batch(0, rank)[1]).backward()
-    del warm
+    torch._dynamo.reset()
+    warm = graphddp.DDP(MLP(), **CAPS)  # what the first DDP of a process loads for good (Dynamo, hooks, Inductor)
+    warm_run = torch.compile(warm, backend=graphddp.backend("aot_eager")) if compiled else warm
+    for step in range(3):
+        F.mse_loss(warm_run(batch(step, rank)[0]), batch(step, rank)[1]).backward()
+    del warm, warm_run
+    torch._dynamo.reset()
     gc.collect()
     before = resources()
     ddp = graphddp.DDP(MLP(), channels=4, **CAPS)
-    x, y = batch(0, rank)
-    F.mse_loss(ddp(x), y).backward()
+    run = torch.compile(ddp, backend=graphddp.backend("aot_eager", reduction="in_graph")) if compiled else ddp
+    for step in range(3):
+        x, y = batch(step, rank)
+        F.mse_loss(run(x), y).backward()
     during = resources()
-    del ddp
+    in_graph = ddp.reducer.compile_target.gate.in_graph_forwards
+    del ddp, run
+    torch._dynamo.reset()  # compiled code keeps its module alive until Dynamo lets go of it, as for any module
     gc.collect()
-    return before, during, resources()
+    return before, during, resources(), in_graph
 
 
-def test_nothing_is_left_behind_once_the_ddp_is_freed() -> None:
-    for before, during, after in run_on_ranks(built_and_freed, 2):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "in_graph"])
+def test_nothing_is_left_behind_once_the_ddp_is_freed(compiled: bool) -> None:
+    for before, during, after, in_graph in run_on_ranks(built_and_freed, 2, compiled):
         assert during[0] == before[0] + 3, (before, during)  # three groups of its own
         assert during[1] > before[1] and during[2] > before[2], (before, during)  # gloo's threads and sockets
         assert after == before, (before, during, after)
+        assert (in_graph > 0) == compiled, in_graph
 
 
 def different_counts(rank: int, world: int) -> str:
