@@ -25,6 +25,11 @@ width, and times, interleaved step by step in the same processes (``--interleave
   floor under what *any* DDP adds that sends those bytes in those buckets: where gloo's thread costs the compute
   more beside the backward than beside the forward, it lies above ``bound``, and the part of a target between the
   two is out of reach of every DDP.
+- ``bound-ready`` / ``bound-ready-torch`` (eager): each bucket all-reduced the moment its last gradient is
+  accumulated, from a buffer made beforehand, and nothing else (``bench.as_ready``): a DDP that costs only its
+  collectives, sent as an eager DDP sends them. ``bound-ready`` sends graphddp's buckets, ``bound-ready-torch``
+  PyTorch's (a bucket closes once it holds the cap or more), so a DDP's distance from its own layout's row is
+  its own cost, and the distance between the two rows is what the layouts cost.
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. Two orders (``--interleave``):
@@ -73,21 +78,27 @@ from tabulate import tabulate
 from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port
 
+from .as_ready import AsReady, bucket_layout, ready_order
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
-EAGER_MODES = ("local", "bound", "bound-backward", "torch-eager", "graphddp-eager")
+EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "bound-compiled", "bound-backward-compiled", "torch-compiled", "graphddp-compiled",
                   "graphddp-compiled-split")  # fmt: skip
-LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled")
+LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled", "bound-ready", "bound-ready-torch")
 """The modes that only mean something where there is a link: left out at one rank."""
+AS_READY = {"bound-ready": "graphddp", "bound-ready-torch": "torch"}
+"""The link modes that send each bucket as its gradients become ready (``bench.as_ready``), and whose bucket
+layout they send."""
 FROM_BACKWARD = ("bound-backward", "bound-backward-compiled")
 """The link modes whose all-reduces start with the backward, not with the step."""
-BASELINE = {"bound": "local", "bound-backward": "local", "torch-eager": "local", "graphddp-eager": "local",
+BASELINE = {"bound": "local", "bound-backward": "local", "bound-ready": "local", "bound-ready-torch": "local",
+            "torch-eager": "local", "graphddp-eager": "local",
             "bound-compiled": "local-compiled", "bound-backward-compiled": "local-compiled",
             "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled",
             "graphddp-compiled-split": "local-compiled"}  # fmt: skip
 """Which mode without DDP each mode's added time and calls are measured against."""
-TORCH_PEER = {"bound": "torch-eager", "bound-backward": "torch-eager", "graphddp-eager": "torch-eager",
+TORCH_PEER = {"bound": "torch-eager", "bound-backward": "torch-eager", "bound-ready": "torch-eager",
+              "bound-ready-torch": "torch-eager", "graphddp-eager": "torch-eager",
               "bound-compiled": "torch-compiled", "bound-backward-compiled": "torch-compiled",
               "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
 """Which of PyTorch's DDP modes each mode's added time is compared with."""
@@ -300,17 +311,27 @@ class _Prepared:
     step: Callable[..., int | None]
     ddp: Any
     params: int
+    buckets: int | None = None
+    """A link mode's collectives per step (a DDP mode's come from the DDP)."""
 
     @classmethod
     def build(cls, mode: str, o: OverheadOptions, x: torch.Tensor, y: torch.Tensor, *, isolated: bool) -> _Prepared:
         step_model, ddp = build_mode(mode, o, isolated=isolated)
         opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
         step = functools.partial(one_step, step_model, opt, x, y)
-        if mode.partition(":")[0] in LINK_MODES:
+        name = mode.partition(":")[0]
+        buckets = None
+        if name in AS_READY:  # cut over the ready order of a first backward, as both DDPs rebuild theirs
+            order = ready_order(step_model, lambda: step_model(x, y).backward())
+            step_model.zero_grad(set_to_none=True)
+            as_ready = AsReady(bucket_layout(step_model, order, AS_READY[name], o.cap_mb), o.device)
+            step, buckets = functools.partial(as_ready.step, step), len(as_ready.buffers)
+        elif name in LINK_MODES:
             caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
             buffers = dense_bucket_buffers(step_model, caps, o.device)
-            step = functools.partial(link_beside, buffers, step, from_backward=mode.partition(":")[0] in FROM_BACKWARD)
-        return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad))
+            step = functools.partial(link_beside, buffers, step, from_backward=name in FROM_BACKWARD)
+            buckets = len(buffers)
+        return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad), buckets)
 
     def warm_up(self, o: OverheadOptions) -> None:
         for _ in range(1 + o.warmup):  # the first compiles
@@ -333,6 +354,8 @@ class _Prepared:
 
     def count_calls(self, record: dict[str, Any]) -> None:
         record["backward_calls"] = self.step(CallCounter())
+        if self.buckets is not None:
+            record["buckets"] = self.buckets
         if self.ddp is not None:
             record["buckets"] = bucket_count(self.ddp)
             if hasattr(self.ddp, "bucket_plan"):

@@ -75,10 +75,12 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
 
 def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_is_a_link() -> None:
     o = OverheadOptions(inners=("inductor",))
-    assert not {"bound", "bound-backward", "bound-compiled:inductor", "bound-backward-compiled:inductor"} & set(o.modes(1))
-    assert o.modes(2)[:3] == ["local", "bound", "bound-backward"]
+    assert not {"bound", "bound-backward", "bound-ready", "bound-ready-torch", "bound-compiled:inductor",
+                "bound-backward-compiled:inductor"} & set(o.modes(1))  # fmt: skip
+    assert o.modes(2)[:5] == ["local", "bound", "bound-backward", "bound-ready", "bound-ready-torch"]
     assert {"bound-compiled:inductor", "bound-backward-compiled:inductor"} <= set(o.modes(2))
-    times = {"local": 10, "bound": 13, "bound-backward": 14, "torch-eager": 16, "graphddp-eager": 15,
+    times = {"local": 10, "bound": 13, "bound-backward": 14, "bound-ready": 15, "bound-ready-torch": 14, "torch-eager": 16,
+             "graphddp-eager": 15,
              "local-compiled:inductor": 8, "bound-compiled:inductor": 11, "bound-backward-compiled:inductor": 12,
              "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12, "graphddp-compiled-split:inductor": 16}  # fmt: skip
     per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()} for r in (0, 1)}
@@ -90,6 +92,9 @@ def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_
     # Sent from the backward's start, the floor any DDP meets: 4 of PyTorch's 6 ms.
     assert rows["bound-backward-compiled:inductor"]["added_vs_torch"] == pytest.approx(4 / 6)
     assert rows["bound-backward"]["added_s"] == pytest.approx(4e-3)
+    # Sent as the gradients become ready, in graphddp's buckets and in PyTorch's: against PyTorch's DDP too.
+    assert rows["bound-ready"]["added_vs_torch"] == pytest.approx(5 / 6)
+    assert rows["bound-ready-torch"]["added_vs_torch"] == pytest.approx(4 / 6)
 
 
 @pytest.mark.parametrize("from_backward, expected", [
@@ -148,10 +153,19 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
     assert main(["--world-sizes", "2", "--inners", "", "--layers", "1", "--steps", "2", "--rounds", "1",
                  "--warmup", "0", "--interleave", "modes", "--out", str(tmp_path)]) == 0  # fmt: skip
     rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["local", "bound", "bound-backward", "torch-eager", "graphddp-eager"]
+    assert [r["mode"] for r in rows] == [
+        "local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager",
+    ]  # fmt: skip
+    by_mode = {r["mode"]: r for r in rows}
+    for bound in rows[1:5]:
+        assert bound["step_s"] > 0 and "added_s" in bound and "added_vs_torch" in bound
     for bound in rows[1:3]:
-        assert bound["step_s"] > 0 and bound.get("buckets") is None and "added_s" in bound and "added_vs_torch" in bound
         assert bound["added_calls"] == 0  # the link beside the step runs no Python in backward
+        assert bound["buckets"] == by_mode["graphddp-eager"]["buckets"]  # graphddp's dense plan at the caps
+    # As ready: one hook call per gradient (and what launching costs), the layouts' own bucket counts.
+    assert by_mode["bound-ready"]["added_calls"] >= by_mode["bound-ready"]["params"]
+    assert by_mode["bound-ready"]["buckets"] == by_mode["graphddp-eager"]["buckets"]
+    assert by_mode["bound-ready-torch"]["buckets"] == by_mode["torch-eager"]["buckets"]
 
 
 @pytest.mark.timeout(300, func_only=True)

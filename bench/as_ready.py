@@ -1,0 +1,94 @@
+"""``bound-ready``: the floor under a DDP that sends each bucket as its gradients become ready (``bench.overhead``).
+
+``bound-backward`` sends every byte at the backward's first instant: no DDP sends earlier, but none sends all of it
+then either, since a bucket can leave only once its last gradient exists. ``AsReady`` sends as a DDP does and
+costs nothing else: a hook per parameter counts its bucket down after the gradient is accumulated, and a bucket
+that reaches zero is all-reduced at once, in bucket order, from a buffer of its size made beforehand. No copy into
+the bucket or out of it, no division, no collective of its own, no check: what it adds over the step without DDP is
+what sending those bytes, in those buckets, as the backward makes them, costs on the machine. The difference
+between a DDP and this floor is the DDP's own cost; the difference between two layouts of this floor is what the
+layouts cost.
+
+Two layouts, both cut over the order in which the gradients became ready in a first backward (the order both
+DDPs rebuild their buckets in after their first iteration):
+
+* ``graphddp``: graphddp's plan at the caps (``plan_buckets``: no bucket over its cap, ramps off, as
+  ``bench.overhead`` runs graphddp);
+* ``torch``: PyTorch's assignment (``torch.distributed._compute_bucket_assignment_by_size``: a bucket closes once it
+  holds the cap or more, a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
+
+LAYOUTS = ("graphddp", "torch")
+
+
+def ready_order(model: nn.Module, one_backward: Callable[[], None]) -> list[nn.Parameter]:
+    """The trainable parameters of ``model`` in the order ``one_backward`` accumulates their gradients."""
+    order: list[nn.Parameter] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    handles = [p.register_post_accumulate_grad_hook(order.append) for p in params]
+    try:
+        one_backward()
+    finally:
+        for h in handles:
+            h.remove()
+    seen = {id(p) for p in order}
+    return order + [p for p in params if id(p) not in seen]  # unused ones last, as both DDPs place them
+
+
+def bucket_layout(model: nn.Module, order: Sequence[nn.Parameter], layout: str, cap_mb: float) -> list[list[nn.Parameter]]:
+    """``order`` cut into buckets as ``layout`` cuts it, bucket 0 first ready."""
+    if layout == "graphddp":
+        names = {id(p): n for n, p in model.named_parameters()}
+        specs = [ParamSpec.of(names[id(p)], p) for p in order]
+        by_name = {names[id(p)]: p for p in order}
+        caps = BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False)
+        return [[by_name[s.name] for s in b.params] for b in plan_buckets(specs, caps=caps).buckets]
+    if layout == "torch":
+        limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * 1024 * 1024)]
+        indices, _ = dist._compute_bucket_assignment_by_size(list(order), limits, [False] * len(order))
+        return [[order[i] for i in bucket] for bucket in sorted(indices, key=min)]
+    raise ValueError(f"a bucket layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+class AsReady:
+    """All-reduces of ``buckets``' sizes, each issued once its parameters' gradients are all accumulated, in bucket
+    order; ``step`` runs a step with them and waits for them after it."""
+
+    def __init__(self, buckets: Sequence[Sequence[nn.Parameter]], device: torch.device | str | None = None) -> None:
+        self.buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=device) for b in buckets]
+        self.sizes = [len(b) for b in buckets]
+        self._left: list[int] = []
+        self._ready: list[bool] = []
+        self._works: list[Any] = []
+        for k, bucket in enumerate(buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, k))
+
+    def _accumulated(self, k: int, _param: nn.Parameter) -> None:
+        self._left[k] -= 1
+        if self._left[k]:
+            return
+        self._ready[k] = True
+        while len(self._works) < len(self.buffers) and self._ready[len(self._works)]:  # launch in bucket order
+            self._works.append(dist.all_reduce(self.buffers[len(self._works)], async_op=True))
+
+    def step(self, step: Callable[..., int | None], count: Any = None) -> int | None:
+        """``step(count)`` with every bucket sent as it becomes ready; waited for after it."""
+        self._left, self._ready, self._works = list(self.sizes), [False] * len(self.sizes), []
+        calls = step(count)
+        assert len(self._works) == len(self.buffers), f"{len(self._works)} of {len(self.buffers)} buckets became ready"
+        for work in self._works:
+            work.wait()
+        return calls
