@@ -4,7 +4,8 @@
 then either, since a bucket can leave only once its last gradient exists. ``AsReady`` sends as a DDP does and
 costs nothing else: a hook per parameter counts its bucket down after the gradient is accumulated, and a bucket
 that reaches zero is all-reduced at once, in bucket order, from a buffer of its size made beforehand. No copy into
-the bucket or out of it, no division, no collective of its own, no check: what it adds over the step without DDP is
+the bucket or out of it, no division, no collective of its own, no check; the all-reduces are waited for at the end
+of the backward (an engine callback), before the optimizer, as in a DDP. What it adds over the step without DDP is
 what sending those bytes, in those buckets, as the backward makes them, costs on the machine. The difference
 between a DDP and this floor is the DDP's own cost; the difference between two layouts of this floor is what the
 layouts cost.
@@ -64,7 +65,7 @@ def bucket_layout(model: nn.Module, order: Sequence[nn.Parameter], layout: str, 
 
 class AsReady:
     """All-reduces of ``buckets``' sizes, each issued once its parameters' gradients are all accumulated, in bucket
-    order; ``step`` runs a step with them and waits for them after it."""
+    order; ``step`` runs a step with them, waited for at the end of its backward."""
 
     def __init__(self, buckets: Sequence[Sequence[nn.Parameter]], device: torch.device | str | None = None) -> None:
         self.buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=device) for b in buckets]
@@ -72,11 +73,17 @@ class AsReady:
         self._left: list[int] = []
         self._ready: list[bool] = []
         self._works: list[Any] = []
+        self._queued = False
+        self.waited = False
+        """The last step's backward waited for every all-reduce before it returned."""
         for k, bucket in enumerate(buckets):
             for p in bucket:
                 p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, k))
 
     def _accumulated(self, k: int, _param: nn.Parameter) -> None:
+        if not self._queued:  # the backward's first gradient: wait at its end, as a DDP does
+            torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
+            self._queued = True
         self._left[k] -= 1
         if self._left[k]:
             return
@@ -84,11 +91,18 @@ class AsReady:
         while len(self._works) < len(self.buffers) and self._ready[len(self._works)]:  # launch in bucket order
             self._works.append(dist.all_reduce(self.buffers[len(self._works)], async_op=True))
 
-    def step(self, step: Callable[..., int | None], count: Any = None) -> int | None:
-        """``step(count)`` with every bucket sent as it becomes ready; waited for after it."""
-        self._left, self._ready, self._works = list(self.sizes), [False] * len(self.sizes), []
-        calls = step(count)
+    def _wait_all(self) -> None:
+        """End of backward: every bucket's all-reduce is done before ``backward()`` returns (the optimizer needs the
+        averages), as in a DDP."""
         assert len(self._works) == len(self.buffers), f"{len(self._works)} of {len(self.buffers)} buckets became ready"
         for work in self._works:
             work.wait()
+        self.waited = True
+
+    def step(self, step: Callable[..., int | None], count: Any = None) -> int | None:
+        """``step(count)`` with every bucket sent as it becomes ready and waited for at the end of its backward."""
+        self._left, self._ready, self._works = list(self.sizes), [False] * len(self.sizes), []
+        self._queued = self.waited = False
+        calls = step(count)
+        assert self.waited, "the backward ended without waiting for its all-reduces"
         return calls

@@ -55,7 +55,12 @@ def test_each_bucket_is_sent_once_its_last_gradient_is_in_and_in_bucket_order(mo
         return sent(buf, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", sending)
-    assert as_ready.step(lambda count: model(x).sum().backward()) is None
+    def backward(count):
+        model(x).sum().backward()
+        events.append(("returned", -1))
+
+    assert as_ready.step(backward) is None
+    assert events[-1] == ("returned", -1) and as_ready.waited  # waited for inside backward, before it returned
     assert [e for e in events if e[0] == "send"] == [("send", 0), ("send", 1), ("send", 2)]
     for k in range(3):  # sent right after its second gradient, before the next bucket's first
         last = max(i for i, e in enumerate(events) if e == ("gradient", k))
