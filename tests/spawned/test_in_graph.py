@@ -197,7 +197,7 @@ def test_in_graph_under_compiled_autograd() -> None:
 def backward_calls_under_inductor(rank: int, world: int, cap_mb: float | None) -> tuple[int, int, list[str]]:
     """(Python calls of one steady compiled backward, buckets, strategies) for 24 layers (48 parameters) under
     Inductor: graphddp's DDP at ``cap_mb`` every cap, or the model alone (``None``)."""
-    import sys
+    from bench.overhead import CallCounter
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -210,18 +210,7 @@ def backward_calls_under_inductor(rank: int, world: int, cap_mb: float | None) -
     for _ in range(3):
         compiled(x).square().mean().backward()
         model.zero_grad(set_to_none=True)
-    calls = 0
-
-    def count(frame, event, arg):  # a CPU backward runs on this thread
-        nonlocal calls
-        calls += event == "call"
-
-    loss = compiled(x).square().mean()
-    sys.setprofile(count)
-    try:
-        loss.backward()
-    finally:
-        sys.setprofile(None)
+    calls = CallCounter().count_backward(compiled(x).square().mean())  # bench.overhead's count, every thread
     if ddp is None:
         return calls, 0, []
     return calls, len(ddp.bucket_plan.buckets), sorted({str(r) for r in ddp.reducer.compile_target.reductions})
