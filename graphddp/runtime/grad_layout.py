@@ -174,6 +174,31 @@ class BucketViewGrads(PerParameter):
     copied into the slice and ``param.grad`` re-pointed, and later accumulation happens in place."""
 
     @as_data
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        """A plain bucket in one ``_foreach_copy_`` and one ``mul_`` of the buffer, then every ``.grad`` re-pointed
+        at its slice (an attribute set: no Python call per parameter). After ``zero_grad(set_to_none=True)``, the
+        optimizers' default, autograd hands over fresh tensors every step; a gradient that is its slice already
+        (accumulated in place) is copied onto itself, and the ``mul_`` scales both alike, as ``to_bucket`` does. A
+        parameter without a gradient (unused here: zeros) takes the per-parameter path."""
+        try:
+            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        except TypeError:  # a None among the gradients, found before anything was copied
+            super().gather(bucket, scale)
+            return
+        if scale is not None:
+            bucket.buffer.mul_(scale)
+        for param, view in zip(bucket.params, bucket.views):
+            param.grad = view
+
+    @as_data
+    def scatter(self, bucket: FlatBucket) -> None:
+        """A plain bucket's averages are its slices, which every ``.grad`` that ``gather`` re-pointed is already; a
+        parameter without a gradient here (used on another rank) gets its slice, as ``from_bucket`` gives it."""
+        for param, view in zip(bucket.params, bucket.views):
+            if param.grad is None:
+                param.grad = view
+
+    @as_data
     def to_bucket(self, param: torch.Tensor, view: torch.Tensor, scale: float | None = None) -> None:
         grad = param.grad
         if grad is None:

@@ -32,6 +32,8 @@ CASES = {
     "default": tiny(),
     "gradient_as_bucket_view": tiny(ddp=(("gradient_as_bucket_view", True),)),
     "find_unused": tiny(model="branchy", ddp=(("find_unused_parameters", True),)),
+    # Bucket views where a rank leaves some gradients None: their buckets take the per-parameter path.
+    "find_unused_bucket_view": tiny(model="branchy", ddp=(("find_unused_parameters", True), ("gradient_as_bucket_view", True))),
     "static_graph": tiny(ddp=(("static_graph", True),)),
     "static_graph_unused": tiny(model="branchy", ddp=(("static_graph", True),)),
     "no_sync": tiny(accumulate=3),
