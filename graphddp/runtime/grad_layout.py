@@ -47,6 +47,19 @@ def fill(view: torch.Tensor, grad: torch.Tensor | None, scale: float | None = No
         torch.mul(grad, scale, out=view)
 
 
+def copied_in(bucket: FlatBucket, scale: float | None) -> bool:
+    """A plain bucket's gradients into its buffer with one ``_foreach_copy_``, scaled with one ``mul_`` of the buffer
+    (equal dtypes: the rounding of ``torch.mul(grad, scale, out=view)``); False, with nothing copied, where some
+    parameter has no gradient (the caller's per-parameter path fills zeros)."""
+    try:
+        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+    except TypeError:  # a None among the gradients, found before anything was copied
+        return False
+    if scale is not None:
+        bucket.buffer.mul_(scale)
+    return True
+
+
 class PerParameter:
     """``to_bucket_many`` / ``from_bucket_many`` as one ``to_bucket`` / ``from_bucket`` per parameter; a plain
     bucket's (``FlatBucket.plain``) ``gather`` / ``scatter`` through them."""
@@ -77,13 +90,8 @@ class CopiedGrads(PerParameter):
     def gather(self, bucket: FlatBucket, scale: float | None) -> None:
         """One ``_foreach_copy_`` and one ``mul_`` of the buffer (Note [Lean bucket path]); a parameter without a
         gradient (unused here: zeros) takes the per-parameter path."""
-        try:
-            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
-        except TypeError:  # a None among the gradients, found before anything was copied
+        if not copied_in(bucket, scale):
             self.to_bucket_many(bucket.params, bucket.views, scale)
-            return
-        if scale is not None:
-            bucket.buffer.mul_(scale)  # equal dtypes: the rounding of torch.mul(grad, scale, out=view)
 
     @as_data
     def scatter(self, bucket: FlatBucket) -> None:
@@ -180,13 +188,9 @@ class BucketViewGrads(PerParameter):
         optimizers' default, autograd hands over fresh tensors every step; a gradient that is its slice already
         (accumulated in place) is copied onto itself, and the ``mul_`` scales both alike, as ``to_bucket`` does. A
         parameter without a gradient (unused here: zeros) takes the per-parameter path."""
-        try:
-            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
-        except TypeError:  # a None among the gradients, found before anything was copied
+        if not copied_in(bucket, scale):
             super().gather(bucket, scale)
             return
-        if scale is not None:
-            bucket.buffer.mul_(scale)
         for param, view in zip(bucket.params, bucket.views):
             param.grad = view
 
