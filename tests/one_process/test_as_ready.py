@@ -25,15 +25,6 @@ def test_the_two_layouts_cut_the_bench_gpt_as_the_two_ddps_do() -> None:
         bucket_layout(model, order, "megatron", 1.0)
 
 
-@pytest.fixture
-def one_rank_group():
-    from graphddp.tools.launch import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_each_bucket_is_sent_once_its_last_gradient_is_in_and_in_bucket_order(monkeypatch, one_rank_group) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
