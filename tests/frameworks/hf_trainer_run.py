@@ -9,6 +9,8 @@ run on PyTorch's DDP. Rank 0 saves the trained weights and the class of the DDP 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 
 import torch
 import transformers
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True), aot_eager")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (tests/launched.py)
     if args.impl == "graphddp":
         import graphddp
 

@@ -9,6 +9,8 @@ run on PyTorch's DDP. Rank 0 saves the trained weights, the DDP wrapper's class 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 
 import lightning as L
 import torch
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--impl", choices=["graphddp", "torch"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (tests/launched.py)
     if args.impl == "graphddp":
         import graphddp
 

@@ -4,14 +4,13 @@ and with PyTorch's DDP, to the same weights."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launched import stop_job
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -24,15 +23,15 @@ one fails with its own output and name instead of the whole test being cut off m
 
 def torchrun(script: str, out: Path, *args: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(HERE / script)]
-    # A session of its own, so that a hung run's ranks die with its launcher.
+    # A session of its own; a hung run is stopped with its workers (``stop_job``), found by ``out`` on their command line.
     with subprocess.Popen([*command, *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as run:  # fmt: skip
         try:
             stdout, stderr = run.communicate(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            stdout, stderr = run.communicate()
-            raise AssertionError(f"{script} {args} hung: no exit after {RUN_TIMEOUT_S} s, launcher and ranks killed. "
+            stop_job(run, str(out))
+            stdout, stderr = run.communicate(timeout=60)
+            raise AssertionError(f"{script} {args} hung: no exit after {RUN_TIMEOUT_S} s, launcher and ranks stopped. "
                                  f"Its output:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
     assert run.returncode == 0, f"{script} {args} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return torch.load(out, weights_only=False)

@@ -13,16 +13,14 @@ PyTorch's own DDP under the first is run too (fewer tries): the cause and the re
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from launched import stop_job
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -49,46 +47,11 @@ def torchrun(workdir: Path, name: str, *args: str, env: dict[str, str] | None = 
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        stop_job(proc, ckpt)
+        stop_job(proc, str(ckpt))
         stdout, stderr = proc.communicate(timeout=60)
         pytest.fail(f"{name}: torchrun still running after {RUN_TIMEOUT_S} s:\n{stderr[-12000:]}")
     assert proc.returncode == 0, f"{name}: torchrun failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-8000:]}"
     return torch.load(out, weights_only=False), stderr
-
-
-def stop_job(proc: subprocess.Popen, ckpt: Path) -> None:
-    """Stops a torchrun that ran past its time, and its workers.
-
-    torchrun starts every worker in a session of its own, so killing the agent's group leaves them running; a
-    worker left over holds the pipes ``communicate`` reads, and the test would wait on them for ever (it did,
-    in a CI run where a restarted attempt hung). SIGTERM first lets torchrun stop its workers; whatever still
-    runs is found by the checkpoint folder on its command line, unique to this run. Before that, every worker
-    writes its threads' stacks to stderr (SIGUSR1, faulthandler), so the failure says where each one hung."""
-    for pid in workers_of(ckpt):
-        if pid != proc.pid:  # the agent has no handler: SIGUSR1 would end it
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGUSR1)
-    time.sleep(2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in workers_of(ckpt):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def workers_of(ckpt: Path) -> list[int]:
-    """The processes with ``ckpt`` on their command line (this run's agent and workers)."""
-    marker, found = str(ckpt).encode(), []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except (OSError, ValueError):  # gone meanwhile
-            pass
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -139,24 +102,3 @@ def test_pytorch_ddp_job_recovers_bitwise_with_the_same_recipe(reference: dict[s
     run, stderr = torchrun(tmp_path, "killed", "--impl", "torch", "--kill-at", str(KILL_AT), "--init", "recipe")
     assert "graphddp" not in run["impl"]
     check_recovered(run, stderr, reference["torch"], shared_store=True)
-
-
-def test_a_job_past_its_time_is_stopped_with_the_workers_in_their_own_sessions(tmp_path: Path) -> None:
-    """What torchrun leaves when its agent is killed: a worker in a session of its own, holding the agent's pipes.
-    Before it is killed, it says where it was (its stacks on stderr, as restart_job.py's workers do)."""
-    ckpt = tmp_path / "killed"
-    worker = f"import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1); time.sleep(600)  # --ckpt {ckpt}"
-    agent = (
-        "import subprocess, sys, time;"
-        f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True);"
-        "time.sleep(600)"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", agent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    with pytest.raises(subprocess.TimeoutExpired):
-        proc.communicate(timeout=2)
-    stop_job(proc, ckpt)
-    _, stderr = proc.communicate(timeout=30)  # every holder of the pipes is gone: returns at once
-    assert proc.returncode is not None
-    assert b'File "<string>", line 1 in <module>' in stderr, stderr.decode()[-2000:]
