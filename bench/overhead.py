@@ -91,17 +91,22 @@ AS_READY = {"bound-ready": "graphddp", "bound-ready-torch": "torch"}
 layout they send."""
 FROM_BACKWARD = ("bound-backward", "bound-backward-compiled")
 """The link modes whose all-reduces start with the backward, not with the step."""
-BASELINE = {"bound": "local", "bound-backward": "local", "bound-ready": "local", "bound-ready-torch": "local",
-            "torch-eager": "local", "graphddp-eager": "local",
-            "bound-compiled": "local-compiled", "bound-backward-compiled": "local-compiled",
-            "torch-compiled": "local-compiled", "graphddp-compiled": "local-compiled",
-            "graphddp-compiled-split": "local-compiled"}  # fmt: skip
-"""Which mode without DDP each mode's added time and calls are measured against."""
-TORCH_PEER = {"bound": "torch-eager", "bound-backward": "torch-eager", "bound-ready": "torch-eager",
-              "bound-ready-torch": "torch-eager", "graphddp-eager": "torch-eager",
-              "bound-compiled": "torch-compiled", "bound-backward-compiled": "torch-compiled",
-              "graphddp-compiled": "torch-compiled", "graphddp-compiled-split": "torch-compiled"}  # fmt: skip
-"""Which of PyTorch's DDP modes each mode's added time is compared with."""
+
+
+def baseline_of(name: str) -> str | None:
+    """The mode without DDP that ``name``'s added time and calls are measured against (None for those modes)."""
+    if name.startswith("local"):
+        return None
+    return "local-compiled" if name in COMPILED_MODES else "local"
+
+
+def torch_peer_of(name: str) -> str | None:
+    """The PyTorch DDP mode that ``name``'s added time is compared with (None for it and the modes without DDP)."""
+    if name.startswith(("local", "torch")):
+        return None
+    return "torch-compiled" if name in COMPILED_MODES else "torch-eager"
+
+
 INTERLEAVINGS = ("steps", "modes")
 
 
@@ -431,15 +436,15 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     by_mode = {row["mode"]: row for row in rows}
     for row in rows:
         name, _, inner = row["mode"].partition(":")
-        if name in BASELINE:
-            base = by_mode[BASELINE[name] + (f":{inner}" if inner else "")]
+        if (baseline := baseline_of(name)) is not None:
+            base = by_mode[baseline + (f":{inner}" if inner else "")]
             row["added_s"] = row["step_s"] - base["step_s"]
             row["round_added_s"] = [t - b for t, b in zip(row["round_step_s"], base["round_step_s"], strict=True)]
             row["added_calls"] = row["backward_calls"] - base["backward_calls"]
     for row in rows:
         name, _, inner = row["mode"].partition(":")
-        if name in TORCH_PEER:
-            torch_row = by_mode[TORCH_PEER[name] + (f":{inner}" if inner else "")]
+        if (peer := torch_peer_of(name)) is not None:
+            torch_row = by_mode[peer + (f":{inner}" if inner else "")]
             row["step_vs_torch"] = row["step_s"] / torch_row["step_s"]
             row["added_vs_torch"] = row["added_s"] / torch_row["added_s"] if torch_row["added_s"] > 0 else None
             row["added_vs_torch_rounds"] = [
