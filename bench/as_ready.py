@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphddp.passes import BucketCaps, ParamSpec, plan_buckets
+from graphddp.passes import BucketCaps
+
+from .modes import graphddp_buckets
 
 LAYOUTS = ("graphddp", "torch")
 
@@ -52,10 +54,7 @@ def bucket_layout(model: nn.Module, order: Sequence[nn.Parameter], layout: str, 
     """``order`` cut into buckets as ``layout`` cuts it, bucket 0 first ready."""
     if layout == "graphddp":
         names = {id(p): n for n, p in model.named_parameters()}
-        specs = [ParamSpec.of(names[id(p)], p) for p in order]
-        by_name = {names[id(p)]: p for p in order}
-        caps = BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False)
-        return [[by_name[s.name] for s in b.params] for b in plan_buckets(specs, caps=caps).buckets]
+        return graphddp_buckets([(names[id(p)], p) for p in order], BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False))
     if layout == "torch":
         limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * 1024 * 1024)]
         indices, _ = dist._compute_bucket_assignment_by_size(list(order), limits, [False] * len(order))

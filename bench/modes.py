@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -271,11 +271,22 @@ def _bound_backward(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     return _bound(model, cfg, start="backward")
 
 
+def graphddp_buckets(named: Sequence[tuple[str, nn.Parameter]], caps: BucketCaps) -> list[list[nn.Parameter]]:
+    """``named`` (in the order their gradients become ready) cut into buckets as graphddp's dense plan at ``caps``
+    cuts them, bucket 0 first: the one layout ``dense_bucket_buffers`` and ``bench.as_ready`` send."""
+    by_name = dict(named)
+    plan = plan_buckets([ParamSpec.of(n, p) for n, p in named], caps=caps)
+    return [[by_name[s.name] for s in b.params] for b in plan.buckets]
+
+
 def dense_bucket_buffers(model: nn.Module, caps: BucketCaps, device: torch.device | str | None = None) -> list[torch.Tensor]:
-    """One zero buffer per bucket of graphddp's dense plan of ``model`` at ``caps``, on ``device``: the bytes and
-    collectives a dense DDP sends (``comm``, ``bound``, and ``bench.overhead``'s ``bound``)."""
-    specs = [ParamSpec.of(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
-    return [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in plan_buckets(specs, caps=caps).buckets]
+    """One zero buffer per bucket of graphddp's dense plan of ``model`` at ``caps`` (parameters in reverse order, as
+    before the ready order is known), on ``device``: the bytes and collectives a dense DDP sends (``comm``,
+    ``bound``, and ``bench.overhead``'s ``bound``)."""
+    named = [(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+    return [
+        torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=device) for b in graphddp_buckets(named, caps)
+    ]
 
 
 def all_reduce_every(buffers: list[torch.Tensor]) -> Callable[[], None]:
