@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from training import assert_same_grads_then_zero
 
 import graphddp
+from bench.overhead import CallCounter
 from graphddp.runtime.reducer import Reducer
 
 ONE_BUCKET = {"bucket_cap_mb": 1, "first_bucket_cap_mb": 1, "last_bucket_cap_mb": 1, "bucket_ramps": False}
@@ -39,21 +39,6 @@ class Stack(nn.Module):
         return x
 
 
-def _python_calls_of(loss: torch.Tensor) -> int:
-    calls = 0
-
-    def count(frame, event, arg):  # on CPU the backward runs on this thread
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        loss.backward()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def calls_per_backward(rank: int, world: int, layers: int) -> list[int]:
     """The Python calls of each of five backwards of a ``layers``-layer model in one bucket."""
     torch.manual_seed(0)
@@ -61,7 +46,7 @@ def calls_per_backward(rank: int, world: int, layers: int) -> list[int]:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     calls = []
     for _ in range(5):
-        calls.append(_python_calls_of(ddp(x).square().mean()))
+        calls.append(CallCounter().count_backward(ddp(x).square().mean()))
         ddp.zero_grad(set_to_none=True)
     assert len(ddp.bucket_plan.buckets) == 1
     return calls

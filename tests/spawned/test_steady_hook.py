@@ -16,6 +16,7 @@ from ranks import run_on_ranks
 from training import CAPS, Case, assert_same_grads_then_zero, batch_for
 
 import graphddp
+from bench.overhead import CallCounter
 from graphddp.runtime import arrivals, countdown
 
 
@@ -116,8 +117,6 @@ def test_one_rank_averages_without_a_collective_unless_a_hook_asks() -> None:
 def calls_of_a_steady_backward(rank: int, world: int, cap_mb: float, as_view: bool = False) -> tuple[int, int]:
     """(Python calls of one steady backward, buckets) for a model of 48 small parameters; ``as_view``:
     ``gradient_as_bucket_view=True``, the gradients set to None after every step (the optimizers' default)."""
-    import sys
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
     ddp = graphddp.DDP(
@@ -128,19 +127,7 @@ def calls_of_a_steady_backward(rank: int, world: int, cap_mb: float, as_view: bo
     for _ in range(3):
         ddp(x).square().mean().backward()
         ddp.zero_grad(set_to_none=True)
-    calls = 0
-
-    def count(frame, event, arg):  # the backward runs on this thread on CPU
-        nonlocal calls
-        calls += event == "call"
-
-    loss = ddp(x).square().mean()
-    sys.setprofile(count)
-    try:
-        loss.backward()
-    finally:
-        sys.setprofile(None)
-    return calls, len(ddp.bucket_plan.buckets)
+    return CallCounter().count_backward(ddp(x).square().mean()), len(ddp.bucket_plan.buckets)
 
 
 def test_a_steady_backward_costs_a_few_dozen_calls_per_bucket() -> None:
