@@ -64,9 +64,10 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     o = OverheadOptions(inners=("aot_eager",))
     times = {"local": 10, "torch-eager": 12, "graphddp-eager": 11, "local-compiled:aot_eager": 8,
              "torch-compiled:aot_eager": 12, "graphddp-compiled:aot_eager": 9, "graphddp-compiled-split:aot_eager": 13}  # fmt: skip
-    per_rank = {0: {m: {"times_s": [t / 1e3] * 3, "backward_calls": t * 10, "params": 5} for m, t in times.items()}}
+    per_rank = {0: {m: {"times_s": [t / 1e3] * 3, "cpu_s": [t / 2e3] * 3, "backward_calls": t * 10, "params": 5} for m, t in times.items()}}
     rows = {r["mode"]: r for r in summarise(o, 1, per_rank)}
     assert rows["graphddp-eager"]["added_s"] == pytest.approx(1e-3)
+    assert rows["graphddp-eager"]["cpu_s"] == pytest.approx(5.5e-3) and rows["graphddp-eager"]["added_cpu_s"] == pytest.approx(0.5e-3)
     assert rows["graphddp-eager"]["added_vs_torch"] == pytest.approx(0.5)
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
@@ -83,8 +84,11 @@ def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_
              "graphddp-eager": 15,
              "local-compiled:inductor": 8, "bound-compiled:inductor": 11, "bound-backward-compiled:inductor": 12,
              "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12, "graphddp-compiled-split:inductor": 16}  # fmt: skip
-    per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()} for r in (0, 1)}
+    per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "cpu_s": [(t + r) / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()}
+                for r in (0, 1)}  # fmt: skip
     rows = {r["mode"]: r for r in summarise(o, 2, per_rank)}
+    # CPU time: each rank's median, averaged over the ranks (rank 1 spends 1 ms more on every mode here).
+    assert rows["bound"]["cpu_s"] == pytest.approx(13.5e-3) and rows["bound"]["added_cpu_s"] == pytest.approx(3e-3)
     assert rows["bound"]["added_s"] == pytest.approx(3e-3) and rows["bound"]["added_vs_torch"] == pytest.approx(0.5)
     # The compiled floor, 3 of PyTorch's 6 ms: half of it is the most any DDP sending these bytes could save.
     assert rows["bound-compiled:inductor"]["added_vs_torch"] == pytest.approx(0.5)
@@ -145,7 +149,9 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert by_mode["torch-eager"]["buckets"] >= 1  # from PyTorch's own logging data: layouts differ at one cap
     assert by_mode["local"].get("buckets") is None
     assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
-    assert "graphddp-eager" in capsys.readouterr().out
+    assert all(r["cpu_s"] > 0 for r in rows) and by_mode["graphddp-eager"]["added_cpu_s"] is not None
+    out = capsys.readouterr().out
+    assert "graphddp-eager" in out and "added cpu ms" in out
 
 
 @pytest.mark.timeout(300, func_only=True)
