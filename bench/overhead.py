@@ -51,9 +51,11 @@ Besides time, it *counts* (never times) the Python function calls one backward m
 per-bucket Python the issue of a lean path is about — O(parameters) or O(buckets).
 
 And it measures the CPU time each step costs a rank (``time.process_time``: every thread of the process, gloo's
-workers included; the ``cpu ms`` columns, the mean over ranks of each mode's median). On a machine whose cores
-the ranks share (2 vCPUs, 2 ranks), a step's time is mostly its CPU time, which varies less from step to step
-than wall time does: it separates what a DDP *does* from when it waits.
+workers included; the ``cpu ms`` columns, the mean over ranks of each mode's median), and how much of it ran on
+threads other than the one that called the step (``other threads cpu ms``: on a CPU, where the backward runs on
+the calling thread, that is the process group's workers doing the collectives). On a machine whose cores the
+ranks share (2 vCPUs, 2 ranks), a step's time is mostly its CPU time, which varies less from step to step than
+wall time does: it separates what a DDP *does* from when it waits, and its own work from its collectives'.
 
 Prints a table and writes ``DIR/overhead.json``. ``bench.gpu`` is the GPU-sized sibling (GPT-2-small at full width).
 """
@@ -273,7 +275,7 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
     idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     modes = o.modes(dist.get_world_size())
-    record: dict[str, Any] = {m: {"times_s": [], "cpu_s": [], "compiles_while_timed": 0} for m in modes}
+    record: dict[str, Any] = {m: {"times_s": [], "cpu_s": [], "other_threads_cpu_s": [], "compiles_while_timed": 0} for m in modes}
     rounds = _rounds_of_steps if o.interleave == "steps" else _rounds_of_modes
     rounds(o, modes, x, y, record)
     return record
@@ -350,11 +352,13 @@ class _Prepared:
 
     def time_one(self, o: OverheadOptions, record: dict[str, Any]) -> None:
         compiled = graphs_compiled()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, here = time.perf_counter(), time.process_time(), time.thread_time()
         self.step()
         _sync(o)
-        record["times_s"].append(time.perf_counter() - start)
+        here = time.thread_time() - here  # read inside the process clock's interval, so the difference is >= 0
         record["cpu_s"].append(time.process_time() - cpu)
+        record["times_s"].append(time.perf_counter() - start)
+        record["other_threads_cpu_s"].append(record["cpu_s"][-1] - here)
         record["compiles_while_timed"] += graphs_compiled() - compiled
 
     def end_round(self, record: dict[str, Any], *, last: bool) -> None:
@@ -425,8 +429,9 @@ def one_step(model: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, x: 
 
 def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per mode: the median step over ranks' step times (each step: the slowest rank), what it adds over
-    its baseline, its CPU time (each rank's median step, averaged over the ranks) and what that adds, and the
-    backward's Python calls (rank 0) and what they add.
+    its baseline, its CPU time (each rank's median step, averaged over the ranks) and what that adds, the part of
+    it on threads other than the step's own (the same way), and the backward's Python calls (rank 0) and what
+    they add.
 
     The ratios against PyTorch's DDP are also taken round by round (``added_vs_torch_rounds``): each round times
     every mode back to back, so a ratio within one round is not moved by the machine's drift between rounds; their
@@ -435,9 +440,9 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     for mode in o.modes(world_size):
         times = [max(per_rank[r][mode]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][mode]["times_s"]))]
         rounds = [statistics.median(times[i : i + o.steps]) for i in range(0, len(times), o.steps)]
-        cpu = [statistics.median(per_rank[r][mode]["cpu_s"]) for r in per_rank if per_rank[r][mode].get("cpu_s")]
         rows.append({"mode": mode, "step_s": statistics.median(times), "round_step_s": rounds,
-                     "cpu_s": statistics.fmean(cpu) if cpu else None,
+                     "cpu_s": _mean_of_medians(per_rank, mode, "cpu_s"),
+                     "other_threads_cpu_s": _mean_of_medians(per_rank, mode, "other_threads_cpu_s"),
                      "backward_calls": per_rank[0][mode].get("backward_calls"),
                      "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
                      "reduction": per_rank[0][mode].get("reduction"),
@@ -464,6 +469,12 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
     return [dict(row, world_size=world_size) for row in rows]
 
 
+def _mean_of_medians(per_rank: dict[int, dict[str, Any]], mode: str, key: str) -> float | None:
+    """Each rank's median of ``mode``'s ``key`` samples, averaged over the ranks (None where none was recorded)."""
+    medians = [statistics.median(per_rank[r][mode][key]) for r in per_rank if per_rank[r][mode].get(key)]
+    return statistics.fmean(medians) if medians else None
+
+
 def round_spread(ratios: list[float | None] | None) -> str:
     """``median (min-max, n of N)`` of the per-round ratios that exist, or '' where none does."""
     if not ratios:
@@ -484,11 +495,11 @@ def render(rows: list[dict[str, Any]]) -> str:
     table = [
         [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
          ratio(r.get("added_vs_torch")), round_spread(r.get("added_vs_torch_rounds")), ms(r.get("cpu_s")), ms(r.get("added_cpu_s")),
-         r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or ""]
+         ms(r.get("other_threads_cpu_s")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or ""]
         for r in rows
     ]  # fmt: skip
     headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "per round: median (range)", "cpu ms",
-               "added cpu ms", "py calls (bwd)", "added calls", "buckets", "reduction"]  # fmt: skip
+               "added cpu ms", "other threads cpu ms", "py calls (bwd)", "added calls", "buckets", "reduction"]  # fmt: skip
     return tabulate(table, headers=headers, disable_numparse=True)
 
 

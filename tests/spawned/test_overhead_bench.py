@@ -84,11 +84,13 @@ def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_
              "graphddp-eager": 15,
              "local-compiled:inductor": 8, "bound-compiled:inductor": 11, "bound-backward-compiled:inductor": 12,
              "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12, "graphddp-compiled-split:inductor": 16}  # fmt: skip
-    per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "cpu_s": [(t + r) / 1e3] * 3, "backward_calls": 7, "params": 5} for m, t in times.items()}
+    per_rank = {r: {m: {"times_s": [t / 1e3] * 3, "cpu_s": [(t + r) / 1e3] * 3, "other_threads_cpu_s": [0.0, r / 1e3, 1.0],
+                        "backward_calls": 7, "params": 5} for m, t in times.items()}
                 for r in (0, 1)}  # fmt: skip
     rows = {r["mode"]: r for r in summarise(o, 2, per_rank)}
     # CPU time: each rank's median, averaged over the ranks (rank 1 spends 1 ms more on every mode here).
     assert rows["bound"]["cpu_s"] == pytest.approx(13.5e-3) and rows["bound"]["added_cpu_s"] == pytest.approx(3e-3)
+    assert rows["bound"]["other_threads_cpu_s"] == pytest.approx(0.5e-3)  # medians 0 and 1 ms: an outlier moves neither
     assert rows["bound"]["added_s"] == pytest.approx(3e-3) and rows["bound"]["added_vs_torch"] == pytest.approx(0.5)
     # The compiled floor, 3 of PyTorch's 6 ms: half of it is the most any DDP sending these bytes could save.
     assert rows["bound-compiled:inductor"]["added_vs_torch"] == pytest.approx(0.5)
@@ -150,8 +152,9 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert by_mode["local"].get("buckets") is None
     assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
     assert all(r["cpu_s"] > 0 for r in rows) and by_mode["graphddp-eager"]["added_cpu_s"] is not None
+    assert all(0 <= r["other_threads_cpu_s"] <= r["cpu_s"] for r in rows)  # one rank: no collective, little beside
     out = capsys.readouterr().out
-    assert "graphddp-eager" in out and "added cpu ms" in out
+    assert "graphddp-eager" in out and "added cpu ms" in out and "other threads cpu ms" in out
 
 
 @pytest.mark.timeout(300, func_only=True)
