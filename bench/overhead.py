@@ -53,7 +53,8 @@ per-bucket Python the issue of a lean path is about — O(parameters) or O(bucke
 And it measures the CPU time each step costs a rank (``time.process_time``: every thread of the process, gloo's
 workers included; the ``cpu ms`` columns, the mean over ranks of each mode's median), and how much of it ran on
 threads other than the one that called the step (``other threads cpu ms``: on a CPU, where the backward runs on
-the calling thread, that is the process group's workers doing the collectives). On a machine whose cores the
+the calling thread, and with ``--threads 1`` (the default; more adds the intra-op pool), that is the process group's
+workers doing the collectives). On a machine whose cores the
 ranks share (2 vCPUs, 2 ranks), a step's time is mostly its CPU time, which varies less from step to step than
 wall time does: it separates what a DDP *does* from when it waits, and its own work from its collectives'.
 
@@ -102,6 +103,7 @@ FROM_BACKWARD = ("bound-backward", "bound-backward-compiled")
 
 def baseline_of(name: str) -> str | None:
     """The mode without DDP that ``name``'s added time and calls are measured against (None for those modes)."""
+    _known(name)
     if name.startswith("local"):
         return None
     return "local-compiled" if name in COMPILED_MODES else "local"
@@ -109,9 +111,15 @@ def baseline_of(name: str) -> str | None:
 
 def torch_peer_of(name: str) -> str | None:
     """The PyTorch DDP mode that ``name``'s added time is compared with (None for it and the modes without DDP)."""
+    _known(name)
     if name.startswith(("local", "torch")):
         return None
     return "torch-compiled" if name in COMPILED_MODES else "torch-eager"
+
+
+def _known(name: str) -> None:
+    if name not in EAGER_MODES and name not in COMPILED_MODES:  # a new mode must say which kind it is
+        raise ValueError(f"bench.overhead: unknown mode {name!r}; the modes are {', '.join(EAGER_MODES + COMPILED_MODES)}")
 
 
 INTERLEAVINGS = ("steps", "modes")
@@ -236,7 +244,8 @@ class CallCounter:
             self.calls += 1  # the GIL serialises the increments; threads add up
 
     def count_backward(self, loss: torch.Tensor) -> int:
-        """``loss.backward()``, profiled; returns the calls it made (the counter's own are not counted)."""
+        """``loss.backward()``, profiled; returns the calls it made, the counter's own prehook included (one call
+        per backward, the same in every mode: compare counts, as the added calls do)."""
         self.calls = 0
         main = threading.get_ident()
 

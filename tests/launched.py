@@ -19,8 +19,8 @@ def stop_job(proc: subprocess.Popen, marker: str) -> None:
     CI run where a restarted attempt hung), or outlive the test and load the machine for the ones after it (it did,
     in a CI run where a framework's reference run hung at exit). SIGTERM first lets torchrun stop its workers;
     whatever still runs is found by ``marker`` on its command line (a path unique to this run). Before that, every
-    worker writes its threads' stacks to stderr (SIGUSR1, ``faulthandler``: the scripts register it), so the failure
-    says where each one hung."""
+    worker that has registered ``faulthandler`` for SIGUSR1 (the scripts do, first thing) writes its threads' stacks
+    to stderr, so the failure says where each one hung; one still starting up is ended by the signal instead."""
     for pid in processes_with(marker):
         if pid != proc.pid:  # the agent has no handler: SIGUSR1 would end it
             with contextlib.suppress(OSError):

@@ -3,11 +3,12 @@ included, and says where each worker was."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-import pytest
 from launched import processes_with, stop_job
 
 
@@ -25,11 +26,24 @@ def test_a_job_past_its_time_is_stopped_with_the_workers_in_their_own_sessions(t
     proc = subprocess.Popen(
         [sys.executable, "-c", agent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
-    with pytest.raises(subprocess.TimeoutExpired):
-        proc.communicate(timeout=2)
-    assert len(processes_with(marker)) == 2, "the agent and its worker should both be running"
-    stop_job(proc, marker)
+    deadline = time.monotonic() + 60
+    try:  # until the worker has its handler: a SIGUSR1 before that would end it without a stack
+        while not (len(found := processes_with(marker)) == 2 and any(map(_handles_sigusr1, found))):
+            assert time.monotonic() < deadline, f"the agent and its worker did not both start: {found}"
+            time.sleep(0.1)
+    finally:
+        stop_job(proc, marker)
     _, stderr = proc.communicate(timeout=30)  # every holder of the pipes is gone: returns at once
     assert proc.returncode is not None
     assert b'File "<string>", line 1 in <module>' in stderr, stderr.decode()[-2000:]
     assert processes_with(marker) == [], "a worker of the stopped job is still running"
+
+
+def _handles_sigusr1(pid: int) -> bool:
+    """Has process ``pid`` a handler for SIGUSR1 (``faulthandler.register`` done)? From ``SigCgt`` in its status."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1)

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from bench.overhead import (
+    COMPILED_MODES,
+    EAGER_MODES,
     CallCounter,
     OverheadOptions,
+    baseline_of,
     build_model,
     graphs_compiled,
     isolated_model,
@@ -17,6 +20,7 @@ from bench.overhead import (
     main,
     round_spread,
     summarise,
+    torch_peer_of,
 )
 
 
@@ -72,6 +76,17 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
+
+
+def test_each_mode_is_measured_against_its_kind_of_baseline_and_pytorch_peer() -> None:
+    eager = {m: (baseline_of(m), torch_peer_of(m)) for m in EAGER_MODES}
+    compiled = {m: (baseline_of(m), torch_peer_of(m)) for m in COMPILED_MODES}
+    assert eager["local"] == (None, None) and eager["torch-eager"] == ("local", None)
+    assert all(v == ("local", "torch-eager") for m, v in eager.items() if m not in ("local", "torch-eager"))
+    assert compiled["local-compiled"] == (None, None) and compiled["torch-compiled"] == ("local-compiled", None)
+    assert all(v == ("local-compiled", "torch-compiled") for m, v in compiled.items() if m not in ("local-compiled", "torch-compiled"))
+    with pytest.raises(ValueError, match="unknown mode 'graphddp-eagre'"):
+        baseline_of("graphddp-eagre")
 
 
 def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_is_a_link() -> None:
