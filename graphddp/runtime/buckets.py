@@ -46,6 +46,7 @@ class FlatBucket:
         """The slot counted down last (which gradient completed the bucket: Note [Counting without a frame])."""
         self.in_flight: Any = None
         """This iteration's reduction (``graphddp.runtime.reductions.InFlight``), once started."""
+        self._in_place: torch.Tensor | None = None  # this iteration's gradient reduced where it lies, flat
 
     @staticmethod
     def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -57,9 +58,20 @@ class FlatBucket:
             offset += p.numel
         return buffer, views
 
+    @property
+    def reduced(self) -> torch.Tensor:
+        """What this iteration reduces: the buffer, or the bucket's one gradient itself where its layout reduces it
+        in place (Note [A lone gradient reduced where it lies] in ``graphddp.runtime.grad_layout``)."""
+        return self.buffer if self._in_place is None else self._in_place
+
+    def reduce_in_place(self, grad: torch.Tensor | None) -> None:
+        """This iteration reduces ``grad`` itself (the bucket's one gradient), or the buffer (None)."""
+        self._in_place = None if grad is None else grad.view(-1)
+
     def take(self, reduced: torch.Tensor) -> None:
         """The reduced result becomes the bucket's content (a hook may return a tensor of its own)."""
-        if reduced.data_ptr() != self.buffer.data_ptr():
+        if reduced.data_ptr() != self.reduced.data_ptr():
+            assert self.reduced is self.buffer, f"bucket {self.index}: a gradient reduced in place came back elsewhere"
             self.buffer.copy_(reduced.reshape(-1))
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -67,6 +79,7 @@ class FlatBucket:
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
         self.in_flight = None
+        self._in_place = None
 
     def is_ready(self, slot: int) -> bool:
         return self._ready[slot]
@@ -142,6 +155,16 @@ class SparseGradBucket(FlatBucket):
             else:
                 self.buffer = own
 
+    @property
+    def reduced(self) -> torch.Tensor:
+        """What this iteration reduces: the buffer, or the bucket's one gradient itself where its layout reduces it
+        in place (Note [A lone gradient reduced where it lies] in ``graphddp.runtime.grad_layout``)."""
+        return self.buffer if self._in_place is None else self._in_place
+
+    def reduce_in_place(self, grad: torch.Tensor | None) -> None:
+        """This iteration reduces ``grad`` itself (the bucket's one gradient), or the buffer (None)."""
+        self._in_place = None if grad is None else grad.view(-1)
+
     def take(self, reduced: torch.Tensor) -> None:
         self.buffer = reduced
 
@@ -167,7 +190,9 @@ class BucketSlots:
     contributions reduced on their own, Note [Row-sparse gradients]); ``part_slot[(name, node)]`` the same by key.
     """
 
-    def __init__(self, plan: BucketPlan, names: list[str], params: list[torch.nn.Parameter], dense_layout: Any) -> None:
+    def __init__(
+        self, plan: BucketPlan, names: list[str], params: list[torch.nn.Parameter], dense_layout: Any, used: Sequence[bool]
+    ) -> None:
         index_of_name = {n: i for i, n in enumerate(names)}
         self._params = params
         self.buckets: list[FlatBucket] = []
@@ -190,6 +215,9 @@ class BucketSlots:
                     self.slot[i] = (bucket.index, slot)
         for i in self.parts_of:  # its parts are added in at write-back: the per-parameter path
             self.buckets[self.slot[i][0]].plain = False
+        for bucket in self.buckets:  # Note [A lone gradient reduced where it lies] in graphddp.runtime.grad_layout
+            if bucket.plain and len(bucket.params) == 1 and not bucket.spec.params[0].row_sparse:
+                self.layout[bucket.param_indices[0]] = dense_layout.of_lone_gradient(used)
         # Per parameter, its slice and its parts' slices, looked up once (the write-back runs every iteration).
         self._views = [self.view(where) for where in self.slot]
         self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]

@@ -1,9 +1,36 @@
 """How ``param.grad`` relates to its bucket slice: small policies, chosen per parameter when a plan is installed
-(``buckets.BucketSlots``): copied or a view for dense gradients, the tensor itself for sparse ones.
+(``buckets.BucketSlots``): copied or a view for dense gradients, reduced where it lies when it is a bucket's only
+one, the tensor itself for sparse ones.
 
 The Reducer moves a bucket's gradients in one call when the bucket is complete (``to_bucket_many``) and back in one
 call per awaited bucket (``from_bucket_many``): on a GPU, one multi-tensor kernel and one Python call per bucket
 instead of one per parameter, which a backward that launches kernels faster than the GPU runs them cannot hide.
+
+Note [A lone gradient reduced where it lies]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A bucket that holds one whole gradient (a parameter larger than the cap, most often: an embedding table, a large
+layer's weight) gains nothing from a flat buffer: copying the gradient in and the average back out is two passes
+over the largest tensors of the model, for a buffer that is the gradient's own shape. So, under graphddp's
+averaging with copied gradients (``gradient_as_bucket_view=False``, the default), such a bucket's gradient is
+scaled by ``1/world`` in place and all-reduced in place (``GradInPlace``): ``.grad`` is the same tensor before and
+after, holding the average, as with the copy; ``FlatBucket.reduced`` tells the launcher which tensor goes out.
+PyTorch's Reducer copies here too; on the two-rank launch-bound bench the two copies of the tied table are most of
+graphddp's copying (``docs/benchmarks.md``, session 26).
+
+The gradient is reduced where it lies only when the result is what the copy gives:
+
+* this rank produced it (``GradientUsage.used``): its average is written into ``.grad`` in any case. A gradient the
+  rank did not produce (a parameter found unused, a gradient missing at the end of backward) may be a stale
+  ``.grad`` that must stay as it was: it is copied;
+* it is a plain tensor of its own (not a view of another, not part of a graph: ``backward(create_graph=True)``),
+  contiguous, in the bucket's dtype and on its device;
+* the bucket is reduced by graphddp's averaging all-reduce, which reduces whatever tensor it is given: a comm hook
+  gets a bucket buffer, as PyTorch hands it (``with_comm_hook``), and a table reduced as rows keeps its buffer.
+
+Else the bucket takes the copy, as every other bucket. One difference remains visible, and only while backward
+runs: the gradient is scaled and summed in ``.grad`` itself, so a hook of the user's that reads ``.grad`` after
+the bucket went out sees it changing, as under ``gradient_as_bucket_view=True``. A backward abandoned after such a
+bucket went out (Note [Abandoned backward] in ``graphddp.runtime.iteration``) leaves that ``.grad`` averaged.
 """
 
 from __future__ import annotations
@@ -82,6 +109,11 @@ class PerParameter:
         for param, view, its_parts in zip(params, views, parts):
             self.from_bucket(param, view, its_parts)  # type: ignore[attr-defined]
 
+    def of_lone_gradient(self, used: Sequence[bool]) -> PerParameter:
+        """The layout of a bucket that holds one whole gradient: this one, except where ``CopiedGrads`` says
+        (Note [A lone gradient reduced where it lies])."""
+        return self
+
 
 class CopiedGrads(PerParameter):
     """``param.grad`` is its own tensor: copied into the bucket when ready, the average copied back after."""
@@ -149,7 +181,59 @@ class CopiedGrads(PerParameter):
 
     def with_comm_hook(self) -> CopiedGrads:
         """The layout once a comm hook is registered (it reduces whatever is in the bucket)."""
-        return CopiedGrads()
+        return HookedGrads()
+
+    def of_lone_gradient(self, used: Sequence[bool]) -> CopiedGrads:
+        """The layout of a bucket that holds one whole gradient (Note [A lone gradient reduced where it lies])."""
+        return GradInPlace(used)
+
+
+class HookedGrads(CopiedGrads):
+    """``CopiedGrads`` under a comm hook: a bucket of one gradient is copied too (the hook gets a bucket buffer)."""
+
+    def of_lone_gradient(self, used: Sequence[bool]) -> CopiedGrads:
+        return self
+
+
+class GradInPlace(CopiedGrads):
+    """A bucket's only gradient scaled and reduced in ``.grad`` itself where it may be, else copied (Note [A lone
+    gradient reduced where it lies])."""
+
+    def __init__(self, used: Sequence[bool]) -> None:
+        self._used = used  # GradientUsage.used: read when the bucket is complete, not copied
+
+    @as_data
+    def gather(self, bucket: FlatBucket, scale: float | None) -> None:
+        grad = bucket.params[0].grad
+        if self._used[bucket.param_indices[0]] and grad is not None and reducible_in_place(grad, bucket.buffer):
+            if scale is not None:
+                grad.mul_(scale)
+            bucket.reduce_in_place(grad)
+        else:
+            bucket.reduce_in_place(None)
+            super().gather(bucket, scale)
+
+    @as_data
+    def scatter(self, bucket: FlatBucket) -> None:
+        if bucket.reduced is bucket.buffer:
+            super().scatter(bucket)  # copied in: copied back
+
+    def of_lone_gradient(self, used: Sequence[bool]) -> CopiedGrads:
+        return self
+
+
+def reducible_in_place(grad: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Can ``grad`` itself stand for a bucket ``buffer`` of its size (Note [A lone gradient reduced where it lies])?"""
+    return (
+        type(grad) is torch.Tensor
+        and grad.layout == torch.strided
+        and grad.dtype == buffer.dtype
+        and grad.device == buffer.device
+        and grad.numel() == buffer.numel()
+        and not grad.requires_grad
+        and not grad._is_view()
+        and grad.is_contiguous()
+    )
 
 
 class LocalGrads(CopiedGrads):
@@ -159,6 +243,7 @@ class LocalGrads(CopiedGrads):
 
     to_bucket_many = PerParameter.to_bucket_many  # each: a copy only into a bucket of another dtype
     from_bucket_many = PerParameter.from_bucket_many
+    of_lone_gradient = PerParameter.of_lone_gradient  # nothing is copied: nothing to save
 
     def gather(self, bucket: FlatBucket, scale: float | None) -> None:
         assert scale is None, "one rank: nothing to scale by"

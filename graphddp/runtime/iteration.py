@@ -27,8 +27,10 @@ size would abort gloo ("Received data size doesn't match", SIGABRT, no Python ex
 own buffer, which may be ``.grad``), in index order, each awaited as a joined rank's shadow does, then the plan
 agreement with the usage count (every parameter counted as used here: no rank reports a gradient this one merely
 dropped) and the late
-reductions where the policy takes them; nothing is written into ``.grad``. The collectives of
-every rank stay matched, whichever ranks abandoned and wherever.
+reductions where the policy takes them; nothing is written into ``.grad`` (a bucket's only gradient, reduced in
+``.grad`` itself, holds its partial average if its bucket went out before the error: Note [A lone gradient reduced
+where it lies] in ``graphddp.runtime.grad_layout``). The collectives of every rank stay matched, whichever ranks
+abandoned and wherever.
 
 The gradients cannot stay consistent: the ranks that finished averaged against this rank's zeros and (most likely)
 stepped, this rank did not. So the draining rank says so in its next plan agreement (``PlanAgreement``: one more

@@ -93,7 +93,7 @@ class Launcher:
             bucket = buckets[self._next]
             if not bucket.complete or not (eager or self.policy.may_launch(buckets[self._next - 1] if self._next else None)):
                 break
-            bucket.start(self._launch(bucket, bucket.buffer))
+            bucket.start(self._launch(bucket, bucket.reduced))
             self._next += 1
         return self._next == len(buckets)
 

@@ -116,7 +116,7 @@ class Reducer:
             )
         if (problem := plan.coverage_problem(self._names)) is not None:
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
-        self._slots = BucketSlots(plan, self._names, self._params, self._layout)
+        self._slots = BucketSlots(plan, self._names, self._params, self._layout, self.usage.used)
         self._countdown.use(self._slots)  # at once: the steady hook must never count an old plan's buckets
         self._slots.move_grads()
         self.plans.install(plan)

@@ -65,6 +65,9 @@ steps in C++; here each Python call is time a launch-bound backward waits for):
   Reducer); nothing left to ``commit``, so the launcher keeps no record of it;
 * back into ``.grad``: one ``_foreach_copy_`` per bucket (``CopiedGrads.scatter``).
 
+A bucket of one whole gradient skips both copies: the gradient is scaled and all-reduced in ``.grad`` itself
+(Note [A lone gradient reduced where it lies] in ``graphddp.runtime.grad_layout``).
+
 Events, profiler ranges and the optimizer step per bucket cost a check each when nobody asked for them. On one
 rank with graphddp's averaging there is nothing to average (``LocalReduction``): no copy, no collective, ``.grad``
 is the gradient autograd produced.

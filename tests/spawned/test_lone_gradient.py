@@ -1,0 +1,139 @@
+"""A bucket's only gradient reduced where it lies (Note [A lone gradient reduced where it lies] in
+``graphddp.runtime.grad_layout``), on spawned gloo ranks: in ``.grad`` itself where the result is what the copy
+gives, copied where it would not be (a stale gradient of a parameter unused here, a comm hook, a gradient with a
+graph), and the same gradients as PyTorch's DDP either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_on_ranks
+from torch import nn
+
+import graphddp
+
+CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.002}
+"""2 KiB buckets: ``Two``'s 4 KiB weights are each alone in a bucket, its head's weight and bias share one."""
+
+
+class Two(nn.Module):
+    """Two 4 KiB weights and a small head; ``side`` only where the forward is asked to use it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.side, self.head = nn.Linear(16, 64), nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        out = self.main(x)
+        return self.head(out + self.side(x) if use_side else out)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def wrapped(impl: str, **kwargs: object) -> nn.Module:
+    torch.manual_seed(0)
+    if impl == "none":
+        return Two()
+    if impl == "torch":
+        return nn.parallel.DistributedDataParallel(Two(), bucket_cap_mb=0.002, **kwargs)
+    return graphddp.DDP(Two(), **CAPS, **kwargs)
+
+
+def lone_buckets(ddp: graphddp.DDP) -> list[tuple[int, bool]]:
+    """Each bucket of one whole gradient: (its index, whether its gradient was reduced in ``.grad`` itself)."""
+    return [
+        (b.index, b.reduced is not b.buffer and b.reduced.data_ptr() == b.params[0].grad.data_ptr())
+        for b in ddp.reducer.buckets
+        if len(b.params) == 1
+    ]
+
+
+def reduced_in_grad(rank: int, world: int) -> dict[str, object]:
+    """Three steps (the second on the rebuilt plan), gradients set to None between them as optimizers do; then a
+    backward with ``create_graph=True``, whose gradients have a graph of their own."""
+    grads: dict[str, list[list[torch.Tensor]]] = {}
+    seen: dict[str, object] = {}
+    for impl in ("graphddp", "torch"):
+        ddp = wrapped(impl)
+        grads[impl] = []
+        for step in range(3):
+            ddp(batch(rank, step)).square().mean().backward()
+            grads[impl].append([p.grad.clone() for p in ddp.parameters()])
+            if impl == "graphddp":
+                seen[f"step {step}"] = lone_buckets(ddp)
+                seen[f"shared {step}"] = [b.reduced is b.buffer for b in ddp.reducer.buckets if len(b.params) > 1]
+            ddp.zero_grad(set_to_none=True)
+        if impl == "graphddp":  # PyTorch's DDP raises under create_graph on gloo (tests/spawned/test_create_graph.py)
+            ddp(batch(rank, 3)).square().mean().backward(create_graph=True)
+            seen["create_graph"] = lone_buckets(ddp)
+            ours_with_graph = [p.grad.detach().clone() for p in ddp.parameters()]
+    for ours, theirs in zip(grads["graphddp"], grads["torch"]):
+        torch.testing.assert_close(ours, theirs)
+    local = wrapped("none")  # the same weights: the gradient averaged by hand
+    local(batch(rank, 3)).square().mean().backward()
+    for p in local.parameters():
+        torch.distributed.all_reduce(p.grad)
+    torch.testing.assert_close(ours_with_graph, [p.grad / world for p in local.parameters()])
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
+def test_a_lone_gradient_is_reduced_in_grad_itself_with_pytorchs_result(world: int) -> None:
+    for seen in run_on_ranks(reduced_in_grad, world):
+        for step in range(3):
+            assert len(seen[f"step {step}"]) >= 2, seen  # the two weights, and biases alone between them
+            assert all(in_place for _, in_place in seen[f"step {step}"]), seen
+            assert seen[f"shared {step}"] and all(seen[f"shared {step}"]), seen  # the head's bucket: its buffer
+        assert not any(in_place for _, in_place in seen["create_graph"]), seen  # a gradient with a graph: copied
+
+
+def stale_unused(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    """``side`` is used in step 0 and by no rank in step 1; gradients are not zeroed between the steps, and each
+    rank changes its stale ``side`` gradient its own way. A parameter no rank used keeps its ``.grad`` as it was
+    (PyTorch's DDP does), so each rank's stays its own."""
+    out = {}
+    for impl in ("graphddp", "torch"):
+        ddp = wrapped(impl, find_unused_parameters=True)
+        ddp(batch(rank, 0)).square().mean().backward()
+        side = ddp.module.side.weight
+        side.grad.add_(rank + 1.0)  # this rank's own
+        before = side.grad.clone()
+        ddp(batch(rank, 1), use_side=False).square().mean().backward()
+        out[impl] = [before, side.grad.clone()]
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_a_stale_gradient_of_a_parameter_no_rank_used_stays_as_it_was(world: int) -> None:
+    for rank, out in enumerate(run_on_ranks(stale_unused, world)):
+        before, after = out["graphddp"]
+        torch.testing.assert_close(after, before, msg=f"rank {rank}: the stale gradient was reduced")
+        torch.testing.assert_close(after, out["torch"][1])
+
+
+def recording_hook(seen, bucket):  # type: ignore[no-untyped-def]  # PyTorch's DDP refuses string annotations
+    """An averaging all-reduce that notes whether the buffer it got is some parameter's ``.grad``."""
+    grads = {p.grad.data_ptr() for p in bucket.parameters() if p.grad is not None}
+    seen.append(bucket.buffer().data_ptr() in grads)
+    work = torch.distributed.all_reduce(bucket.buffer().div_(torch.distributed.get_world_size()), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def hooked(rank: int, world: int) -> dict[str, object]:
+    grads = {}
+    seen: list[bool] = []
+    for impl in ("graphddp", "torch"):
+        ddp = wrapped(impl)
+        ddp.register_comm_hook(seen if impl == "graphddp" else [], recording_hook)
+        for step in range(2):
+            ddp(batch(rank, step)).square().mean().backward()
+        grads[impl] = [p.grad for p in ddp.parameters()]
+    torch.testing.assert_close(grads["graphddp"], grads["torch"])
+    return {"hook got a .grad": seen}
+
+
+def test_a_comm_hook_gets_a_bucket_buffer_never_a_grad() -> None:
+    for result in run_on_ranks(hooked, 2):
+        assert result["hook got a .grad"] and not any(result["hook got a .grad"]), result
