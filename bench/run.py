@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 from tabulate import tabulate
 
 from graphddp.ddp import BucketOptions
-from graphddp.tools.launch import free_port
+from graphddp.tools.launch import free_port, processes_with, stop_job
 
 from .link import Link, LinkSpec
 from .modes import MODES, NO_DDP, ModeName, compute_baseline
@@ -92,12 +91,12 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "out": str(out.resolve()),
         "mode_config": {**options.bucket_kwargs(), "inner": options.inner},
     }
-    config_path = out / "config.json"
+    config_path = (out / "config.json").resolve()  # absolute: on every rank's command line, it finds the job's processes
     config_path.write_text(json.dumps(config, indent=2))
     for stale in out.glob("rank*.json"):
         stale.unlink()
     if options.link == "loopback":
-        _launch([_torchrun(options.world_size, 1, 0, "127.0.0.1", config_path)])
+        run_jobs([_torchrun(options.world_size, 1, 0, "127.0.0.1", config_path)], str(config_path))
     else:
         with Link(LinkSpec.parse(options.link), options.world_size) as link:
             commands = [
@@ -105,7 +104,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 for r in range(options.world_size)
             ]
             # Every namespace has the same hostname, so gloo must be told which interface to use.
-            _launch(commands, {"GLOO_SOCKET_IFNAME": "eth0"})
+            run_jobs(commands, str(config_path), {"GLOO_SOCKET_IFNAME": "eth0"})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(options.world_size)]
     return summarize(options, ranks)
 
@@ -123,26 +122,22 @@ def _torchrun(nproc: int, nnodes: int, node_rank: int, host: str, config: Path, 
     ]  # fmt: skip
 
 
-def _launch(commands: list[list[str]], extra_env: dict[str, str] | None = None) -> None:
-    """Start every command; stop them all on the first failure or on Ctrl-C."""
+def run_jobs(commands: list[list[str]], marker: str, extra_env: dict[str, str] | None = None) -> None:
+    """Start every command (a torchrun job each); on the first failure or on Ctrl-C, stop every job whole, its
+    workers too (``stop_job``: they run in sessions of their own), found by ``marker`` on their command lines."""
     env = {**os.environ, **(extra_env or {})}
     procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in commands]
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                raise RuntimeError(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
+        while None in (codes := [p.poll() for p in procs]):  # every job polled: a later one may have failed
+            if any(code not in (None, 0) for code in codes):
+                raise RuntimeError(f"a benchmark rank failed: exit codes {codes}")
             time.sleep(0.2)
-        if any(p.returncode != 0 for p in procs):
-            raise RuntimeError(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"a benchmark rank failed: exit codes {codes}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        if any(p.poll() is None for p in procs) or processes_with(marker):  # failed, interrupted, or a worker lingers
+            for p in procs:
+                stop_job(p, marker)
 
 
 

@@ -15,9 +15,11 @@ times) for the timeline.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -52,6 +54,7 @@ class PreparedMode:
 
 
 def main(config_path: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (graphddp.tools.launch.stop_job)
     config = json.loads(Path(config_path).read_text())
     pinned = config.get("pin", False) and _pin_to_own_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     init_process_group("gloo")  # torchrun-restart safe (Note [Restarts] in graphddp/tools/launch.py)

@@ -1,4 +1,5 @@
-"""Start ranks the standard way: under ``torchrun`` (environment variables) or spawned on this machine.
+"""Start ranks the standard way: under ``torchrun`` (environment variables) or spawned on this machine; and stop a
+torchrun job whole (``stop_job``: the benchmark's and the tests' jobs that fail or run past their time).
 
 The CLI's commands run a function on every rank; this module only decides where ranks come from. Transport
 and rendezvous are ``torch.distributed``'s own (a TCP store on loopback when spawning).
@@ -17,11 +18,16 @@ gives each attempt a fresh store and plain env:// is safe. ``docs/reliability.md
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -90,3 +96,44 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_job(proc: subprocess.Popen, marker: str) -> None:
+    """Stops ``proc`` (torchrun, or a command that execs it, started with ``start_new_session=True``) and every
+    process of its job.
+
+    torchrun starts every worker in a session of its own, so killing the agent's group leaves them running; a
+    worker left over holds the pipes a caller reads, which then waits on them for ever (a test did, in a CI run
+    where a restarted attempt hung), or outlives its job and loads the machine for whatever runs next (in a CI run
+    where a framework's reference run hung at exit). SIGTERM first lets torchrun stop its workers; whatever still
+    runs is found by ``marker`` on its command line (a path unique to the run). Before that, every process of the
+    job but ``proc`` gets SIGUSR1: a worker that registered ``faulthandler`` for it (the benchmark's and the tests'
+    scripts do, first thing) writes its threads' stacks to stderr, so a failure says where each one hung; one
+    without a handler is ended by the signal."""
+    for pid in processes_with(marker):
+        if pid != proc.pid:  # the agent has no handler: SIGUSR1 would end it
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    for pid in processes_with(marker):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def processes_with(marker: str) -> list[int]:
+    """The processes with ``marker`` on their command line (a run's agent and workers)."""
+    needle, found = marker.encode(), []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if needle in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except (OSError, ValueError):  # gone meanwhile
+            pass
+    return found

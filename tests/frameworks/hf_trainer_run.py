@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True), aot_eager")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (tests/launched.py)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (graphddp.tools.launch.stop_job)
     if args.impl == "graphddp":
         import graphddp
 

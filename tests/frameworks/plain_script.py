@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--impl", choices=["graphddp", "torch"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (tests/launched.py)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank says where it is (graphddp.tools.launch.stop_job)
     if args.impl == "graphddp":
         from graphddp import DistributedDataParallel as DDP  # the only line that changes
     else:

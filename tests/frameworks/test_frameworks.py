@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launched import stop_job
+
+from graphddp.tools.launch import stop_job
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``tests/launched.py``: a torchrun job that ran past its time is stopped whole, workers in their own sessions
+"""``graphddp.tools.launch.stop_job``: a torchrun job that ran past its time is stopped whole, workers in their own sessions
 included, and says where each worker was."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from launched import processes_with, stop_job
+import pytest
+
+from graphddp.tools.launch import processes_with, stop_job
 
 
 def test_a_job_past_its_time_is_stopped_with_the_workers_in_their_own_sessions(tmp_path: Path) -> None:
@@ -47,3 +49,17 @@ def _handles_sigusr1(pid: int) -> bool:
         return False
     caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
     return bool(caught >> (signal.SIGUSR1 - 1) & 1)
+
+
+def test_a_benchmark_job_that_fails_is_stopped_with_its_workers(tmp_path: Path) -> None:
+    """``bench.run.run_jobs``: one job fails; the other, an agent whose worker runs in a session of its own (as
+    torchrun's do), is stopped whole, the worker too, and the failure is raised."""
+    from bench.run import run_jobs
+
+    marker = str(tmp_path / "config.json")
+    worker = f"import time; time.sleep(600)  # {marker}"
+    agent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); time.sleep(600)  # {marker}"
+    failing = f"import sys, time; time.sleep(1); sys.exit(3)  # {marker}"
+    with pytest.raises(RuntimeError, match=r"a benchmark rank failed: exit codes \[None, 3\]"):
+        run_jobs([[sys.executable, "-c", agent], [sys.executable, "-c", failing]], marker)
+    assert processes_with(marker) == [], "a worker of the failed benchmark is still running"
