@@ -155,16 +155,6 @@ class SparseGradBucket(FlatBucket):
             else:
                 self.buffer = own
 
-    @property
-    def reduced(self) -> torch.Tensor:
-        """What this iteration reduces: the buffer, or the bucket's one gradient itself where its layout reduces it
-        in place (Note [A lone gradient reduced where it lies] in ``graphddp.runtime.grad_layout``)."""
-        return self.buffer if self._in_place is None else self._in_place
-
-    def reduce_in_place(self, grad: torch.Tensor | None) -> None:
-        """This iteration reduces ``grad`` itself (the bucket's one gradient), or the buffer (None)."""
-        self._in_place = None if grad is None else grad.view(-1)
-
     def take(self, reduced: torch.Tensor) -> None:
         self.buffer = reduced
 
