@@ -68,6 +68,12 @@ class FlatBucket:
         """This iteration reduces ``grad`` itself (the bucket's one gradient), or the buffer (None)."""
         self._in_place = None if grad is None else grad.view(-1)
 
+    def release(self) -> None:
+        """The end of backward: drop this iteration's references to a gradient reduced in place (here and in the
+        collective's ``Work``), so the optimizer's ``zero_grad(set_to_none=True)`` frees it."""
+        self._in_place = None
+        self.in_flight = None
+
     def take(self, reduced: torch.Tensor) -> None:
         """The reduced result becomes the bucket's content (a hook may return a tensor of its own)."""
         if reduced.data_ptr() != self.reduced.data_ptr():
@@ -212,6 +218,11 @@ class BucketSlots:
         self._views = [self.view(where) for where in self.slot]
         self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]
 
+    def release(self) -> None:
+        """The end of backward, every average written: each bucket drops the iteration's tensors it does not own."""
+        for bucket in self.buckets:
+            bucket.release()
+
     def move_grads(self) -> None:
         """Each parameter's gradient into its slice of these buckets (a new plan: bucket views follow)."""
         for i, param in enumerate(self._params):
@@ -310,12 +321,14 @@ class BucketSlots:
                 [self._params[i] for i in indices], [self._views[i] for i in indices], [self._parts[i] for i in indices]
             )
 
-    def write_back_used_elsewhere(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
-        """The averages of the parameters this rank did not use and some rank did, one by one (used nowhere:
-        ``.grad`` stays as it was)."""
+    def finish_write_back(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
+        """The iteration's last write-back: the averages of the parameters this rank did not use and some rank did,
+        one by one (used nowhere: ``.grad`` stays as it was); then every bucket drops the iteration's tensors it
+        does not own (``release``)."""
         for i, used in enumerate(used_here):
             if not used and counts[i] > 0:
                 self.write_back(i)
+        self.release()
 
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:

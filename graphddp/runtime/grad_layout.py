@@ -25,13 +25,22 @@ The gradient is reduced where it lies only when the result is what the copy give
   ``.grad`` that must stay as it was: it is copied;
 * it is a plain tensor of its own (not a view of another, not part of a graph: ``backward(create_graph=True)``),
   contiguous, in the bucket's dtype and on its device;
+* no other post-accumulate-grad hook is on the parameter (``only_our_hook``): one of the user's, registered after
+  the DDP's, runs after graphddp's and would read ``.grad`` while the collective writes it; under PyTorch's DDP
+  it sees the local gradient, so it does here, from a copied bucket;
 * the bucket is reduced by graphddp's averaging all-reduce, which reduces whatever tensor it is given: a comm hook
   gets a bucket buffer, as PyTorch hands it (``with_comm_hook``), and a table reduced as rows keeps its buffer.
+  A bucket that ``skip_all_reduce_unused_params`` launched without a collective and some rank used after all is
+  all-reduced late from the same tensor (``graphddp.runtime.skipping``).
 
-Else the bucket takes the copy, as every other bucket. One difference remains visible, and only while backward
-runs: the gradient is scaled and summed in ``.grad`` itself, so a hook of the user's that reads ``.grad`` after
-the bucket went out sees it changing, as under ``gradient_as_bucket_view=True``. A backward abandoned after such a
-bucket went out (Note [Abandoned backward] in ``graphddp.runtime.iteration``) leaves that ``.grad`` averaged.
+Else the bucket takes the copy, as every other bucket. The end of backward drops the iteration's references to the
+gradient (``FlatBucket.release``), so ``zero_grad(set_to_none=True)`` frees it as before. Two differences remain,
+both outside a backward that completes: from the moment its bucket is complete (the first gradients of a
+backward; for a parameter found unused, its forward) until the end of backward, ``.grad`` holds the scaled and
+then the summed gradient, not the local one. So a backward abandoned after that (Note [Abandoned backward] in
+``graphddp.runtime.iteration``) leaves that ``.grad`` scaled or averaged, and its collective may still be writing
+it until the next forward drains it: after an abandoned backward, drop the gradients
+(``zero_grad(set_to_none=True)``, the optimizers' default) rather than zeroing them in place.
 """
 
 from __future__ import annotations
@@ -205,8 +214,14 @@ class GradInPlace(CopiedGrads):
 
     @as_data
     def gather(self, bucket: FlatBucket, scale: float | None) -> None:
-        grad = bucket.params[0].grad
-        if self._used[bucket.param_indices[0]] and grad is not None and reducible_in_place(grad, bucket.buffer):
+        param = bucket.params[0]
+        grad = param.grad
+        if (
+            self._used[bucket.param_indices[0]]
+            and grad is not None
+            and reducible_in_place(grad, bucket.buffer)
+            and only_our_hook(param)
+        ):
             if scale is not None:
                 grad.mul_(scale)
             bucket.reduce_in_place(grad)
@@ -221,6 +236,13 @@ class GradInPlace(CopiedGrads):
 
     def of_lone_gradient(self, used: Sequence[bool]) -> CopiedGrads:
         return self
+
+
+def only_our_hook(param: torch.Tensor) -> bool:
+    """Has ``param`` no post-accumulate-grad hook but graphddp's (``graphddp.runtime.countdown``, one per
+    parameter)? torch keeps them in ``Tensor._post_accumulate_grad_hooks`` (None until the first)."""
+    hooks = param._post_accumulate_grad_hooks
+    return hooks is None or len(hooks) <= 1
 
 
 def reducible_in_place(grad: torch.Tensor, buffer: torch.Tensor) -> bool:

@@ -282,7 +282,7 @@ class Reducer:
             iteration.count_usage(self._launcher, self.usage, self.plans)  # ChainedLaunch: only now, after every bucket
             counts = self.usage.counts(iteration.usage)
             self._skip.reduce_late(self._slots, counts, self._events)
-            self._slots.write_back_used_elsewhere(used_here, counts)  # the rest, once the ranks' usage is known
+            self._slots.finish_write_back(used_here, counts)  # the rest, once the ranks' usage is known
             for k, whole in later:
                 self._after_bucket.bucket_final(k, whole, self._params, self._events)
             self.usage.end(iteration.local_unused, counts, missing, self._active.count() if self.world_size > 1 else 1)

@@ -68,11 +68,11 @@ class SkipNeverUsed:
             if not used:
                 continue
             events.record("late", k)
-            buffer = torch.zeros_like(bucket.buffer) if joined else bucket.buffer
+            # What its gather left: the buffer, or a gradient reduced where it lies (Note [A lone gradient reduced
+            # where it lies] in graphddp.runtime.grad_layout), scaled and not yet summed.
+            buffer = torch.zeros_like(bucket.buffer) if joined else bucket.reduced
             in_flight = self._skipped[k].dense.start(bucket, buffer, False)
             in_flight.commit()
             reduced = in_flight.wait()
             if not joined:
-                bucket.take(reduced)
-                for i in used:
-                    slots.write_back(i)
+                slots.take_reduced(bucket, reduced, [count > 0 for count in counts])

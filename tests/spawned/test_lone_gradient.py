@@ -41,13 +41,15 @@ def wrapped(impl: str, **kwargs: object) -> nn.Module:
     return graphddp.DDP(Two(), **CAPS, **kwargs)
 
 
+def reduced_in_grad_itself(bucket: object) -> bool:
+    """Was ``bucket``'s gradient reduced in ``.grad`` itself this step? Then nothing was ever copied into its buffer
+    (zeros since the plan was made), and ``.grad`` holds the average."""
+    return bool((bucket.buffer == 0).all()) and bool(bucket.params[0].grad.ne(0).any())
+
+
 def lone_buckets(ddp: graphddp.DDP) -> list[tuple[int, bool]]:
     """Each bucket of one whole gradient: (its index, whether its gradient was reduced in ``.grad`` itself)."""
-    return [
-        (b.index, b.reduced is not b.buffer and b.reduced.data_ptr() == b.params[0].grad.data_ptr())
-        for b in ddp.reducer.buckets
-        if len(b.params) == 1
-    ]
+    return [(b.index, reduced_in_grad_itself(b)) for b in ddp.reducer.buckets if len(b.params) == 1]
 
 
 def reduced_in_grad(rank: int, world: int) -> dict[str, object]:
@@ -63,7 +65,7 @@ def reduced_in_grad(rank: int, world: int) -> dict[str, object]:
             grads[impl].append([p.grad.clone() for p in ddp.parameters()])
             if impl == "graphddp":
                 seen[f"step {step}"] = lone_buckets(ddp)
-                seen[f"shared {step}"] = [b.reduced is b.buffer for b in ddp.reducer.buckets if len(b.params) > 1]
+                seen[f"shared {step}"] = [bool(b.buffer.ne(0).any()) for b in ddp.reducer.buckets if len(b.params) > 1]
             ddp.zero_grad(set_to_none=True)
         if impl == "graphddp":  # PyTorch's DDP raises under create_graph on gloo (tests/spawned/test_create_graph.py)
             ddp(batch(rank, 3)).square().mean().backward(create_graph=True)
@@ -137,3 +139,63 @@ def hooked(rank: int, world: int) -> dict[str, object]:
 def test_a_comm_hook_gets_a_bucket_buffer_never_a_grad() -> None:
     for result in run_on_ranks(hooked, 2):
         assert result["hook got a .grad"] and not any(result["hook got a .grad"]), result
+
+
+def skipped_then_used(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    """``skip_all_reduce_unused_params``: no rank uses ``side`` in steps 0 and 1, so its buckets launch without a
+    collective; in step 2 rank 0 uses it, and every rank reduces its buckets late. Rank 0's lone ``side.weight``
+    gradient went in place, so the late all-reduce must reduce it there (the reference: the local gradients,
+    averaged by hand, zeros where a rank did not use it)."""
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(Two(), skip_all_reduce_unused_params=True, find_unused_parameters=True, **CAPS)
+    for step in range(3):
+        ddp(batch(rank, step), use_side=step == 2 and rank == 0).square().mean().backward()
+        if step < 2:
+            ddp.zero_grad(set_to_none=True)
+    local = wrapped("none")
+    local(batch(rank, 2), use_side=rank == 0).square().mean().backward()
+    expected = []
+    for p in local.parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.distributed.all_reduce(grad)
+        expected.append(grad / world)
+    return {"ours": [p.grad for p in ddp.parameters()], "expected": expected}
+
+
+def test_a_skipped_bucket_used_after_all_is_reduced_late_where_its_gradient_lies() -> None:
+    for rank, out in enumerate(run_on_ranks(skipped_then_used, 2)):
+        torch.testing.assert_close(out["ours"], out["expected"], msg=lambda m, rank=rank: f"rank {rank}: {m}")
+
+
+def freed_and_hooked(rank: int, world: int) -> dict[str, object]:
+    """The end of backward keeps no reference to a gradient reduced in place (``zero_grad(set_to_none=True)`` frees
+    it); and a post-accumulate-grad hook of the user's, registered after the DDP's, sees the local gradient, as
+    under PyTorch's DDP: that parameter's bucket is copied."""
+    out: dict[str, object] = {}
+    ddp = graphddp.DDP(Two(), **CAPS)
+    for step in range(3):
+        ddp(batch(rank, step)).square().mean().backward()
+        if step < 2:
+            ddp.zero_grad(set_to_none=True)
+    storage = ddp.module.main.weight.grad.untyped_storage()
+    weak = storage._weak_ref()
+    del storage
+    ddp.zero_grad(set_to_none=True)
+    out["freed"] = torch.UntypedStorage._expired(weak)
+    torch.UntypedStorage._free_weak_ref(weak)
+    seen = {}
+    for impl in ("graphddp", "torch"):
+        model = wrapped(impl)
+        weight = model.module.main.weight
+        weight.register_post_accumulate_grad_hook(lambda p, impl=impl: seen.__setitem__(impl, p.grad.clone()))
+        model(batch(rank, 0)).square().mean().backward()
+    torch.testing.assert_close(seen["graphddp"], seen["torch"])
+    local = wrapped("none")
+    local(batch(rank, 0)).square().mean().backward()
+    torch.testing.assert_close(seen["graphddp"], local.main.weight.grad)  # local, not scaled by 1/world
+    return out
+
+
+def test_the_end_of_backward_lets_the_gradient_go_and_a_users_hook_sees_the_local_gradient() -> None:
+    for result in run_on_ranks(freed_and_hooked, 2):
+        assert result["freed"], "a gradient reduced in place is still held after zero_grad(set_to_none=True)"
