@@ -5,6 +5,8 @@ graph), and the same gradients as PyTorch's DDP either way."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from ranks import run_on_ranks
@@ -181,7 +183,10 @@ def freed_and_hooked(rank: int, world: int) -> dict[str, object]:
     weak = storage._weak_ref()
     del storage
     ddp.zero_grad(set_to_none=True)
-    out["freed"] = torch.UntypedStorage._expired(weak)
+    deadline = time.monotonic() + 10  # gloo's worker may drop its reference to the finished collective's tensor
+    while not (freed := torch.UntypedStorage._expired(weak)) and time.monotonic() < deadline:  # a moment later
+        time.sleep(0.05)
+    out["freed"] = freed
     torch.UntypedStorage._free_weak_ref(weak)
     seen = {}
     for impl in ("graphddp", "torch"):
