@@ -84,8 +84,7 @@ class FlatBucket:
     def reset(self) -> None:
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
-        self.in_flight = None
-        self._in_place = None
+        self.release()
 
     def is_ready(self, slot: int) -> bool:
         return self._ready[slot]
@@ -218,11 +217,6 @@ class BucketSlots:
         self._views = [self.view(where) for where in self.slot]
         self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]
 
-    def release(self) -> None:
-        """The end of backward, every average written: each bucket drops the iteration's tensors it does not own."""
-        for bucket in self.buckets:
-            bucket.release()
-
     def move_grads(self) -> None:
         """Each parameter's gradient into its slice of these buckets (a new plan: bucket views follow)."""
         for i, param in enumerate(self._params):
@@ -324,11 +318,12 @@ class BucketSlots:
     def finish_write_back(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
         """The iteration's last write-back: the averages of the parameters this rank did not use and some rank did,
         one by one (used nowhere: ``.grad`` stays as it was); then every bucket drops the iteration's tensors it
-        does not own (``release``)."""
+        does not own (``FlatBucket.release``)."""
         for i, used in enumerate(used_here):
             if not used and counts[i] > 0:
                 self.write_back(i)
-        self.release()
+        for bucket in self.buckets:
+            bucket.release()
 
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:

@@ -234,9 +234,6 @@ class GradInPlace(CopiedGrads):
         if bucket.reduced is bucket.buffer:
             super().scatter(bucket)  # copied in: copied back
 
-    def of_lone_gradient(self, used: Sequence[bool]) -> CopiedGrads:
-        return self
-
 
 def only_our_hook(param: torch.Tensor) -> bool:
     """Has ``param`` no post-accumulate-grad hook but graphddp's (``graphddp.runtime.countdown``, one per

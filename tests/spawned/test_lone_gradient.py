@@ -43,6 +43,17 @@ def wrapped(impl: str, **kwargs: object) -> nn.Module:
     return graphddp.DDP(Two(), **CAPS, **kwargs)
 
 
+def hand_averaged(rank: int, world: int, step: int, use_side: bool = True) -> list[torch.Tensor]:
+    """The reference: each rank's local gradients of ``step`` on the same weights, all-reduced and divided by hand
+    (zeros where a rank did not use a parameter)."""
+    local = wrapped("none")
+    local(batch(rank, step), use_side=use_side).square().mean().backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in local.parameters()]
+    for grad in grads:
+        torch.distributed.all_reduce(grad)
+    return [grad / world for grad in grads]
+
+
 def reduced_in_grad_itself(bucket: object) -> bool:
     """Was ``bucket``'s gradient reduced in ``.grad`` itself this step? Then nothing was ever copied into its buffer
     (zeros since the plan was made), and ``.grad`` holds the average."""
@@ -75,11 +86,7 @@ def reduced_in_grad(rank: int, world: int) -> dict[str, object]:
             ours_with_graph = [p.grad.detach().clone() for p in ddp.parameters()]
     for ours, theirs in zip(grads["graphddp"], grads["torch"]):
         torch.testing.assert_close(ours, theirs)
-    local = wrapped("none")  # the same weights: the gradient averaged by hand
-    local(batch(rank, 3)).square().mean().backward()
-    for p in local.parameters():
-        torch.distributed.all_reduce(p.grad)
-    torch.testing.assert_close(ours_with_graph, [p.grad / world for p in local.parameters()])
+    torch.testing.assert_close(ours_with_graph, hand_averaged(rank, world, 3))
     return seen
 
 
@@ -148,20 +155,12 @@ def skipped_then_used(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     collective; in step 2 rank 0 uses it, and every rank reduces its buckets late. Rank 0's lone ``side.weight``
     gradient went in place, so the late all-reduce must reduce it there (the reference: the local gradients,
     averaged by hand, zeros where a rank did not use it)."""
-    torch.manual_seed(0)
-    ddp = graphddp.DDP(Two(), skip_all_reduce_unused_params=True, find_unused_parameters=True, **CAPS)
+    ddp = wrapped("graphddp", skip_all_reduce_unused_params=True, find_unused_parameters=True)
     for step in range(3):
         ddp(batch(rank, step), use_side=step == 2 and rank == 0).square().mean().backward()
         if step < 2:
             ddp.zero_grad(set_to_none=True)
-    local = wrapped("none")
-    local(batch(rank, 2), use_side=rank == 0).square().mean().backward()
-    expected = []
-    for p in local.parameters():
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.distributed.all_reduce(grad)
-        expected.append(grad / world)
-    return {"ours": [p.grad for p in ddp.parameters()], "expected": expected}
+    return {"ours": [p.grad for p in ddp.parameters()], "expected": hand_averaged(rank, world, 2, use_side=rank == 0)}
 
 
 def test_a_skipped_bucket_used_after_all_is_reduced_late_where_its_gradient_lies() -> None:
@@ -174,7 +173,7 @@ def freed_and_hooked(rank: int, world: int) -> dict[str, object]:
     it); and a post-accumulate-grad hook of the user's, registered after the DDP's, sees the local gradient, as
     under PyTorch's DDP: that parameter's bucket is copied."""
     out: dict[str, object] = {}
-    ddp = graphddp.DDP(Two(), **CAPS)
+    ddp = wrapped("graphddp")
     for step in range(3):
         ddp(batch(rank, step)).square().mean().backward()
         if step < 2:
