@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .launch_context import no_backward_context
+
 
 class DelayedAllReduce:
     """The delayed parameters' flat gradient buffer and the hook that all-reduces it (see the module docstring)."""
@@ -76,7 +78,7 @@ class DelayedAllReduce:
     def _all_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         if self._sync:
             self._sync = False  # once per backward, even if the hook parameter is used twice
-            with torch.no_grad():
+            with torch.no_grad(), no_backward_context():  # Note [A collective holds no Python object]
                 self.buffer.div_(self._world)  # before the sum, as PyTorch does
                 work = dist.all_reduce(self.buffer, group=self._group, async_op=True)
             torch.autograd.Variable._execution_engine.queue_callback(work.wait)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..passes.blocks_in_place import BLOCK_OP, WAIT_BLOCKS_OP  # the pass calls the ops by these names
+from .launch_context import no_backward_context
 
 _pending: dict[int, list[dist.Work]] = {}
 """The blocks' all-reduces in flight, by the data pointer of the gradient they write."""
@@ -40,7 +41,8 @@ def reduce_block_(
     block = _rows_of(gradient, offset, (rows.shape[0], by.shape[1]))  # [r, C]
     torch.mm(rows, by, out=block)
     block.div_(divisor)
-    work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
+    with no_backward_context():  # Note [A collective holds no Python object]
+        work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
     key = gradient.untyped_storage().data_ptr()
     if first:
         _pending[key] = []

@@ -151,17 +151,30 @@ class PlanAgreement:
         self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
         if buffers_out_of_step is not None and step is not None:
             self._sums[self._own - 1 : self._own] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
-        self._work = dist.all_reduce(self._sums, group=group, async_op=True)
+        self._work: dist.Work | None = dist.all_reduce(self._sums, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
         return agreed(self.tokens, self._read()[:-5], self._ranks)
 
-    def carried(self) -> tuple[torch.Tensor, dist.Work]:
-        """The summed ``carrying`` entries (valid once the work is done) and the work."""
-        return self._sums[self._own :], self._work
+    def carried(self) -> tuple[torch.Tensor, PlanAgreement]:
+        """The summed ``carrying`` entries (valid once ``settle`` returned) and this agreement, to settle."""
+        return self._sums[self._own :], self
+
+    def settle(self) -> None:
+        """The backward's end: wait (the all-reduce went before the last bucket's, so it is done) and drop the
+        ``Work``, so that nothing of the iteration stays in flight after backward (Note [A collective holds no
+        Python object]: a ``barrier`` the script issues next would otherwise keep it, and with it ``_sums``, for
+        one of gloo's threads to release, perhaps while the interpreter exits)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def settled(self) -> bool:
+        return self._work is None
 
     def _read(self) -> list[int]:
-        self._work.wait()
+        self.settle()
         return self._sums[: self._own].tolist()
 
     def out_of_step(self) -> bool:
@@ -322,6 +335,8 @@ class PlanKeeper:
             self.graph_plans.tokens(), step, self._group, self._device, abandoned=abandoned,
             buffers_out_of_step=buffers, carrying=carrying,
         )  # fmt: skip
+        if joined:  # a shadow has no end of backward to settle it at (``backward_ended``); a joined rank is idle anyway
+            self._agreement.settle()
         return self._agreement
 
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor], src: int, *, counted: bool) -> None:
@@ -337,6 +352,19 @@ class PlanKeeper:
             differs = (step != self.training_forwards).to(torch.int64)
             previous = self._buffers_out_of_step
             self._buffers_out_of_step = differs if previous is None else torch.maximum(previous, differs)
+
+    def backward_ended(self, in_plan_order: Sequence[int]) -> None:
+        """A synchronised backward (or a joined rank's shadow of one) ended: the ready order learns from it, and its
+        agreement is settled (``PlanAgreement.settle``)."""
+        self.ready_order.backward_ended(in_plan_order)
+        if self._agreement is not None:
+            self._agreement.settle()
+
+    @property
+    def agreement_in_flight(self) -> bool:
+        """An agreement all-reduce was issued and not yet waited for (only ever between its issue and the end of
+        the backward that issued it)."""
+        return self._agreement is not None and not self._agreement.settled
 
     def backward_abandoned(self, in_plan_order: Sequence[int]) -> None:
         """This rank drained an abandoned backward (Note [Abandoned backward]): its next agreement says so, and it

@@ -288,7 +288,7 @@ class Reducer:
             self.usage.end(iteration.local_unused, counts, missing, self._active.count() if self.world_size > 1 else 1)
             if self._skip.outdated():
                 self._launcher = self._make_launcher()  # between iterations: skip what no rank ever used
-            self.plans.ready_order.backward_ended([i for b in self.buckets for i in b.param_indices])
+            self.plans.backward_ended([i for b in self.buckets for i in b.param_indices])
         finally:
             self._iteration = None
             self._active.clear()

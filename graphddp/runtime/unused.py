@@ -150,14 +150,14 @@ UsagePolicy = ExpectAllUsed | SearchEveryIteration | StaticGraph
 
 class UsageCount:
     """The all-reduce of the usage map, in flight: per parameter, on how many ranks it got a gradient (``counts``:
-    the plan agreement's entries that carry it, ``work``: that all-reduce)."""
+    the plan agreement's entries that carry it, ``agreement``: that all-reduce's)."""
 
-    def __init__(self, counts: torch.Tensor, work: Any) -> None:
+    def __init__(self, counts: torch.Tensor, agreement: Any) -> None:
         self._counts = counts
-        self._work = work
+        self._agreement = agreement  # graphddp.runtime.plans.PlanAgreement
 
     def wait(self) -> list[int]:
-        self._work.wait()
+        self._agreement.settle()
         return self._counts.tolist()
 
 
