@@ -14,6 +14,7 @@ buckets, and moves gradients between ``.grad`` and those slots.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ class FlatBucket:
         self.index = spec.index
         self.params = params
         self.param_indices = param_indices
-        self.buffer, self.views = self._storage(spec)
+        self._storage_made: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # made on first use: ``buffer``
         self.whole = [i for i, p in zip(param_indices, spec.params) if not p.part]
         """The parameters whose whole gradient is here (the others' slots hold a part of a tied weight's)."""
         self.plain = len(self.whole) == len(params) and all(p.dtype == spec.dtype for p in params)
@@ -59,6 +60,41 @@ class FlatBucket:
         return buffer, views
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer (zeros until written), allocated when first asked for: a bucket whose one gradient is
+        always reduced where it lies never asks (Note [A lone gradient reduced where it lies]), so it holds no
+        second copy of that gradient."""
+        if self._storage_made is None:
+            self._storage_made = self._storage(self.spec)
+        return self._storage_made[0]
+
+    @buffer.setter
+    def buffer(self, value: torch.Tensor) -> None:
+        self._storage_made = (value, self.views)
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """Per parameter, its slice of ``buffer`` shaped like it (allocating ``buffer`` if it was not)."""
+        if self._storage_made is None:
+            self._storage_made = self._storage(self.spec)
+        return self._storage_made[1]
+
+    @property
+    def allocated(self) -> bool:
+        """Has the buffer been allocated (asked for) yet?"""
+        return self._storage_made is not None
+
+    def zeros(self) -> torch.Tensor:
+        """A new tensor of zeros shaped like ``buffer`` (a joined rank's or a drained bucket's stand-in), without
+        allocating ``buffer``."""
+        return torch.zeros(self.spec.numel, dtype=self.spec.dtype, device=self.spec.device)
+
+    @property
+    def reduced_in_place(self) -> bool:
+        """This iteration reduces the bucket's one gradient itself, not ``buffer``."""
+        return self._in_place is not None
+
+    @property
     def reduced(self) -> torch.Tensor:
         """What this iteration reduces: the buffer, or the bucket's one gradient itself where its layout reduces it
         in place (Note [A lone gradient reduced where it lies] in ``graphddp.runtime.grad_layout``)."""
@@ -69,10 +105,13 @@ class FlatBucket:
         self._in_place = None if grad is None else grad.view(-1)
 
     def release(self) -> None:
-        """The end of backward: drop this iteration's references to a gradient reduced in place (here and in the
-        collective's ``Work``), so the optimizer's ``zero_grad(set_to_none=True)`` frees it."""
+        """The end of backward: drop this iteration's collective once the process group has given back what was
+        lent to it (Note [A collective holds no Python object] in ``graphddp.runtime.launch_context``), and the
+        reference to a gradient reduced in place, so the optimizer's ``zero_grad(set_to_none=True)`` frees it."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is not None:
+            in_flight.let_go()
         self._in_place = None
-        self.in_flight = None
 
     def take(self, reduced: torch.Tensor) -> None:
         """The reduced result becomes the bucket's content (a hook may return a tensor of its own)."""
@@ -163,6 +202,9 @@ class SparseGradBucket(FlatBucket):
     def take(self, reduced: torch.Tensor) -> None:
         self.buffer = reduced
 
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros_like(self.buffer)  # sparse, laid out like the gradient (the buffer costs nothing here)
+
 
 def _no_rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     # indices [1, 0], values [0, *shape[1:]]: the hybrid layout of an embedding's gradient, so ranks that had no
@@ -213,14 +255,14 @@ class BucketSlots:
         for bucket in self.buckets:  # Note [A lone gradient reduced where it lies] in graphddp.runtime.grad_layout
             if bucket.plain and len(bucket.params) == 1 and not bucket.spec.params[0].row_sparse:
                 self.layout[bucket.param_indices[0]] = dense_layout.of_lone_gradient(used)
-        # Per parameter, its slice and its parts' slices, looked up once (the write-back runs every iteration).
-        self._views = [self.view(where) for where in self.slot]
+        # Per parameter, its parts' slices, looked up once (the write-back runs every iteration); its own slice is
+        # looked up when needed: a bucket whose gradient is reduced where it lies never allocates its buffer.
         self._parts = [[self.view(where) for where in self.parts_of.get(i, ())] for i in range(len(params))]
 
     def move_grads(self) -> None:
         """Each parameter's gradient into its slice of these buckets (a new plan: bucket views follow)."""
         for i, param in enumerate(self._params):
-            self.layout[i].move(param, self.view(self.slot[i]))
+            self.layout[i].move(param, functools.partial(self.view, self.slot[i]))
 
     def reset(self) -> None:
         """A new synchronised backward: every slot empty, nothing launched."""
@@ -312,7 +354,7 @@ class BucketSlots:
         """``write_back`` for parameters of one bucket (one layout), in one call."""
         if indices:
             self.layout[indices[0]].from_bucket_many(
-                [self._params[i] for i in indices], [self._views[i] for i in indices], [self._parts[i] for i in indices]
+                [self._params[i] for i in indices], [self.view(self.slot[i]) for i in indices], [self._parts[i] for i in indices]
             )
 
     def finish_write_back(self, used_here: Sequence[bool], counts: Sequence[int]) -> None:
@@ -328,7 +370,7 @@ class BucketSlots:
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:
         their buckets come earlier, so they are reduced already (Note [Row-sparse gradients])."""
-        self.layout[i].from_bucket(self._params[i], self._views[i], self._parts[i])
+        self.layout[i].from_bucket(self._params[i], self.view(self.slot[i]), self._parts[i])
 
 
 class GradBucket:

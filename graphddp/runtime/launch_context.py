@@ -1,38 +1,50 @@
-"""Collectives launched in backward, free of the backward's Python context.
+"""Collectives issued in backward: free of the backward's Python context, and given back before backward ends.
 
 Note [A collective holds no Python object]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``torch.autograd.backward`` stashes a ``contextvars.Context`` in the C++ thread-local state for as long as the
-engine runs (``torch._C._stash_obj_in_tls("context", ...)`` in ``torch.autograd.graph``), and a gloo collective
-copies the whole thread-local state into its ``Work`` when it is issued. A collective graphddp issues from a
-gradient hook or the end-of-backward callback therefore holds a Python object, released when the ``Work`` is
-destroyed, and that can happen on one of gloo's worker threads: a ``barrier`` keeps weak references to the
-collectives in flight when it was issued, and a c10d ``Work`` is destroyed only once its weak references are gone
-too. A script that ends ``dist.barrier(); dist.destroy_process_group()`` returns while the worker may still be
-dropping that barrier; when the interpreter is already finalising by then, the worker's attempt to take the GIL
-ends the thread with ``pthread_exit``, whose unwinding through a destructor aborts the process ("terminate called
-without an active exception", SIGABRT after "done"; seen about once in a hundred runs of
-``tests/restart/restart_job.py``, whose last agreement all-reduce (Note [Plan agreement]) is held until the
-DDP is collected while finalising, and found from the core dump's stack: ``~AsyncBarrierWork`` ->
-``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` -> ``SafePyObject`` decref -> ``take_gil``).
+A c10d ``Work`` is destroyed only once its strong *and* weak references are gone, and a gloo ``barrier`` keeps weak
+references to every collective queued or running when it was issued (running includes one that has just
+completed while its worker thread has not yet cleared it). A barrier issued by a script after a step can therefore
+keep one of graphddp's collectives, which a gloo worker thread then destroys when it drops the barrier. Destroying
+it releases Python objects: the tensors lent to it, which Python may have dropped by then (graphddp's buffers are
+Python tensors, unlike the C++ ones of PyTorch's Reducer), and the thread-local state copied when it was issued,
+which during backward holds the ``contextvars.Context`` that ``torch.autograd.backward`` stashes there
+(``torch._C._stash_obj_in_tls("context", ...)``). Releasing a Python object takes the GIL. If the script is by then
+leaving (``dist.barrier(); dist.destroy_process_group()``, the interpreter finalising, the DDP collected), CPython
+ends the worker with ``pthread_exit``, whose unwinding through a destructor aborts the process ("terminate called
+without an active exception", SIGABRT after the last line). The core dumps of ``tests/restart/restart_job.py`` show
+``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` (or a tensor) -> ``take_gil``.
 
-So every collective graphddp launches in backward is issued with that object taken out of the thread-local state
-and put back right after (``no_backward_context``): its ``Work`` then holds nothing of Python's, and may be
-destroyed on any thread at any time. The engine's own use of the object (compiler configuration seen by device
-threads) is untouched: the object is back before any other hook or node runs. Cost: ~0.5 us per launch (three
-calls into C and the ``with``). Collectives graphddp issues outside backward need nothing: the map is empty there.
-Tested in ``tests/spawned/test_launch_context.py``.
+So nothing of an iteration outlives its backward in the process group:
+- every collective issued in backward is issued without the backward's context (``no_backward_context``: taken
+  out of the thread-local state, put back right after; ~0.5 us per launch), so its ``Work`` holds nothing of
+  Python's thread state;
+- at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
+  the plan agreement) and waits until the process group has given their tensors back (``Lent``: the tensor's use
+  count back to what it was before it was lent). By the end of backward the worker has long finished them, so this
+  is one check per bucket; it yields the CPU only if a worker thread is late. What a comm hook issues is the hook's
+  (its futures may be kept on purpose), and is not waited for.
+Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 _KEY = "context"
 """The key ``torch.autograd.graph._engine_run_backward`` stashes its ``contextvars.Context`` under."""
 
 _TLS = all(hasattr(torch._C, name) for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls"))
 """This torch has the Python objects' thread-local map (without it there is nothing to take out)."""
+
+
+_COUNTS = hasattr(torch.Tensor, "_use_count")
+"""This torch tells a tensor's use count."""
 
 
 class no_backward_context:  # noqa: N801 (a context manager, named as torch names its own: no_grad)
@@ -50,3 +62,40 @@ class no_backward_context:  # noqa: N801 (a context manager, named as torch name
         if self._context is not None:
             torch._C._stash_obj_in_tls(_KEY, self._context)
             self._context = None
+
+
+GIVE_BACK_LIMIT_S = 1.0
+"""How long ``Lent.given_back`` waits for a worker thread that is late (a loaded machine), after which it logs a
+warning and goes on: nothing is wrong with the step, the collective is only destroyed later, on that thread."""
+
+
+class Lent:
+    """A tensor lent to a collective, through an alias of its own (``alias``, what the collective is given): while
+    the process group holds the alias, its use count is above one; nothing else ever holds it."""
+
+    __slots__ = ("alias",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.alias = tensor.view(tensor.shape)  # [*tensor.shape], the same storage
+
+    def held(self) -> bool:
+        """Does the process group still hold the alias? (A torch that does not tell use counts: never seen held.)"""
+        return _COUNTS and self.alias._use_count() > 1
+
+    def given_back(self, what: str, limit_s: float = GIVE_BACK_LIMIT_S) -> bool:
+        """Wait until the tensor is given back (call it once the references to the collective are dropped): True
+        at once in the common case, else after yielding the CPU to the late worker; False, with a warning, after
+        ``limit_s``."""
+        if not self.held():
+            return True
+        deadline = time.monotonic() + limit_s
+        while self.held():
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
+                    "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
+                    what, limit_s,
+                )
+                return False
+            time.sleep(0.0001)
+        return True

@@ -158,11 +158,12 @@ class Launcher:
         collectives as either launch policy); nothing is kept."""
         for bucket in self.buckets:
             launched = bucket.index < self._next
-            in_flight = bucket.in_flight if launched else self._launch(bucket, torch.zeros_like(bucket.buffer))
+            in_flight = bucket.in_flight if launched else self._launch(bucket, bucket.zeros())
             if self._open is not None and self._open[0] <= bucket.index:
                 self._commit_open()
             assert in_flight is not None, f"bucket {bucket.index} was never launched"
             in_flight.wait()
+            in_flight.let_go()  # nothing is kept
         self._next = len(self.buckets)
 
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:

@@ -86,6 +86,7 @@ from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
+from .launch_context import Lent
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -104,6 +105,11 @@ class InFlight(Protocol):
     def done(self) -> bool: ...
 
     def wait(self) -> torch.Tensor: ...
+
+    def let_go(self) -> None:
+        """After ``wait``, at the end of backward: drop the references to the collective and, for graphddp's own,
+        wait until the process group has given back the tensors lent to it (Note [A collective holds no Python
+        object] in ``graphddp.runtime.launch_context``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +183,8 @@ class AveragingReduction:
         self._sum = dist.AllreduceOptions()  # ReduceOp.SUM
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
-        return AveragedInFlight(self._allreduce([buffer], self._sum), buffer)
+        lent = Lent(buffer)
+        return AveragedInFlight(self._allreduce([lent.alias], self._sum), buffer, lent)
 
 
 class LocalReduction:
@@ -249,6 +256,9 @@ class DenseInFlight:
     def wait(self) -> torch.Tensor:
         return checked_result(self.future.wait(), self._bucket, self._buffer, self._rank)
 
+    def let_go(self) -> None:
+        pass  # the hook's futures are the hook's: it may keep them
+
 
 class AveragedInFlight:
     """graphddp's averaging all-reduce of one bucket, in place in ``buffer``."""
@@ -256,8 +266,8 @@ class AveragedInFlight:
     pending_commit = False
     outcome = None
 
-    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
-        self._work, self._buffer = work, buffer
+    def __init__(self, work: Any, buffer: torch.Tensor, lent: Lent) -> None:
+        self._work, self._buffer, self._lent = work, buffer, lent
         self._future: torch.futures.Future | None = None
 
     @property
@@ -276,6 +286,10 @@ class AveragedInFlight:
     def wait(self) -> torch.Tensor:
         self._work.wait()
         return self._buffer
+
+    def let_go(self) -> None:
+        self._work = self._future = None
+        self._lent.given_back("a bucket's buffer")
 
 
 def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:
@@ -331,6 +345,9 @@ class SkippedInFlight:
 
     def wait(self) -> torch.Tensor:
         return self._buffer
+
+    def let_go(self) -> None:
+        pass  # nothing was lent
 
 
 class GatheredSparseInFlight:
@@ -392,6 +409,9 @@ class GatheredSparseInFlight:
             check_invariants=False,  # each rank's indices were a coalesced gradient's, in range
         )
         return summed.coalesce()  # a row several ranks touched: summed
+
+    def let_go(self) -> None:
+        pass  # its gathers' tensors are its own, dropped with it
 
 
 def _all_gather(group: dist.ProcessGroup, out: torch.Tensor, mine: torch.Tensor) -> Any:
@@ -498,3 +518,7 @@ class RowSparseInFlight:
         self.table.zero_()
         self.table.index_copy_(0, self._rows, self._packed)  # all-reduced in place
         return self._buffer
+
+    def let_go(self) -> None:
+        if self._dense is not None:  # the table went dense: graphddp's averaging all-reduce
+            self._dense.let_go()

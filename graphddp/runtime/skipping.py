@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .buckets import BucketSlots, FlatBucket
 from .launch_context import no_backward_context
 from .reductions import DenseReduction, SkippedReduction
@@ -71,10 +69,11 @@ class SkipNeverUsed:
             events.record("late", k)
             # What its gather left: the buffer, or a gradient reduced where it lies (Note [A lone gradient reduced
             # where it lies] in graphddp.runtime.grad_layout), scaled and not yet summed.
-            buffer = torch.zeros_like(bucket.buffer) if joined else bucket.reduced
+            buffer = bucket.zeros() if joined else bucket.reduced
             with no_backward_context():  # Note [A collective holds no Python object]
                 in_flight = self._skipped[k].dense.start(bucket, buffer, False)
                 in_flight.commit()
             reduced = in_flight.wait()
             if not joined:
                 slots.take_reduced(bucket, reduced, [count > 0 for count in counts])
+            in_flight.let_go()

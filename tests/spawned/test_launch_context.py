@@ -1,5 +1,5 @@
-"""Collectives graphddp launches in backward hold no Python object (Note [A collective holds no Python object] in
-``graphddp.runtime.launch_context``), on spawned gloo ranks.
+"""Collectives graphddp launches in backward hold no Python object and are given back before backward ends
+(Note [A collective holds no Python object] in ``graphddp.runtime.launch_context``), on spawned gloo ranks.
 
 The backward's ``contextvars.Context`` (stashed in the thread-local state while the engine runs) is counted after
 backward: each ``Work`` still alive that copied the thread-local state would hold one reference more. graphddp
@@ -9,6 +9,7 @@ a ``Work`` holding a Python object can abort the process at exit when a gloo thr
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -41,17 +42,30 @@ def references_after_backward(model: nn.Module, rank: int, seen_during: list[boo
     return sys.getrefcount(context) - 2  # the local name and getrefcount's argument
 
 
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def counted(rank: int, world: int, static_graph: bool = False) -> dict[str, object]:
     seen_during: list[bool] = []
     local = references_after_backward(net(), rank, seen_during)
     model = graphddp.DDP(net(), **CAPS, static_graph=static_graph)
-    ours, in_flight = [], []
+    warnings = Warnings()
+    logging.getLogger("graphddp.runtime.launch_context").addHandler(warnings)
+    ours, in_flight, buckets_in_flight = [], [], []
     for _ in range(3):  # the rebuilt plan's steps too
         ours.append(references_after_backward(model, rank, seen_during))
         in_flight.append(model.reducer.plans.agreement_in_flight)
+        buckets_in_flight.append([b.index for b in model.reducer.buckets if b.in_flight is not None])
+    logging.getLogger("graphddp.runtime.launch_context").removeHandler(warnings)
     return {
         "local": local, "graphddp": ours, "buckets": len(model.reducer.buckets), "seen_during": seen_during,
-        "in_flight": in_flight,
+        "in_flight": in_flight, "buckets_in_flight": buckets_in_flight, "warnings": warnings.messages,
     }  # fmt: skip
 
 
@@ -68,6 +82,9 @@ def test_nothing_of_an_iteration_is_in_flight_after_its_backward(static_graph: b
     ``Work`` dropped at the end of backward: a ``barrier`` issued next cannot keep it."""
     for rank, out in enumerate(run_on_ranks(counted, 2, static_graph)):
         assert out["in_flight"] == [False] * 3, f"rank {rank}: the agreement outlived its backward: {out}"
+        assert out["buckets_in_flight"] == [[]] * 3, f"rank {rank}: a bucket's collective outlived backward: {out}"
+        # Each collective was dropped before waiting for its tensors (else the wait gives up, with a warning).
+        assert out["warnings"] == [], f"rank {rank}: {out['warnings']}"
 
 
 def joined(rank: int, world: int, static_graph: bool) -> dict[str, object]:

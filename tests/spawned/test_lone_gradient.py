@@ -55,9 +55,9 @@ def hand_averaged(rank: int, world: int, step: int, use_side: bool = True) -> li
 
 
 def reduced_in_grad_itself(bucket: object) -> bool:
-    """Was ``bucket``'s gradient reduced in ``.grad`` itself this step? Then nothing was ever copied into its buffer
-    (zeros since the plan was made), and ``.grad`` holds the average."""
-    return bool((bucket.buffer == 0).all()) and bool(bucket.params[0].grad.ne(0).any())
+    """Was ``bucket``'s gradient reduced in ``.grad`` itself this step? Then its buffer was never needed, so never
+    allocated since the plan was made (no second copy of the gradient), and ``.grad`` holds the average."""
+    return not bucket.allocated and bool(bucket.params[0].grad.ne(0).any())
 
 
 def lone_buckets(ddp: graphddp.DDP) -> list[tuple[int, bool]]:

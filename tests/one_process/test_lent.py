@@ -1,0 +1,86 @@
+"""``graphddp.runtime.launch_context``: a tensor lent to a collective is seen given back, and the backward's Python
+context is out of the thread-local state only while a collective is issued (Note [A collective holds no Python
+object])."""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import logging
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphddp.runtime.launch_context import Lent, no_backward_context
+
+
+@pytest.fixture(scope="module")
+def group() -> dist.ProcessGroup:
+    """A gloo group of one, of this process only (not the default group): its ``Work`` holds what it was given."""
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+
+
+def lent_to(group: dist.ProcessGroup, lent: Lent) -> dist.Work:
+    work = group.allreduce([lent.alias])
+    work.wait()
+    return work
+
+
+def test_a_lent_tensor_is_held_while_its_collective_is(group: dist.ProcessGroup) -> None:
+    buffer = torch.zeros(8)
+    views = [buffer[:4], buffer[4:]]  # other views of the tensor do not count: only the alias is looked at
+    lent = Lent(buffer)
+    assert lent.alias.data_ptr() == buffer.data_ptr() and not lent.held()
+    work = lent_to(group, lent)
+    assert lent.held()
+    del work
+    assert lent.given_back("a test tensor") and not lent.held() and len(views) == 2
+
+
+def test_given_back_waits_for_the_late_holder(group: dist.ProcessGroup) -> None:
+    lent = Lent(torch.zeros(8))
+    box = [lent_to(group, lent)]
+    asked, dropped = threading.Event(), threading.Event()
+
+    def late_worker() -> None:
+        asked.wait(10)
+        dropped.set()  # before the holder goes: given_back cannot return before this
+        box.clear()
+
+    thread = threading.Thread(target=late_worker)
+    thread.start()
+    asked.set()
+    assert lent.given_back("a test tensor")
+    assert dropped.is_set()
+    thread.join(10)
+
+
+def test_given_back_gives_up_with_a_warning(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
+    lent = Lent(torch.zeros(8))
+    work = lent_to(group, lent)  # kept: never given back
+    with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
+        assert not lent.given_back("a test tensor", limit_s=0.05)
+    assert "a test tensor is still held by its collective" in caplog.text
+    assert lent.held() and work.is_completed()
+
+
+def test_no_backward_context_takes_the_context_out_and_puts_it_back() -> None:
+    context = contextvars.copy_context()
+    torch._C._stash_obj_in_tls("context", context)
+    try:
+        with no_backward_context():
+            assert not torch._C._is_key_in_tls("context")
+        assert torch._C._get_obj_in_tls("context") is context
+        try:
+            with no_backward_context():
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert torch._C._get_obj_in_tls("context") is context  # back after an exception too
+    finally:
+        torch._C._remove_obj_from_tls("context")
+    with no_backward_context():  # outside backward: nothing to take out
+        assert not torch._C._is_key_in_tls("context")
+    assert not torch._C._is_key_in_tls("context")
