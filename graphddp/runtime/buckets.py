@@ -28,13 +28,16 @@ from .grad_layout import SparseGrads, fill
 class FlatBucket:
     """One bucket of the plan: a flat buffer holding its gradients and the per-parameter views into it."""
 
+    buffer: torch.Tensor  # [spec.numel], made on first use (``__getattr__``)
+    views: list[torch.Tensor]  # per parameter, its slice of ``buffer``
+
     def __init__(self, spec: Bucket, params: list[torch.nn.Parameter], param_indices: list[int]) -> None:
         assert len(params) == len(spec.params) == len(param_indices)
         self.spec = spec
         self.index = spec.index
         self.params = params
         self.param_indices = param_indices
-        self._storage_made: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # made on first use: ``buffer``
+        # ``buffer`` and ``views`` are made on first use (``__getattr__``), then plain attributes.
         self.whole = [i for i, p in zip(param_indices, spec.params) if not p.part]
         """The parameters whose whole gradient is here (the others' slots hold a part of a tied weight's)."""
         self.plain = len(self.whole) == len(params) and all(p.dtype == spec.dtype for p in params)
@@ -59,30 +62,23 @@ class FlatBucket:
             offset += p.numel
         return buffer, views
 
-    @property
-    def buffer(self) -> torch.Tensor:
-        """The flat buffer (zeros until written), allocated when first asked for: a bucket whose one gradient is
-        always reduced where it lies never asks (Note [A lone gradient reduced where it lies]), so it holds no
-        second copy of that gradient."""
-        if self._storage_made is None:
-            self._storage_made = self._storage(self.spec)
-        return self._storage_made[0]
-
-    @buffer.setter
-    def buffer(self, value: torch.Tensor) -> None:
-        self._storage_made = (value, self.views)
-
-    @property
-    def views(self) -> list[torch.Tensor]:
-        """Per parameter, its slice of ``buffer`` shaped like it (allocating ``buffer`` if it was not)."""
-        if self._storage_made is None:
-            self._storage_made = self._storage(self.spec)
-        return self._storage_made[1]
+    def __getattr__(self, name: str) -> Any:
+        """``buffer``: the flat buffer (zeros until written), and ``views``: per parameter, its slice of it shaped
+        like it, allocated when first asked for. A bucket whose one gradient is always reduced where it lies never
+        asks (Note [A lone gradient reduced where it lies]), so it holds no second copy of that gradient. Once made
+        they are plain attributes: no Python call per access on the hot path (Python calls ``__getattr__`` only
+        for an attribute it did not find)."""
+        if name not in ("buffer", "views"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        buffer, views = self._storage(self.spec)
+        self.__dict__.setdefault("buffer", buffer)  # a sparse gradient's bucket may have put its own already
+        self.__dict__.setdefault("views", views)
+        return self.__dict__[name]
 
     @property
     def allocated(self) -> bool:
-        """Has the buffer been allocated (asked for) yet?"""
-        return self._storage_made is not None
+        """Has the buffer been made (asked for) yet?"""
+        return "buffer" in self.__dict__
 
     def zeros(self) -> torch.Tensor:
         """A new tensor of zeros shaped like ``buffer`` (a joined rank's or a drained bucket's stand-in), without
@@ -364,8 +360,11 @@ class BucketSlots:
         for i, used in enumerate(used_here):
             if not used and counts[i] > 0:
                 self.write_back(i)
-        for bucket in self.buckets:
-            bucket.release()
+        for bucket in self.buckets:  # ``FlatBucket.release``, inlined: a Python call less per bucket
+            in_flight, bucket.in_flight = bucket.in_flight, None
+            if in_flight is not None:
+                in_flight.let_go()
+            bucket._in_place = None
 
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:

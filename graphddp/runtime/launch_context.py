@@ -15,15 +15,18 @@ ends the worker with ``pthread_exit``, whose unwinding through a destructor abor
 without an active exception", SIGABRT after the last line). The core dumps of ``tests/restart/restart_job.py`` show
 ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` (or a tensor) -> ``take_gil``.
 
-So nothing of an iteration outlives its backward in the process group:
-- every collective issued in backward is issued without the backward's context (``no_backward_context``: taken
-  out of the thread-local state, put back right after; ~0.5 us per launch), so its ``Work`` holds nothing of
-  Python's thread state;
+So nothing of an iteration outlives its backward in the process group, and what may outlive it holds nothing of
+Python's thread state:
 - at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
-  the plan agreement) and waits until the process group has given their tensors back (``Lent``: the tensor's use
-  count back to what it was before it was lent). By the end of backward the worker has long finished them, so this
-  is one check per bucket; it yields the CPU only if a worker thread is late. What a comm hook issues is the hook's
-  (its futures may be kept on purpose), and is not waited for.
+  ``reductions.AveragedInFlight.let_go``; the plan agreement, ``plans.PlanAgreement.settle``) and waits until the
+  process group has given their tensors back: each collective was given a private alias (``lend``), whose use
+  count is one again then. By the end of backward the worker has long finished them, so this is one check per
+  bucket; it yields the CPU only if a worker thread is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
+- the collectives that may outlive backward, or that graphddp does not wait for this way (a comm hook's, which
+  may keep its futures on purpose; a row-sparse table's rows; in-graph blocks; delayed parameters; skipped
+  buckets reduced late), are issued without the backward's context (``no_backward_context``: taken out of the
+  thread-local state, put back right after; ~0.5 us and two Python calls, which the lean bucket path does not
+  pay: its collectives are given back).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 
@@ -43,7 +46,7 @@ _TLS = all(hasattr(torch._C, name) for name in ("_is_key_in_tls", "_get_obj_in_t
 """This torch has the Python objects' thread-local map (without it there is nothing to take out)."""
 
 
-_COUNTS = hasattr(torch.Tensor, "_use_count")
+TELLS_USE_COUNTS = hasattr(torch.Tensor, "_use_count")
 """This torch tells a tensor's use count."""
 
 
@@ -65,37 +68,36 @@ class no_backward_context:  # noqa: N801 (a context manager, named as torch name
 
 
 GIVE_BACK_LIMIT_S = 1.0
-"""How long ``Lent.given_back`` waits for a worker thread that is late (a loaded machine), after which it logs a
+"""How long ``given_back`` waits for a worker thread that is late (a loaded machine), after which it logs a
 warning and goes on: nothing is wrong with the step, the collective is only destroyed later, on that thread."""
 
 
-class Lent:
-    """A tensor lent to a collective, through an alias of its own (``alias``, what the collective is given): while
-    the process group holds the alias, its use count is above one; nothing else ever holds it."""
+def lend(tensor: torch.Tensor) -> torch.Tensor:
+    """A private alias of ``tensor`` to give a collective (the same storage, ``[*tensor.shape]``): while the process
+    group holds it, its use count is above one (``still_held``); nothing else ever holds it."""
+    return tensor.view(tensor.shape)
 
-    __slots__ = ("alias",)
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.alias = tensor.view(tensor.shape)  # [*tensor.shape], the same storage
+def still_held(alias: torch.Tensor) -> bool:
+    """Does the process group still hold ``alias`` (from ``lend``)? A torch that does not tell use counts: never
+    seen held. The hot path inlines this test (``alias._use_count() > 1``) and calls ``given_back`` only then."""
+    return TELLS_USE_COUNTS and alias._use_count() > 1
 
-    def held(self) -> bool:
-        """Does the process group still hold the alias? (A torch that does not tell use counts: never seen held.)"""
-        return _COUNTS and self.alias._use_count() > 1
 
-    def given_back(self, what: str, limit_s: float = GIVE_BACK_LIMIT_S) -> bool:
-        """Wait until the tensor is given back (call it once the references to the collective are dropped): True
-        at once in the common case, else after yielding the CPU to the late worker; False, with a warning, after
-        ``limit_s``."""
-        if not self.held():
-            return True
-        deadline = time.monotonic() + limit_s
-        while self.held():
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
-                    "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
-                    what, limit_s,
-                )
-                return False
-            time.sleep(0.0001)
+def given_back(alias: torch.Tensor, what: str, limit_s: float = GIVE_BACK_LIMIT_S) -> bool:
+    """Wait until the process group gives back ``alias`` (call it once the references to its collective are
+    dropped): True at once in the common case, else after yielding the CPU to the late worker; False, with a
+    warning, after ``limit_s``."""
+    if not still_held(alias):
         return True
+    deadline = time.monotonic() + limit_s
+    while still_held(alias):
+        if time.monotonic() > deadline:
+            logger.warning(
+                "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
+                "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
+                what, limit_s,
+            )
+            return False
+        time.sleep(0.0001)
+    return True

@@ -167,10 +167,6 @@ class Launcher:
         self._next = len(self.buckets)
 
     def _launch(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
-        with no_backward_context():  # Note [A collective holds no Python object]
-            return self._launch_here(bucket, buffer)
-
-    def _launch_here(self, bucket: FlatBucket, buffer: torch.Tensor) -> InFlight:
         if self._open is not None:
             self._commit_open()  # the previous bucket's last collective goes first, on every rank
         is_last = bucket.index == len(self.buckets) - 1
@@ -193,7 +189,7 @@ class Launcher:
             return
         (index, in_flight), self._open = self._open, None
         watched = self.events.recording and in_flight.future is not None
-        with no_backward_context():
+        with no_backward_context():  # a row-sparse table's rows: Note [A collective holds no Python object]
             in_flight.commit()
         if in_flight.outcome is not None:
             self.events.record(in_flight.outcome[0], index, in_flight.outcome[1])

@@ -64,7 +64,7 @@ from tabulate import tabulate
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 from .auto_caps import AutoCaps
 from .comm import all_gather_bytes, broadcast_coalesced
-from .launch_context import Lent
+from .launch_context import given_back, lend
 from .profiling import trace_artifact
 
 logger = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ class PlanAgreement:
         self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
         if buffers_out_of_step is not None and step is not None:
             self._sums[self._own - 1 : self._own] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
-        self._lent = Lent(self._sums)
-        self._work: dist.Work | None = dist.all_reduce(self._lent.alias, group=group, async_op=True)
+        self._alias = lend(self._sums)
+        self._work: dist.Work | None = dist.all_reduce(self._alias, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
         return agreed(self.tokens, self._read()[:-5], self._ranks)
@@ -170,7 +170,7 @@ class PlanAgreement:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            self._lent.given_back("the plan agreement's tensor")
+            given_back(self._alias, "the plan agreement's tensor")
 
     @property
     def settled(self) -> bool:

@@ -86,7 +86,7 @@ from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
-from .launch_context import Lent
+from .launch_context import TELLS_USE_COUNTS, given_back, no_backward_context
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -161,7 +161,8 @@ class HookReduction:
         self.hook, self.rank = hook, rank
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> DenseInFlight:
-        future = self.hook.fn(self.hook.state, GradBucket(bucket.index, buffer, bucket.params, is_last))
+        with no_backward_context():  # the hook's Works may outlive backward: Note [A collective holds no Python object]
+            future = self.hook.fn(self.hook.state, GradBucket(bucket.index, buffer, bucket.params, is_last))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ futures of Work
             raise RuntimeError(  # PyTorch's type and words, with the bucket and what to return
                 f"[rank {self.rank}] graphddp: DDP communication hook's callback must return a torch.futures.Future "
@@ -183,8 +184,8 @@ class AveragingReduction:
         self._sum = dist.AllreduceOptions()  # ReduceOp.SUM
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
-        lent = Lent(buffer)
-        return AveragedInFlight(self._allreduce([lent.alias], self._sum), buffer, lent)
+        alias = buffer.view(buffer.shape)  # ``lend``, inlined: Note [A collective holds no Python object]
+        return AveragedInFlight(self._allreduce([alias], self._sum), buffer, alias)
 
 
 class LocalReduction:
@@ -266,8 +267,8 @@ class AveragedInFlight:
     pending_commit = False
     outcome = None
 
-    def __init__(self, work: Any, buffer: torch.Tensor, lent: Lent) -> None:
-        self._work, self._buffer, self._lent = work, buffer, lent
+    def __init__(self, work: Any, buffer: torch.Tensor, alias: torch.Tensor) -> None:
+        self._work, self._buffer, self._alias = work, buffer, alias  # ``alias``: what the collective was given
         self._future: torch.futures.Future | None = None
 
     @property
@@ -289,7 +290,8 @@ class AveragedInFlight:
 
     def let_go(self) -> None:
         self._work = self._future = None
-        self._lent.given_back("a bucket's buffer")
+        if TELLS_USE_COUNTS and self._alias._use_count() > 1:  # ``still_held``, inlined: a worker is late (rare)
+            given_back(self._alias, "a bucket's buffer")
 
 
 def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:

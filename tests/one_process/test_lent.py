@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphddp.runtime.launch_context import Lent, no_backward_context
+from graphddp.runtime.launch_context import given_back, lend, no_backward_context, still_held
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def group() -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
 
 
-def lent_to(group: dist.ProcessGroup, lent: Lent) -> dist.Work:
-    work = group.allreduce([lent.alias])
+def lent_to(group: dist.ProcessGroup, alias: torch.Tensor) -> dist.Work:
+    work = group.allreduce([alias])
     work.wait()
     return work
 
@@ -31,17 +31,17 @@ def lent_to(group: dist.ProcessGroup, lent: Lent) -> dist.Work:
 def test_a_lent_tensor_is_held_while_its_collective_is(group: dist.ProcessGroup) -> None:
     buffer = torch.zeros(8)
     views = [buffer[:4], buffer[4:]]  # other views of the tensor do not count: only the alias is looked at
-    lent = Lent(buffer)
-    assert lent.alias.data_ptr() == buffer.data_ptr() and not lent.held()
-    work = lent_to(group, lent)
-    assert lent.held()
+    alias = lend(buffer)
+    assert alias.data_ptr() == buffer.data_ptr() and not still_held(alias)
+    work = lent_to(group, alias)
+    assert still_held(alias)
     del work
-    assert lent.given_back("a test tensor") and not lent.held() and len(views) == 2
+    assert given_back(alias, "a test tensor") and not still_held(alias) and len(views) == 2
 
 
 def test_given_back_waits_for_the_late_holder(group: dist.ProcessGroup) -> None:
-    lent = Lent(torch.zeros(8))
-    box = [lent_to(group, lent)]
+    alias = lend(torch.zeros(8))
+    box = [lent_to(group, alias)]
     asked, dropped = threading.Event(), threading.Event()
 
     def late_worker() -> None:
@@ -52,18 +52,18 @@ def test_given_back_waits_for_the_late_holder(group: dist.ProcessGroup) -> None:
     thread = threading.Thread(target=late_worker)
     thread.start()
     asked.set()
-    assert lent.given_back("a test tensor")
+    assert given_back(alias, "a test tensor")
     assert dropped.is_set()
     thread.join(10)
 
 
 def test_given_back_gives_up_with_a_warning(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
-    lent = Lent(torch.zeros(8))
-    work = lent_to(group, lent)  # kept: never given back
+    alias = lend(torch.zeros(8))
+    work = lent_to(group, alias)  # kept: never given back
     with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
-        assert not lent.given_back("a test tensor", limit_s=0.05)
+        assert not given_back(alias, "a test tensor", limit_s=0.05)
     assert "a test tensor is still held by its collective" in caplog.text
-    assert lent.held() and work.is_completed()
+    assert still_held(alias) and work.is_completed()
 
 
 def test_no_backward_context_takes_the_context_out_and_puts_it_back() -> None:

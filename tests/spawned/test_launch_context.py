@@ -1,10 +1,10 @@
-"""Collectives graphddp launches in backward hold no Python object and are given back before backward ends
-(Note [A collective holds no Python object] in ``graphddp.runtime.launch_context``), on spawned gloo ranks.
+"""Nothing of an iteration is left in the process group after its backward, and what a comm hook keeps holds
+nothing of the backward's (Note [A collective holds no Python object] in ``graphddp.runtime.launch_context``), on
+spawned gloo ranks.
 
 The backward's ``contextvars.Context`` (stashed in the thread-local state while the engine runs) is counted after
-backward: each ``Work`` still alive that copied the thread-local state would hold one reference more. graphddp
-keeps its plan agreement's ``Work`` until the next forward, so without the Note's mend the count is one higher;
-a ``Work`` holding a Python object can abort the process at exit when a gloo thread destroys it last.
+backward: each ``Work`` still alive that copied the thread-local state holds one reference more. A ``Work`` that
+holds a Python object can abort the process at exit when a gloo thread destroys it last.
 """
 
 from __future__ import annotations
@@ -40,6 +40,31 @@ def references_after_backward(model: nn.Module, rank: int, seen_during: list[boo
     assert len(captured) == 1, captured
     context = captured.pop()
     return sys.getrefcount(context) - 2  # the local name and getrefcount's argument
+
+
+def keeping_hook(kept, bucket):  # type: ignore[no-untyped-def]  # PyTorch's DDP refuses string annotations
+    """An averaging all-reduce that keeps every ``Work`` it issues (a hook may keep state across steps)."""
+    work = torch.distributed.all_reduce(bucket.buffer().div_(torch.distributed.get_world_size()), async_op=True)
+    kept.append(work)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def hooked(rank: int, world: int) -> dict[str, object]:
+    """A comm hook's collectives, kept past backward: they hold nothing of the backward's."""
+    seen_during: list[bool] = []
+    local = references_after_backward(net(), rank, seen_during)
+    model = graphddp.DDP(net(), **CAPS)
+    kept: list[object] = []
+    model.register_comm_hook(kept, keeping_hook)
+    ours = [references_after_backward(model, rank, seen_during) for _ in range(3)]
+    return {"local": local, "graphddp": ours, "kept": len(kept), "seen_during": seen_during}
+
+
+def test_a_comm_hooks_kept_collectives_hold_no_reference_to_the_backwards_python_context() -> None:
+    for rank, out in enumerate(run_on_ranks(hooked, 2)):
+        assert out["kept"] >= 9, out  # three steps of three buckets or more
+        assert out["graphddp"] == [out["local"]] * 3, f"rank {rank}: a collective holds the backward's context: {out}"
+        assert all(out["seen_during"]), f"rank {rank}: the context was not put back during backward: {out}"
 
 
 class Warnings(logging.Handler):
