@@ -87,17 +87,18 @@ def still_held(alias: torch.Tensor) -> bool:
 def given_back(alias: torch.Tensor, what: str, limit_s: float = GIVE_BACK_LIMIT_S) -> bool:
     """Wait until the process group gives back ``alias`` (call it once the references to its collective are
     dropped): True at once in the common case, else after yielding the CPU to the late worker; False, with a
-    warning, after ``limit_s``."""
-    if not still_held(alias):
+    warning, after ``limit_s``. The loop calls into C only, so a late worker adds no Python call to a backward
+    (``bench.overhead.CallCounter`` counts them)."""
+    if not TELLS_USE_COUNTS or alias._use_count() <= 1:
         return True
     deadline = time.monotonic() + limit_s
-    while still_held(alias):
-        if time.monotonic() > deadline:
-            logger.warning(
-                "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
-                "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
-                what, limit_s,
-            )
-            return False
+    while alias._use_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.0001)
-    return True
+    if alias._use_count() <= 1:
+        return True
+    logger.warning(
+        "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
+        "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
+        what, limit_s,
+    )
+    return False

@@ -76,6 +76,7 @@ is the gradient autograd produced.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -86,7 +87,7 @@ from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
-from .launch_context import TELLS_USE_COUNTS, given_back, no_backward_context
+from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, no_backward_context
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -290,8 +291,13 @@ class AveragedInFlight:
 
     def let_go(self) -> None:
         self._work = self._future = None
-        if TELLS_USE_COUNTS and self._alias._use_count() > 1:  # ``still_held``, inlined: a worker is late (rare)
-            given_back(self._alias, "a bucket's buffer")
+        alias = self._alias
+        if TELLS_USE_COUNTS and alias._use_count() > 1:  # ``given_back``, inlined: no Python call on the hot path,
+            deadline = time.monotonic() + GIVE_BACK_LIMIT_S  # none either while a late worker is waited for
+            while alias._use_count() > 1 and time.monotonic() < deadline:
+                time.sleep(0.0001)
+            if alias._use_count() > 1:
+                given_back(alias, "a bucket's buffer", limit_s=0.0)  # warns
 
 
 def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:
