@@ -37,6 +37,7 @@ class FlatBucket:
         self.index = spec.index
         self.params = params
         self.param_indices = param_indices
+        self.dtype, self.device, self.numel = spec.dtype, torch.device(spec.device), spec.numel  # read every step
         # ``buffer`` and ``views`` are made on first use (``__getattr__``), then plain attributes.
         self.whole = [i for i, p in zip(param_indices, spec.params) if not p.part]
         """The parameters whose whole gradient is here (the others' slots hold a part of a tied weight's)."""
@@ -83,7 +84,7 @@ class FlatBucket:
     def zeros(self) -> torch.Tensor:
         """A new tensor of zeros shaped like ``buffer`` (a joined rank's or a drained bucket's stand-in), without
         allocating ``buffer``."""
-        return torch.zeros(self.spec.numel, dtype=self.spec.dtype, device=self.spec.device)
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
     @property
     def reduced_in_place(self) -> bool:

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from ..passes import Bucket
     from .buckets import FlatBucket, SparseGradBucket
 
 
@@ -226,7 +225,7 @@ class GradInPlace(CopiedGrads):
         if (
             self._used[bucket.param_indices[0]]
             and grad is not None
-            and reducible_in_place(grad, bucket.spec)
+            and reducible_in_place(grad, bucket)
             and only_our_hook(param)
         ):
             if scale is not None:
@@ -249,14 +248,14 @@ def only_our_hook(param: torch.Tensor) -> bool:
     return hooks is None or len(hooks) <= 1
 
 
-def reducible_in_place(grad: torch.Tensor, bucket: Bucket) -> bool:
-    """Can ``grad`` itself stand for the buffer of ``bucket`` (its plan entry), the buffer left unallocated (Note [A
-    lone gradient reduced where it lies])?"""
+def reducible_in_place(grad: torch.Tensor, bucket: FlatBucket) -> bool:
+    """Can ``grad`` itself stand for the buffer of ``bucket``, the buffer left unallocated (Note [A lone gradient
+    reduced where it lies])?"""
     return (
         type(grad) is torch.Tensor
         and grad.layout == torch.strided
         and grad.dtype == bucket.dtype
-        and grad.device == torch.device(bucket.device)
+        and grad.device == bucket.device
         and grad.numel() == bucket.numel
         and not grad.requires_grad
         and not grad._is_view()

@@ -15,8 +15,9 @@ ends the worker with ``pthread_exit``, whose unwinding through a destructor abor
 without an active exception", SIGABRT after the last line). The core dumps of ``tests/restart/restart_job.py`` show
 ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` (or a tensor) -> ``take_gil``.
 
-So nothing of an iteration outlives its backward in the process group, and what may outlive it holds nothing of
-Python's thread state:
+(In torch 2.13 a Python tensor's C++ references falling back to the one its Python object holds release that
+object too: destroying any ``Work`` that holds a Python tensor may take the GIL.) So graphddp's usual collectives
+do not outlive their backward in the process group, and what may outlive it holds nothing of Python's thread state:
 - at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
   ``reductions.AveragedInFlight.let_go``; the plan agreement, ``plans.PlanAgreement.settle``) and waits until the
   process group has given their tensors back: each collective was given a private alias (``lend``), whose use
@@ -26,7 +27,8 @@ Python's thread state:
   may keep its futures on purpose; a row-sparse table's rows; in-graph blocks; delayed parameters; skipped
   buckets reduced late), are issued without the backward's context (``no_backward_context``: taken out of the
   thread-local state, put back right after; ~0.5 us and two Python calls, which the lean bucket path does not
-  pay: its collectives are given back).
+  pay: its collectives are given back). Their tensors are still Python's: one caught by a barrier at exit could
+  still abort as above (not seen; giving them back too is what remains).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 
@@ -96,9 +98,13 @@ def given_back(alias: torch.Tensor, what: str, limit_s: float = GIVE_BACK_LIMIT_
         time.sleep(0.0001)
     if alias._use_count() <= 1:
         return True
+    warn_still_held(what, limit_s)
+    return False
+
+
+def warn_still_held(what: str, waited_s: float) -> None:
     logger.warning(
         "graphddp: %s is still held by its collective %.1f s after the collective completed; going on "
         "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
-        what, limit_s,
+        what, waited_s,
     )
-    return False

@@ -357,8 +357,8 @@ class PlanKeeper:
             self._buffers_out_of_step = differs if previous is None else torch.maximum(previous, differs)
 
     def backward_ended(self, in_plan_order: Sequence[int]) -> None:
-        """A synchronised backward (or a joined rank's shadow of one) ended: the ready order learns from it, and its
-        agreement is settled (``PlanAgreement.settle``)."""
+        """A synchronised backward ended: the ready order learns from it, and its agreement is settled
+        (``PlanAgreement.settle``; a joined rank's shadow settles its own at once, in ``start_agreement``)."""
         self.ready_order.backward_ended(in_plan_order)
         if self._agreement is not None:
             self._agreement.settle()

@@ -87,7 +87,7 @@ from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
-from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, no_backward_context
+from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, no_backward_context, warn_still_held
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -297,7 +297,7 @@ class AveragedInFlight:
             while alias._use_count() > 1 and time.monotonic() < deadline:
                 time.sleep(0.0001)
             if alias._use_count() > 1:
-                given_back(alias, "a bucket's buffer", limit_s=0.0)  # warns
+                warn_still_held("a bucket's buffer", GIVE_BACK_LIMIT_S)
 
 
 def checked_result(value: Any, bucket: FlatBucket, buffer: torch.Tensor, rank: int) -> torch.Tensor:
@@ -528,5 +528,6 @@ class RowSparseInFlight:
         return self._buffer
 
     def let_go(self) -> None:
+        self.future = self._mask_work = None  # ``future`` may be the dense all-reduce's: it holds the tensor it sent
         if self._dense is not None:  # the table went dense: graphddp's averaging all-reduce
             self._dense.let_go()

@@ -7,13 +7,16 @@ from __future__ import annotations
 import contextvars
 import datetime
 import logging
+import sys
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from graphddp.runtime.launch_context import given_back, lend, no_backward_context, still_held
+from graphddp.runtime.reductions import AveragingReduction
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +42,46 @@ def test_a_lent_tensor_is_held_while_its_collective_is(group: dist.ProcessGroup)
     assert given_back(alias, "a test tensor") and not still_held(alias) and len(views) == 2
 
 
-def test_given_back_waits_for_the_late_holder(group: dist.ProcessGroup) -> None:
-    alias = lend(torch.zeros(8))
-    box = [lent_to(group, alias)]
-    asked, dropped = threading.Event(), threading.Event()
+def late_holder(box: list[object], waiting_in: str) -> tuple[threading.Thread, threading.Event]:
+    """A thread that drops what ``box`` holds once the calling thread is inside ``waiting_in`` (so that the wait
+    is exercised, not skipped), as a gloo worker that clears a completed collective late; the event is set just
+    before it drops it."""
+    main, dropped = threading.get_ident(), threading.Event()
 
     def late_worker() -> None:
-        asked.wait(10)
-        dropped.set()  # before the holder goes: given_back cannot return before this
+        deadline = time.monotonic() + 10
+        while sys._current_frames()[main].f_code.co_name != waiting_in and time.monotonic() < deadline:
+            time.sleep(0.001)
+        dropped.set()
         box.clear()
 
     thread = threading.Thread(target=late_worker)
     thread.start()
-    asked.set()
+    return thread, dropped
+
+
+def test_given_back_waits_for_the_late_holder(group: dist.ProcessGroup) -> None:
+    alias = lend(torch.zeros(8))
+    box: list[object] = [lent_to(group, alias)]
+    thread, dropped = late_holder(box, "given_back")
     assert given_back(alias, "a test tensor")
     assert dropped.is_set()
+    thread.join(10)
+
+
+def test_a_buckets_all_reduce_is_let_go_once_the_late_holder_is_done(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``AveragedInFlight.let_go`` waits for the collective to give back what it was given, and what it was given
+    is an alias of its own: the buffer's views (a bucket has one per parameter) do not keep it waiting."""
+    buffer = torch.zeros(8)
+    views = [buffer[:4], buffer[4:]]
+    in_flight = AveragingReduction(group).start(None, buffer, False)  # type: ignore[arg-type]  # no bucket needed
+    assert in_flight.wait() is buffer
+    box: list[object] = [in_flight.future]  # a holder of what the collective was given, as the late worker is
+    thread, dropped = late_holder(box, "let_go")
+    with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
+        in_flight.let_go()
+    assert dropped.is_set(), "let_go returned before the collective gave its tensor back"
+    assert caplog.text == "" and len(views) == 2
     thread.join(10)
 
 
