@@ -93,7 +93,7 @@ class ModeName:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModeConfig(BucketOptions):
     """What every mode shares. The caps are graphddp's and the ``comm`` mode's; PyTorch's DDP takes
-    ``bucket_cap_mb`` only (its first bucket is its own 1 MiB, with no ramps)."""
+    ``bucket_cap_mb`` only (given explicitly, torch 2.13 makes it its first bucket's cap too; no ramps)."""
 
     inner: str = "inductor"
     """Inner compiler of both compiled modes."""

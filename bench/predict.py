@@ -7,8 +7,8 @@ has it), and where in backward each bucket is complete.
 Where buckets complete: a graphddp mode's own recorded iteration gives each bucket's launch as a fraction of
 its backward (eager: when its last gradient arrived; compiled: when the segment that completes it ended),
 scaled to ``local``'s backward. PyTorch's modes have no events of ours, so their buckets are laid out as
-PyTorch lays them out (reverse registration order rebuilt in ready order, a 1 MiB first bucket, then
-``bucket_cap_mb``, no ramps) over the parameters' ready fractions recorded in ``graphddp-eager``'s iteration.
+PyTorch's Reducer rebuilds them after its first iteration, by its own function (``torch_buckets``), over the
+parameters' ready fractions recorded in ``graphddp-eager``'s iteration.
 ``naive`` all-reduces each gradient after backward; ``comm`` sends the buckets back to back.
 """
 
@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from graphddp.passes import (
     BucketCaps,
@@ -28,14 +29,12 @@ from graphddp.passes import (
     choose_optimizer_overlap,
     plan_buckets,
     predict_step,
+    step_inputs_from_buckets,
     step_inputs_from_completions,
-    step_inputs_from_ready_times,
 )
 
 from .modes import ModeName, compute_baseline
 
-TORCH_FIRST_BUCKET_MB = 1.0
-"""PyTorch's DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 GLOO_COLLECTIVES_IN_FLIGHT = 2
 """Collectives one gloo process group runs at once: ``ProcessGroupGloo``'s worker threads (``Options.threads``, 2 by
 default). The ``comm`` mode issues every bucket at once, so while one bucket's bytes are on the wire the next one's
@@ -102,11 +101,10 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
     if name.base.startswith("graphddp"):
         inputs = _graphddp_inputs(summary, mode, backward, cpu)
     elif name.base.startswith("torch") and (ready := _ready_fractions(summary)):
-        cap = summary["options"]["bucket_cap_mb"]
-        caps = BucketCaps.from_mb(cap, TORCH_FIRST_BUCKET_MB, cap, ramps=False)
         specs = sorted(_specs(summary["params"]), key=lambda p: ready[p.name])
-        inputs = step_inputs_from_ready_times(
-            specs, [ready[p.name] * backward for p in specs], caps, backward_s=backward, cpu_seconds_per_byte=cpu
+        buckets = torch_buckets(specs, bucket_cap_mb=summary["options"]["bucket_cap_mb"])
+        inputs = step_inputs_from_buckets(
+            buckets, {name: f * backward for name, f in ready.items()}, backward_s=backward, cpu_seconds_per_byte=cpu
         )
     if inputs is None:
         return None
@@ -122,6 +120,30 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
         total = sum(stepped)
         return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in stepped))
     return _with(inputs, forward, optimizer, ())
+
+
+def torch_buckets(specs_in_ready_order: list[ParamSpec], *, bucket_cap_mb: float | None) -> list[list[ParamSpec]]:
+    """The buckets PyTorch's DDP built with ``bucket_cap_mb`` sends once it rebuilt them from the order its first
+    backward's gradients were ready, in launch order. PyTorch's own rules, not restated: its caps from its own
+    ``_BucketCapacityConfig`` (in torch 2.13 a ``bucket_cap_mb`` given explicitly is the first bucket's cap
+    too, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` only by default) and its cut from the function its Reducer calls
+    (``dist._compute_bucket_assignment_by_size``, here on meta tensors), which closes a bucket once it holds its
+    cap *or more*, where graphddp's planner never exceeds a cap. At the same caps PyTorch thus sends fewer,
+    larger buckets (10 against 13 for ``bench.overhead``'s GPT at 1 MiB). Up to session 27 the model laid them
+    out with graphddp's planner and a 1 MiB first bucket."""
+    first, cap = _torch_caps_bytes(bucket_cap_mb)
+    tensors = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in specs_in_ready_order]
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap], [False] * len(tensors))
+    return [[specs_in_ready_order[i] for i in bucket] for bucket in indices]
+
+
+def _torch_caps_bytes(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """PyTorch's DDP's (first bucket, bucket) caps in bytes for ``bucket_cap_mb``."""
+    config = getattr(torch.nn.parallel.distributed, "_BucketCapacityConfig", None)
+    if config is None:  # older torch: always a 1 MiB first bucket
+        return dist._DEFAULT_FIRST_BUCKET_BYTES, int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    made = config.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None, use_python_reducer=False)
+    return made.first_bucket_bytes_cap, made.bucket_bytes_cap
 
 
 def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[int, ...]:

@@ -98,13 +98,33 @@ def step_inputs_from_ready_times(
     ``ready_s`` seconds into backward (measured; ``backward_s`` is the whole backward)."""
     if len(specs_in_ready_order) != len(ready_s):
         raise ValueError("every parameter needs its ready time")
-    at = dict(zip((p.name for p in specs_in_ready_order), ready_s))
-    plan = plan_buckets(specs_in_ready_order, caps=caps)
+    buckets = [bucket.params for bucket in plan_buckets(specs_in_ready_order, caps=caps).buckets]
+    return step_inputs_from_buckets(
+        buckets, dict(zip((p.name for p in specs_in_ready_order), ready_s)), backward_s=backward_s,
+        cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket,
+    )  # fmt: skip
+
+
+def step_inputs_from_buckets(
+    buckets: Sequence[Sequence[ParamSpec]],
+    ready_s: Mapping[str, float],
+    *,
+    backward_s: float,
+    cpu_seconds_per_byte: float = 0.0,
+    cpu_seconds_per_bucket: float = 0.0,
+) -> StepInputs:
+    """The step's inputs for ``buckets`` (launch order; made by any rule, e.g. PyTorch's DDP's in the bench) over
+    parameters whose gradients became ready ``ready_s[name]`` seconds into backward. A bucket is complete when
+    its last gradient is, and not before the one launched ahead of it."""
+    missing = sorted({p.name for bucket in buckets for p in bucket} - set(ready_s))
+    if missing:
+        raise ValueError(f"every parameter needs its ready time; none for {missing[:3]}")
     completions, running = [], 0.0
-    for bucket in plan.buckets:  # a bucket is complete when its last gradient is ready
-        running = max([running, *(at[p.name] for p in bucket.params)])
+    for bucket in buckets:
+        running = max([running, *(ready_s[p.name] for p in bucket)])
         completions.append(min(running, backward_s))
-    inputs = step_inputs_from_completions(completions, [b.nbytes for b in plan.buckets], backward_s, cpu_seconds_per_byte)
+    nbytes = [sum(p.nbytes for p in bucket) for bucket in buckets]
+    inputs = step_inputs_from_completions(completions, nbytes, backward_s, cpu_seconds_per_byte)
     return dataclasses.replace(inputs, cpu_seconds_per_bucket=cpu_seconds_per_bucket)
 
 

@@ -96,8 +96,8 @@ def test_predictions_from_the_runs_own_measurements() -> None:
     # naive: every gradient after backward, one after another: 100 kB at 1 byte/us.
     assert predicted["naive"]["predicted_s"] == pytest.approx(0.35 + 0.1)
     assert predicted["comm"]["predicted_s"] == pytest.approx(0.1)  # one 100 kB bucket at the default caps
-    # torch-eager: PyTorch's layout over graphddp-eager's ready times (b at 25 %, a at 50 %, c at 100 %): the
-    # 1 MiB first bucket holds everything, complete at the end of backward.
+    # torch-eager: PyTorch's layout over graphddp-eager's ready times (b at 25 %, a at 50 %, c at 100 %): its first
+    # bucket (the run's 25 MiB: an explicit cap is the first bucket's too) holds everything, complete at the end.
     assert predicted["torch-eager"]["predicted_s"] == pytest.approx(0.1 + 0.2 + 0.1 + 0.05)
     assert "local" not in predicted
     assert _ready_fractions(summary()) == {"a": 0.5, "b": 0.25, "c": 1.0}  # ms since the iteration began, both sides
