@@ -361,11 +361,8 @@ class BucketSlots:
         for i, used in enumerate(used_here):
             if not used and counts[i] > 0:
                 self.write_back(i)
-        for bucket in self.buckets:  # ``FlatBucket.release``, inlined: a Python call less per bucket
-            in_flight, bucket.in_flight = bucket.in_flight, None
-            if in_flight is not None:
-                in_flight.let_go()
-            bucket._in_place = None
+        for bucket in self.buckets:
+            bucket.release()
 
     def write_back(self, i: int) -> None:
         """Parameter ``i``'s averaged gradient from its bucket slice into ``param.grad``, with its parts added in:

@@ -82,7 +82,7 @@ def lend(tensor: torch.Tensor) -> torch.Tensor:
 
 def still_held(alias: torch.Tensor) -> bool:
     """Does the process group still hold ``alias`` (from ``lend``)? A torch that does not tell use counts: never
-    seen held. The hot path inlines this test (``alias._use_count() > 1``) and calls ``given_back`` only then."""
+    seen held. (The hot path, ``AveragedInFlight.let_go``, inlines this test and ``given_back``'s wait.)"""
     return TELLS_USE_COUNTS and alias._use_count() > 1
 
 

@@ -14,8 +14,14 @@ from typing import Any
 import torch
 
 
-def profiling() -> bool:
+def _python_profiling() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", _python_profiling)
+"""Does a profiler record on this thread (autograd's worker threads inherit the caller's)? Torch's own C check, so
+the hot path asks it per bucket without a Python call (Note [Lean bucket path]); where a torch lacks it, the
+process-wide flag ``torch.profiler`` sets."""
 
 
 def labelled(name: str) -> Any:
