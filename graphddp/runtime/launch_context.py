@@ -19,16 +19,17 @@ without an active exception", SIGABRT after the last line). The core dumps of ``
 object too: destroying any ``Work`` that holds a Python tensor may take the GIL.) So graphddp's usual collectives
 do not outlive their backward in the process group, and what may outlive it holds nothing of Python's thread state:
 - at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
-  ``reductions.AveragedInFlight.let_go``; the plan agreement, ``plans.PlanAgreement.settle``) and waits until the
-  process group has given their tensors back: each collective was given a private alias (``lend``), whose use
-  count is one again then. By the end of backward the worker has long finished them, so this is one check per
-  bucket; it yields the CPU only if a worker thread is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
-- the collectives that may outlive backward, or that graphddp does not wait for this way (a comm hook's, which
-  may keep its futures on purpose; a row-sparse table's rows; in-graph blocks; delayed parameters; skipped
-  buckets reduced late), are issued without the backward's context (``no_backward_context``: taken out of the
-  thread-local state, put back right after; ~0.5 us and two Python calls, which the lean bucket path does not
-  pay: its collectives are given back). Their tensors are still Python's: one caught by a barrier at exit could
-  still abort as above (not seen; giving them back too is what remains).
+  ``reductions.AveragedInFlight.let_go``; a row-sparse table's mask and rows, ``RowSparseInFlight.let_go``; the
+  plan agreement, ``plans.PlanAgreement.settle``) and waits until the process group has given their tensors
+  back: each collective was given a private alias (``lend``), whose use count is one again then. By the end of
+  backward the worker has long finished them, so this is one check per collective; it yields the CPU only if a
+  worker thread is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
+- the collectives that may outlive backward (a comm hook's, which may keep its futures on purpose; in-graph
+  blocks; delayed parameters; skipped buckets reduced late), and a row-sparse table's, are issued without the
+  backward's context (``no_backward_context``: taken out of the thread-local state, put back right after; ~0.5 us
+  and two Python calls, which the lean bucket path does not pay: its collectives are given back). The tensors of
+  the first four are still Python's: one caught by a barrier at exit could still abort as above (not seen; giving
+  them back too is what remains).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 

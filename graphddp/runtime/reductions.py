@@ -87,7 +87,7 @@ from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
 from .channels import Channels
 from .comm import AverageState, average_allreduce_hook
-from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, no_backward_context, warn_still_held
+from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, lend, no_backward_context, warn_still_held
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
@@ -496,7 +496,9 @@ class RowSparseInFlight:
         self._rows: torch.Tensor | None = None
         self._packed: torch.Tensor | None = None
         self._mask = touched_rows_mask(self.table)  # [rows]
-        self._mask_work = dist.all_reduce(self._mask, op=dist.ReduceOp.MAX, group=reduction.group, async_op=True)
+        self._lent = [lend(self._mask)]  # each collective's tensor: Note [A collective holds no Python object]
+        with no_backward_context():
+            self._mask_work = dist.all_reduce(self._lent[0], op=dist.ReduceOp.MAX, group=reduction.group, async_op=True)
 
     def commit(self) -> None:
         if self.outcome is not None:
@@ -516,7 +518,8 @@ class RowSparseInFlight:
             self.future = torch.futures.Future()
             self.future.set_result([self._packed])
         else:
-            self.future = dist.all_reduce(self._packed, group=self._reduction.group, async_op=True).get_future()
+            self._lent.append(lend(self._packed))
+            self.future = dist.all_reduce(self._lent[-1], group=self._reduction.group, async_op=True).get_future()
 
     def done(self) -> bool:
         return self.future is not None and self.future.done()
@@ -535,3 +538,6 @@ class RowSparseInFlight:
         self.future = self._mask_work = None  # ``future`` may be the dense all-reduce's: it holds the tensor it sent
         if self._dense is not None:  # the table went dense: graphddp's averaging all-reduce
             self._dense.let_go()
+        for alias in self._lent:  # the mask's and the rows' collectives
+            given_back(alias, f"bucket {self._bucket.index}'s row-sparse mask or rows")
+        self._lent = []

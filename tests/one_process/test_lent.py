@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from reduce_rows import reduce_rows
 
 from graphddp.runtime.launch_context import given_back, lend, no_backward_context, still_held
 from graphddp.runtime.reductions import AveragingReduction
@@ -82,6 +83,23 @@ def test_a_buckets_all_reduce_is_let_go_once_the_late_holder_is_done(group: dist
         in_flight.let_go()
     assert dropped.is_set(), "let_go returned before the collective gave its tensor back"
     assert caplog.text == "" and len(views) == 2
+    thread.join(10)
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py: reduce_rows sends on the default group
+def test_a_row_sparse_tables_collectives_are_let_go_once_the_late_holder_is_done(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The mask's and the rows' all-reduces are lent their tensors too: ``RowSparseInFlight.let_go`` returns only
+    once a late holder of the rows' collective let it go."""
+    table = torch.zeros(8, 3)
+    table[[1, 6]] = 1.0
+    _, in_flight = reduce_rows(table)
+    assert in_flight.outcome is not None and in_flight.outcome[0] == "rows"
+    box: list[object] = [in_flight.future]  # holds what the rows' collective was given
+    thread, dropped = late_holder(box, "given_back")
+    with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
+        in_flight.let_go()
+    assert dropped.is_set(), "let_go returned before the rows' collective gave its tensor back"
+    assert caplog.text == ""
     thread.join(10)
 
 
