@@ -17,12 +17,13 @@ refuses that: wrap nothing, or all-reduce yourself).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .launch_context import no_backward_context
+from .launch_context import lend, no_backward_context, settle
 
 
 class DelayedAllReduce:
@@ -78,10 +79,13 @@ class DelayedAllReduce:
     def _all_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         if self._sync:
             self._sync = False  # once per backward, even if the hook parameter is used twice
-            with torch.no_grad(), no_backward_context():  # Note [A collective holds no Python object]
+            alias = lend(self.buffer)  # Note [A collective holds no Python object]
+            with torch.no_grad(), no_backward_context():
                 self.buffer.div_(self._world)  # before the sum, as PyTorch does
-                work = dist.all_reduce(self.buffer, group=self._group, async_op=True)
-            torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+                work = dist.all_reduce(alias, group=self._group, async_op=True)
+            settled = functools.partial(settle, [work], [alias], "the delayed parameters' buffer")
+            del work  # only ``settled`` holds it, and drops it there
+            torch.autograd.Variable._execution_engine.queue_callback(settled)
         return grad
 
 

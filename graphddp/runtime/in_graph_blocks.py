@@ -15,10 +15,12 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..passes.blocks_in_place import BLOCK_OP, WAIT_BLOCKS_OP  # the pass calls the ops by these names
-from .launch_context import no_backward_context
+from .launch_context import no_backward_context, settle
 
-_pending: dict[int, list[dist.Work]] = {}
-"""The blocks' all-reduces in flight, by the data pointer of the gradient they write."""
+_pending: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}
+"""The blocks' all-reduces in flight and the blocks they were given, by the data pointer of the gradient they
+write (each block a view of its own, only held here: ``settle`` sees it given back, Note [A collective holds no
+Python object])."""
 
 
 def _rows_of(gradient: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -45,15 +47,17 @@ def reduce_block_(
         work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
     key = gradient.untyped_storage().data_ptr()
     if first:
-        _pending[key] = []
-    _pending.setdefault(key, []).append(work)
+        _pending[key] = ([], [])
+    works, blocks = _pending.setdefault(key, ([], []))
+    works.append(work)
+    blocks.append(block)
 
 
 @torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",))
 def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
     """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset."""
-    for work in _pending.pop(gradient.untyped_storage().data_ptr(), []):
-        work.wait()
+    works, blocks = _pending.pop(gradient.untyped_storage().data_ptr(), ([], []))
+    settle(works, blocks, "a gradient block")
     flat = gradient.view(-1)
     for copy, offset in zip(copies, offsets):
         flat[offset : offset + copy.numel()].copy_(copy.reshape(-1))

@@ -20,16 +20,17 @@ object too: destroying any ``Work`` that holds a Python tensor may take the GIL.
 do not outlive their backward in the process group, and what may outlive it holds nothing of Python's thread state:
 - at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
   ``reductions.AveragedInFlight.let_go``; a row-sparse table's mask and rows, ``RowSparseInFlight.let_go``; the
-  plan agreement, ``plans.PlanAgreement.settle``) and waits until the process group has given their tensors
-  back: each collective was given a private alias (``lend``), whose use count is one again then. By the end of
-  backward the worker has long finished them, so this is one check per collective; it yields the CPU only if a
-  worker thread is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
-- the collectives that may outlive backward (a comm hook's, which may keep its futures on purpose; in-graph
-  blocks; delayed parameters; skipped buckets reduced late), and a row-sparse table's, are issued without the
-  backward's context (``no_backward_context``: taken out of the thread-local state, put back right after; ~0.5 us
-  and two Python calls, which the lean bucket path does not pay: its collectives are given back). The tensors of
-  the first four are still Python's: one caught by a barrier at exit could still abort as above (not seen; giving
-  them back too is what remains).
+  plan agreement, ``plans.PlanAgreement.settle``; where they are waited, a big gradient's in-graph blocks and the
+  delayed parameters' buffer, ``settle``) and waits until the process group has given their tensors back: each
+  collective was given a private alias (``lend``), whose use count is one again then. By the end of backward the
+  worker has long finished them, so this is one check per collective; it yields the CPU only if a worker thread
+  is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
+- the collectives that may outlive backward (a comm hook's, which may keep its futures on purpose; in-graph blocks;
+  delayed parameters; skipped buckets reduced late), and a row-sparse table's, are issued without the backward's
+  context (``no_backward_context``: taken out of the thread-local state, put back right after; ~0.5 us and two
+  Python calls, which the lean bucket path does not pay: its collectives are given back). A comm hook's tensors
+  are still Python's and not waited for this way: one caught by a barrier at exit could still abort as above
+  (not seen; PyTorch's built-in hooks send the bucket's buffer, which graphddp holds, a user's hook anything).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -109,3 +112,13 @@ def warn_still_held(what: str, waited_s: float) -> None:
         "(Note [A collective holds no Python object] in graphddp/runtime/launch_context.py)",
         what, waited_s,
     )
+
+
+def settle(works: list[Any], lent: Sequence[torch.Tensor], what: str) -> None:
+    """Wait for ``works`` in the order they were issued, emptying the list (the caller keeps no other reference, so
+    each is dropped here), then see each tensor of ``lent`` (what they were given, from ``lend`` or private to the
+    caller) given back (``given_back``)."""
+    while works:
+        works.pop(0).wait()  # no name holds it after this line
+    for alias in lent:
+        given_back(alias, what)

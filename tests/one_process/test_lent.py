@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from reduce_rows import reduce_rows
 
-from graphddp.runtime.launch_context import given_back, lend, no_backward_context, still_held
+from graphddp.runtime.launch_context import given_back, lend, no_backward_context, settle, still_held
 from graphddp.runtime.reductions import AveragingReduction
 
 
@@ -100,6 +100,20 @@ def test_a_row_sparse_tables_collectives_are_let_go_once_the_late_holder_is_done
         in_flight.let_go()
     assert dropped.is_set(), "let_go returned before the rows' collective gave its tensor back"
     assert caplog.text == ""
+    thread.join(10)
+
+
+def test_settle_waits_drops_and_sees_each_tensor_given_back(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``settle`` (in-graph blocks, delayed parameters): the ``Work`` list is emptied, so the collectives are dropped
+    there, and it returns only once a late holder of one of them let it go."""
+    aliases = [lend(torch.zeros(8)), lend(torch.ones(4))]
+    works = [group.allreduce([alias]) for alias in aliases]
+    box: list[object] = [works[1]]  # a late holder of the second collective itself
+    thread, dropped = late_holder(box, "given_back")
+    with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
+        settle(works, aliases, "a test tensor")
+    assert works == [] and dropped.is_set(), "settle returned before the collective gave its tensor back"
+    assert caplog.text == "" and not any(still_held(alias) for alias in aliases)
     thread.join(10)
 
 
