@@ -73,6 +73,10 @@ class Launcher:
         self.buckets, self.reductions, self.policy, self.events = list(buckets), list(reductions), policy, events
         self._next = 0
         self._open: tuple[int, InFlight] | None = None  # launched last, maybe with a collective left to commit
+        self._watched = False
+        """This backward's launches and waits are recorded or labelled: events are on, or a profiler records
+        (asked once per backward, at ``reset``; a profiler started between a forward and its backward labels the
+        next one)."""
         self.before_last: Callable[[], None] = _nothing
         """Issued just before the last bucket's collective, once (the Reducer's plan agreement and usage count,
         ``Iteration.count_usage``), where the launch policy does not chain collectives: every gradient is in by
@@ -82,6 +86,7 @@ class Launcher:
     def reset(self) -> None:
         """A new backward: nothing launched."""
         self._next, self._open = 0, None
+        self._watched = self.events.recording or profiling()
 
     def gave_up(self) -> list[FlatBucket]:
         """Buckets whose row-sparse reduction gave up rows (``reductions.RowSparseReduction.gave_up``)."""
@@ -116,7 +121,7 @@ class Launcher:
             if self._open is not None and self._open[0] <= bucket.index:  # not sooner: the buckets before it are
                 self._commit_open()  # written back meanwhile (a row-sparse table's mask waits for them all on gloo)
             assert bucket.in_flight is not None, f"bucket {bucket.index} was never launched"
-            if profiling():
+            if self._watched:
                 with labelled(f"graphddp: wait for bucket {bucket.index}"):
                     reduced = bucket.in_flight.wait()
             else:
@@ -173,7 +178,7 @@ class Launcher:
         if is_last and not self.policy.chains:
             before, self.before_last = self.before_last, _nothing
             before()
-        if self.events.recording or profiling():  # else a check each (Note [Lean bucket path])
+        if self._watched:  # else a check each (Note [Lean bucket path])
             self.events.record("launch", bucket.index)
             with labelled(f"graphddp: all-reduce bucket {bucket.index}"):
                 in_flight = self.reductions[bucket.index].start(bucket, buffer, is_last)

@@ -14,14 +14,12 @@ from typing import Any
 import torch
 
 
-def _python_profiling() -> bool:
+def profiling() -> bool:
+    """Does a torch profiler record? The process-wide flag every ``torch.profiler`` sets (not the calling thread's
+    state, ``torch._C._autograd._profiler_enabled()``: a profiler of all threads started on another thread, as
+    ``torch.distributed.debug``'s on-demand one is, leaves that False). The launcher asks once per backward, not
+    per bucket (Note [Lean bucket path])."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
-
-
-profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", _python_profiling)
-"""Does a profiler record on this thread (autograd's worker threads inherit the caller's)? Torch's own C check, so
-the hot path asks it per bucket without a Python call (Note [Lean bucket path]); where a torch lacks it, the
-process-wide flag ``torch.profiler`` sets."""
 
 
 def labelled(name: str) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,6 +181,34 @@ def test_buckets_and_segments_appear_as_labelled_profiler_ranges() -> None:
     assert {f"graphddp: wait for bucket {k}" for k in range(len(ddp.bucket_plan.buckets))} <= names
     assert {f"graphddp: segment {s} backward" for s in range(segments)} <= names
     assert {f"graphddp: segment {s} forward" for s in range(segments)} <= names
+
+
+def test_launches_are_labelled_under_a_profiler_of_all_threads_started_on_another_thread() -> None:
+    """``torch.distributed.debug``'s on-demand profiler records every thread from a thread of its own: this
+    thread's profiler state is off, the process-wide flag on, and ``record_function`` ranges are recorded here."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    loss(ddp).backward()
+    started, stop, profiles = threading.Event(), threading.Event(), []
+
+    def profile_all_threads() -> None:
+        config = _ExperimentalConfig(profile_all_threads=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config) as prof:
+            started.set()
+            stop.wait(30)
+        profiles.append(prof)
+
+    thread = threading.Thread(target=profile_all_threads)
+    thread.start()
+    try:
+        assert started.wait(30)
+        loss(ddp, 1).backward()
+    finally:
+        stop.set()
+        thread.join(30)
+    names = {e.name for e in profiles[0].events()}
+    assert {f"graphddp: all-reduce bucket {k}" for k in range(len(ddp.bucket_plan.buckets))} <= names
 
 
 def _sending_alone(ddp: graphddp.DDP) -> graphddp.DDP:
