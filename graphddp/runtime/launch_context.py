@@ -18,19 +18,22 @@ without an active exception", SIGABRT after the last line). The core dumps of ``
 (In torch 2.13 a Python tensor's C++ references falling back to the one its Python object holds release that
 object too: destroying any ``Work`` that holds a Python tensor may take the GIL.) So graphddp's usual collectives
 do not outlive their backward in the process group, and what may outlive it holds nothing of Python's thread state:
-- at the end of backward graphddp drops its references to its own collectives (each bucket's averaging all-reduce,
-  ``reductions.AveragedInFlight.let_go``; a row-sparse table's mask and rows, ``RowSparseInFlight.let_go``; the
-  plan agreement, ``plans.PlanAgreement.settle``; where they are waited, a big gradient's in-graph blocks and the
-  delayed parameters' buffer, ``settle``) and waits until the process group has given their tensors back: each
-  collective was given a private alias (``lend``), whose use count is one again then. By the end of backward the
-  worker has long finished them, so this is one check per collective; it yields the CPU only if a worker thread
-  is late, and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
-- the collectives that may outlive backward (a comm hook's, which may keep its futures on purpose; in-graph blocks;
-  delayed parameters; skipped buckets reduced late), and a row-sparse table's, are issued without the backward's
-  context (``no_backward_context``: taken out of the thread-local state, put back right after; ~0.5 us and two
-  Python calls, which the lean bucket path does not pay: its collectives are given back). A comm hook's tensors
-  are still Python's and not waited for this way: one caught by a barrier at exit could still abort as above
-  (not seen; PyTorch's built-in hooks send the bucket's buffer, which graphddp holds, a user's hook anything).
+- once it has waited for them, graphddp drops its references to its own collectives and waits until the process
+  group has given their tensors back: each collective was given a tensor of its own (``lend``: a private alias),
+  whose use count is one again then. At the end of backward: each bucket's averaging all-reduce
+  (``reductions.AveragedInFlight.let_go``, skipped buckets reduced late too), a row-sparse table's mask and rows
+  (``RowSparseInFlight.let_go``), the plan agreement (``plans.PlanAgreement.settle``), the delayed parameters'
+  buffer (``settle``, from the engine callback). Inside the compiled backward: a big gradient's blocks, as soon as
+  ``wait_blocks_`` has waited for them (``settle``). By then a worker has nearly always finished with them, so
+  this is one check per collective; it yields the CPU only if a worker thread is late (just after a wait that
+  blocked it can be a few microseconds late: one 0.1 ms sleep), and after ``GIVE_BACK_LIMIT_S`` warns and goes on;
+- collectives issued during backward leave the backward's context out of the thread-local state
+  (``no_backward_context``: taken out, put back right after; ~0.5 us and two Python calls, which the lean bucket
+  path does not pay: its collectives are given back): a comm hook's, in-graph blocks, the delayed all-reduce,
+  skipped buckets reduced late, a row-sparse table's. What still holds Python tensors past backward: a comm hook's
+  collectives (a hook may keep its futures on purpose, and send any tensor), the blocks of a backward abandoned
+  before ``wait_blocks_`` and a delayed all-reduce whose backward raised before its callback (both dropped
+  unwaited at the next backward). One of those caught by a barrier at exit could still abort as above (not seen).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 

@@ -117,6 +117,25 @@ def test_settle_waits_drops_and_sees_each_tensor_given_back(group: dist.ProcessG
     thread.join(10)
 
 
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py: the blocks are sent on the default group
+def test_a_big_gradients_blocks_are_given_back_once_waited(caplog) -> None:  # type: ignore[no-untyped-def]
+    """In-graph blocks (Note [Blocks written in place]): ``wait_blocks_`` returns only once a late holder of a
+    block's collective let it go; the blocks hold their reduced values."""
+    from graphddp.runtime import in_graph_blocks
+
+    gradient, rows, by, group = torch.zeros(4, 3), torch.ones(2, 5), torch.ones(5, 3), dist.group.WORLD.group_name
+    torch.ops.graphddp.reduce_block_(gradient, rows, by, 0, 1.0, group, True)  # rows 0-1
+    torch.ops.graphddp.reduce_block_(gradient, rows, by, 6, 1.0, group, False)  # rows 2-3
+    box: list[object] = [in_graph_blocks._pending[gradient.untyped_storage().data_ptr()][0][1]]  # block 2's Work
+    thread, dropped = late_holder(box, "given_back")
+    with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
+        torch.ops.graphddp.wait_blocks_(gradient, [], [])
+    assert dropped.is_set(), "wait_blocks_ returned before the block's collective gave it back"
+    assert caplog.text == ""
+    torch.testing.assert_close(gradient, torch.full((4, 3), 5.0))  # ones(2, 5) @ ones(5, 3), summed over one rank
+    thread.join(10)
+
+
 def test_given_back_gives_up_with_a_warning(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
     alias = lend(torch.zeros(8))
     work = lent_to(group, alias)  # kept: never given back
