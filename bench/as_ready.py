@@ -15,8 +15,8 @@ DDPs rebuild their buckets in after their first iteration):
 
 * ``graphddp``: graphddp's plan at the caps (``plan_buckets``: no bucket over its cap, ramps off, as
   ``bench.overhead`` runs graphddp);
-* ``torch``: PyTorch's assignment (``torch.distributed._compute_bucket_assignment_by_size``: a bucket closes once it
-  holds the cap or more, a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES``).
+* ``torch``: PyTorch's (``bench.modes.torch_buckets``: a bucket closes once it holds the cap or more; PyTorch's DDP
+  built with the cap, as ``bench.overhead`` builds it, makes that the first bucket's cap too).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from graphddp.passes import BucketCaps
 
-from .modes import graphddp_buckets
+from .modes import graphddp_buckets, torch_buckets
 
 LAYOUTS = ("graphddp", "torch")
 
@@ -56,9 +56,7 @@ def bucket_layout(model: nn.Module, order: Sequence[nn.Parameter], layout: str, 
         names = {id(p): n for n, p in model.named_parameters()}
         return graphddp_buckets([(names[id(p)], p) for p in order], BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False))
     if layout == "torch":
-        limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * 1024 * 1024)]
-        indices, _ = dist._compute_bucket_assignment_by_size(list(order), limits, [False] * len(order))
-        return [[order[i] for i in bucket] for bucket in sorted(indices, key=min)]
+        return [[order[i] for i in bucket] for bucket in torch_buckets(order, cap_mb)]
     raise ValueError(f"a bucket layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 

@@ -279,6 +279,29 @@ def graphddp_buckets(named: Sequence[tuple[str, nn.Parameter]], caps: BucketCaps
     return [[by_name[s.name] for s in b.params] for b in plan.buckets]
 
 
+def torch_buckets(tensors: Sequence[torch.Tensor], bucket_cap_mb: float | None) -> list[list[int]]:
+    """``tensors`` (in the order their gradients become ready; meta tensors will do) cut into buckets as PyTorch's
+    DDP built with ``bucket_cap_mb`` cuts them once it rebuilt them from that order, as indices, bucket 0 first:
+    ``bench.as_ready``'s ``torch`` layout and ``bench.predict``'s model of PyTorch's modes. PyTorch's own rules,
+    not restated: its caps from its ``_BucketCapacityConfig`` (in torch 2.13 a ``bucket_cap_mb`` given explicitly
+    is the first bucket's cap too, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` only by default) and its cut from the
+    function its Reducer calls, ``dist._compute_bucket_assignment_by_size``, which closes a bucket once it holds its
+    cap *or more*, where graphddp's planner never exceeds a cap: at the same caps PyTorch sends fewer, larger
+    buckets (10 against 13 for ``bench.overhead``'s GPT at 1 MiB)."""
+    first, cap = _torch_caps_bytes(bucket_cap_mb)
+    indices, _ = dist._compute_bucket_assignment_by_size(list(tensors), [first, cap], [False] * len(tensors))
+    return sorted(indices, key=min)
+
+
+def _torch_caps_bytes(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """PyTorch's DDP's (first bucket, bucket) caps in bytes for ``bucket_cap_mb``."""
+    config = getattr(torch.nn.parallel.distributed, "_BucketCapacityConfig", None)
+    if config is None:  # older torch: always a 1 MiB first bucket
+        return dist._DEFAULT_FIRST_BUCKET_BYTES, int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    made = config.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None, use_python_reducer=False)
+    return made.first_bucket_bytes_cap, made.bucket_bytes_cap
+
+
 def dense_bucket_buffers(model: nn.Module, caps: BucketCaps, device: torch.device | str | None = None) -> list[torch.Tensor]:
     """One zero buffer per bucket of graphddp's dense plan of ``model`` at ``caps`` (parameters in reverse order, as
     before the ready order is known), on ``device``: the bytes and collectives a dense DDP sends (``comm``,

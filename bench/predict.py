@@ -18,7 +18,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from graphddp.passes import (
     BucketCaps,
@@ -33,6 +32,7 @@ from graphddp.passes import (
     step_inputs_from_completions,
 )
 
+from . import modes
 from .modes import ModeName, compute_baseline
 
 GLOO_COLLECTIVES_IN_FLIGHT = 2
@@ -123,27 +123,11 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
 
 
 def torch_buckets(specs_in_ready_order: list[ParamSpec], *, bucket_cap_mb: float | None) -> list[list[ParamSpec]]:
-    """The buckets PyTorch's DDP built with ``bucket_cap_mb`` sends once it rebuilt them from the order its first
-    backward's gradients were ready, in launch order. PyTorch's own rules, not restated: its caps from its own
-    ``_BucketCapacityConfig`` (in torch 2.13 a ``bucket_cap_mb`` given explicitly is the first bucket's cap
-    too, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` only by default) and its cut from the function its Reducer calls
-    (``dist._compute_bucket_assignment_by_size``, here on meta tensors), which closes a bucket once it holds its
-    cap *or more*, where graphddp's planner never exceeds a cap. At the same caps PyTorch thus sends fewer,
-    larger buckets (10 against 13 for ``bench.overhead``'s GPT at 1 MiB). Up to session 27 the model laid them
-    out with graphddp's planner and a 1 MiB first bucket."""
-    first, cap = _torch_caps_bytes(bucket_cap_mb)
+    """The buckets PyTorch's DDP sends, in launch order, by its own rules (``bench.modes.torch_buckets``, on meta
+    tensors of the parameters' shapes). Up to session 27 the model laid them out with graphddp's planner and a
+    1 MiB first bucket."""
     tensors = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in specs_in_ready_order]
-    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap], [False] * len(tensors))
-    return [[specs_in_ready_order[i] for i in bucket] for bucket in indices]
-
-
-def _torch_caps_bytes(bucket_cap_mb: float | None) -> tuple[int, int]:
-    """PyTorch's DDP's (first bucket, bucket) caps in bytes for ``bucket_cap_mb``."""
-    config = getattr(torch.nn.parallel.distributed, "_BucketCapacityConfig", None)
-    if config is None:  # older torch: always a 1 MiB first bucket
-        return dist._DEFAULT_FIRST_BUCKET_BYTES, int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
-    made = config.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None, use_python_reducer=False)
-    return made.first_bucket_bytes_cap, made.bucket_bytes_cap
+    return [[specs_in_ready_order[i] for i in bucket] for bucket in modes.torch_buckets(tensors, bucket_cap_mb)]
 
 
 def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[int, ...]:
