@@ -136,6 +136,28 @@ def test_a_big_gradients_blocks_are_given_back_once_waited(caplog) -> None:  # t
     thread.join(10)
 
 
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py: the delayed all-reduce goes on the default group
+def test_the_delayed_parameters_all_reduce_is_lent_an_alias_and_settled_by_the_engine_callback(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from graphddp.runtime import delayed
+
+    settled: list[tuple[list[object], list[torch.Tensor]]] = []
+
+    def recording_settle(works, lent, what):  # type: ignore[no-untyped-def]
+        settled.append((works, list(lent)))
+        delayed_settle(works, lent, what)
+
+    delayed_settle = delayed.settle
+    monkeypatch.setattr(delayed, "settle", recording_settle)
+    first, hooked = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    reduction = delayed.DelayedAllReduce([first], hooked, group=dist.group.WORLD, rank=0)
+    reduction.before_forward(True)
+    ((first * 2).sum() + (hooked * 3).sum()).backward()
+    ((works, (alias,)),) = settled
+    assert works == [], "the Work was not dropped in settle"
+    assert alias is not reduction.buffer and alias.data_ptr() == reduction.buffer.data_ptr() and not still_held(alias)
+    torch.testing.assert_close(first.grad, torch.full((3,), 2.0))  # averaged over one rank: the gradient itself
+
+
 def test_given_back_gives_up_with_a_warning(group: dist.ProcessGroup, caplog) -> None:  # type: ignore[no-untyped-def]
     alias = lend(torch.zeros(8))
     work = lent_to(group, alias)  # kept: never given back

@@ -21,6 +21,7 @@ from graphddp.passes import (
     StepInputs,
     choose_caps,
     forward_seconds,
+    step_inputs_from_buckets,
     step_inputs_from_ready_times,
 )
 from graphddp.passes.graph_cost import flops, moved_bytes
@@ -121,3 +122,15 @@ def test_auto_is_the_only_word_a_cap_accepts() -> None:
     assert BucketOptions().caps_search is None
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number of MiB or 'auto', got str 'big'"):
         BucketOptions(bucket_cap_mb="big")
+
+
+def test_buckets_made_by_any_rule_are_complete_when_their_last_gradient_is() -> None:
+    # PyTorch's layout in the bench (``bench.modes.torch_buckets``) goes through the same step: a bucket is complete
+    # with its last gradient and never before the bucket ahead of it; the planner's buckets give the same inputs.
+    a, b, c = specs(1, 1, 1)
+    inputs = step_inputs_from_buckets([[a, b], [c]], {a.name: 0.03, b.name: 0.01, c.name: 0.02}, backward_s=0.05)
+    planned = step_inputs_from_ready_times([b, c, a], [0.01, 0.02, 0.03], BucketCaps.from_mb(1, 1, 1, ramps=False), backward_s=0.05)
+    assert inputs.bucket_bytes == (2 * a.nbytes, c.nbytes)
+    assert step_inputs_from_buckets([[b], [c], [a]], {a.name: 0.03, b.name: 0.01, c.name: 0.02}, backward_s=0.05) == planned
+    with pytest.raises(ValueError, match="every parameter needs its ready time; none for"):
+        step_inputs_from_buckets([[a, b]], {a.name: 0.01}, backward_s=0.05)
