@@ -46,9 +46,10 @@ def reduce_block_(
     with no_backward_context():  # Note [A collective holds no Python object]
         work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
     key = gradient.untyped_storage().data_ptr()
-    if first:
-        _pending[key] = ([], [])
-    works, blocks = _pending.setdefault(key, ([], []))
+    entry = None if first else _pending.get(key)
+    if entry is None:  # the gradient's first block (or one whose first never ran): a list of its own
+        entry = _pending[key] = ([], [])
+    works, blocks = entry
     works.append(work)
     blocks.append(block)
 

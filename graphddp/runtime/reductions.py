@@ -539,5 +539,5 @@ class RowSparseInFlight:
         if self._dense is not None:  # the table went dense: graphddp's averaging all-reduce
             self._dense.let_go()
         for alias in self._lent:  # the mask's and the rows' collectives
-            given_back(alias, f"bucket {self._bucket.index}'s row-sparse mask or rows")
+            given_back(alias, "a row-sparse table's mask or rows")  # a constant: no string built per step
         self._lent = []

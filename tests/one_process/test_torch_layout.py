@@ -39,3 +39,14 @@ def test_the_model_lays_out_pytorchs_buckets_as_pytorch_does(cap_mb: float | Non
     if cap_mb == 0.5:  # the case that tells the two rules apart
         ours = plan_buckets(specs, caps=BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False)).buckets
         assert len(ours) > len(measured)
+
+
+def test_a_torch_without_the_caps_config_gets_a_one_mib_first_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before ``_BucketCapacityConfig`` (torch < 2.13), PyTorch's first bucket was 1 MiB whatever ``bucket_cap_mb``
+    # said; with it, an explicit cap is the first bucket's cap too. The model must follow the torch it runs on.
+    from bench.modes import _torch_caps_bytes
+
+    assert _torch_caps_bytes(1.2) == (int(1.2 * 2**20), int(1.2 * 2**20))  # this torch: the explicit cap, twice
+    monkeypatch.delattr(torch.nn.parallel.distributed, "_BucketCapacityConfig")
+    assert _torch_caps_bytes(1.2) == (2**20, int(1.2 * 2**20))
+    assert _torch_caps_bytes(None) == (2**20, 25 * 2**20)
