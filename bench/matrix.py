@@ -146,6 +146,9 @@ def cell(
         "backward_floor_s": median.get("bound-backward"),
         "below_backward_floor": below_limit(median, median.get("bound-backward")),
         "reductions": summary.get("reductions", {}),
+        # Each round times every mode in turn, so a round's ratio compares modes under the same machine: its
+        # spread is what the cell's ratio of medians can be trusted to (a noisy VM moves it by 0.2).
+        "ratio_rounds": {label: summary.get("ratio_rounds", {}).get(label, []) for label, _, _ in AGAINST_TORCH},
     }  # fmt: skip
     if picked is not None:
         result["step_pick"] = picked
@@ -201,8 +204,8 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
         rows.append([
             r["workload"] + (" ‡" if r.get("oversubscribed") else ""), r["link"], _ms(m.get("graphddp-compiled")), _ms(m.get("torch-compiled")),
-            _ratio(ratios, "graphddp-compiled / torch-compiled"), _ms(m.get("graphddp-eager")), _ms(m.get("torch-eager")),
-            _ratio(ratios, "graphddp-eager / torch-eager"), _ms(r["limit_s"]), _ms(r.get("backward_floor_s")),
+            _ratio(ratios, "graphddp-compiled / torch-compiled", r.get("ratio_rounds")), _ms(m.get("graphddp-eager")),
+            _ms(m.get("torch-eager")), _ratio(ratios, "graphddp-eager / torch-eager", r.get("ratio_rounds")), _ms(r["limit_s"]), _ms(r.get("backward_floor_s")),
             _ratio(ratios, "graphddp-compiled / limit"),
             _ms(m.get("graphddp-compiled+step")), _ratio(ratios, "model's pick / limit"),
             f"{'+step' if r['step_pick']['mode'].endswith('+step') else 'after'} ({r['step_pick']['over_compiled']:.3f})" if "step_pick" in r else "-",
@@ -272,10 +275,14 @@ def _target(label: str) -> str:
     return f"(≤{TARGETS[label]:.2f})"
 
 
-def _ratio(ratios: dict[str, float], label: str) -> str:
+def _ratio(ratios: dict[str, float], label: str, rounds: dict[str, list[float]] | None = None) -> str:
+    """The ratio of medians with its mark and, where the cell has two rounds or more, the range of the rounds'
+    ratios (the mark stays the median's: the target is the issue's)."""
     if label not in ratios:
         return "-"
-    return f"{ratios[label]:.3f} {'✓' if ratios[label] <= TARGETS[label] else '✗'}"
+    text = f"{ratios[label]:.3f} {'✓' if ratios[label] <= TARGETS[label] else '✗'}"
+    each = (rounds or {}).get(label) or []
+    return text + (f" (rounds {min(each):.2f}-{max(each):.2f})" if len(each) > 1 else "")
 
 
 if __name__ == "__main__":

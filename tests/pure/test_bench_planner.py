@@ -199,6 +199,11 @@ def test_the_matrix_holds_compiled_to_issue_27s_095_of_torch_compiled_and_marks_
     header, _, row = text.splitlines()[2:5]
     cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
     assert cells["ratio (≤0.95)"] == "0.939 ✓" and cells["ratio (≤0.97)"] == "1.000 ✗"
+    # With rounds recorded, each ratio shows their range beside it; the mark stays the ratio of medians'.
+    s["ratio_rounds"] = {"graphddp-compiled / torch-compiled": [0.90, 0.97, 1.12], "graphddp-eager / torch-eager": [1.0]}
+    header, _, row = matrix.report([matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)], command="c").splitlines()[2:5]
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["ratio (≤0.95)"] == "0.939 ✓ (rounds 0.90-1.12)" and cells["ratio (≤0.97)"] == "1.000 ✗"
     # 0.95 x 0.44 s is under this cell's 0.35 s + 0.1 s limit: no schedule meets it, and the cell says so.
     s["calibration"]["cpu_seconds_per_byte"] = 1e-6
     s["modes"]["torch-compiled"]["median_s"] = 0.44
