@@ -156,7 +156,8 @@ class GraphDDPBackend:
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
         in_graph_plan = parts_named_in(prepared.plan, prepared.params)  # a recompile may name its parts anew
-        choice = self.choose_reduction(prepared.plan, in_graph_plan is not None, target)
+        traced = target is None or not prepared.plan.parts or _fake_inputs(gm, target.abandon_signal) is not None
+        choice = self.choose_reduction(prepared.plan, in_graph_plan is not None, target, compiles_again=traced)
         if target is not None:
             target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
@@ -186,16 +187,24 @@ class GraphDDPBackend:
             return split_fn
         return ReductionSwitch(in_graph, split_fn, target, frozenset(p.spec.name for p in prepared.params))
 
-    def choose_reduction(self, plan: BucketPlan, parts_found: bool, target: CompileTarget | None) -> ReductionChoice:
+    def choose_reduction(
+        self, plan: BucketPlan, parts_found: bool, target: CompileTarget | None, *, compiles_again: bool = True
+    ) -> ReductionChoice:
         """How a graph planned as ``plan`` reduces, for ``target`` (``graphddp.passes.choose_reduction``).
         ``parts_found``: its tied tables' uses match the plan's parts (``parts_named_in``); only a recompile can
         miss them, and one that does runs no in-graph variant, which ``InGraphGate`` refuses where the ranks
-        agreed on one (the other ranks would issue its collectives)."""
+        agreed on one (the other ranks would issue its collectives). ``compiles_again``: the graph's inputs as
+        Dynamo traced them are known (``_fake_inputs``), so its variant can be compiled again without a tied table's
+        parts once the table gives up rows. Without them the variant would keep sending the parts while a graph a
+        rank recompiles alone is planned without them (``_compile_in_graph``): bucket sizes would differ between
+        ranks, so such a graph runs split."""
         if target is None:
             return ReductionChoice("split", "no graphddp.DDP runs it")
         blockers = [*plan_blockers(plan, rows_in_use=target.reduces_rows), *target.in_graph_blockers()]
         if not parts_found:
             blockers.append("a recompile whose uses of a tied table no longer match the parts of the plan made before")
+        if not compiles_again:
+            blockers.append("a tied table's parts in a graph whose traced inputs are unknown (it could not be compiled again without them)")
         if in_graph_compiler(self.inner) is None:
             blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
         return choose_reduction(self.reduction, blockers)
@@ -232,6 +241,7 @@ class GraphDDPBackend:
             return reducing
 
         again = _fake_inputs(gm, target.abandon_signal) if plan.parts else None
+        assert again is not None or not plan.parts, "choose_reduction keeps a graph it could not compile again split"
         return InGraphVariant(build, compiler, plan, signalled, again=again)
 
     def _compile_split(

@@ -431,8 +431,9 @@ def describe_inner(inner: Any) -> str:
 # -- which variant runs --------------------------------------------------------------------------------------
 class InGraphVariant:
     """A graph's in-graph variant, compiled for ``plan``, and compiled again without the parts of tied tables that
-    gave up rows (Note [Rows in the compiled backward], "Giving up"): their rows node sends them dense from then
-    on, and a part sent beside the whole table would send the output layer's contribution twice."""
+    gave up rows (Note [Rows in the compiled backward], "Giving up"): their rows node sends the whole table dense
+    from then on, so a part sent beside it would only cost a table-sized all-reduce more (the sum stays right),
+    but a graph compiled after the give-up is planned without it, and every rank must send the same buckets."""
 
     def __init__(
         self, build: Callable[[BucketPlan], fx.GraphModule], compiler: CompilerFn, plan: BucketPlan, inputs: list[Any],
@@ -444,7 +445,8 @@ class InGraphVariant:
         self._build, self._compiler, self._again = build, compiler, again
         self.plan = plan
         self.tables_with_parts = frozenset(p.name for p in plan.parts) if again is not None else frozenset()
-        """The tables whose giving up changes this variant: only a table with parts sends anything twice."""
+        """The tables whose giving up changes this variant: those with parts in its plan (``choose_reduction`` runs
+        a graph with parts split where ``again`` is unknown)."""
         self.fn = compiler(build(plan), inputs)
 
     def drop_parts(self, tables: frozenset[str]) -> None:

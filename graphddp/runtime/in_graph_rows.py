@@ -20,14 +20,17 @@ table, zero outside the rows. Both collectives are issued and waited inside the 
 * **Giving up**: as the Reducer's ``RowSparseReduction``, a table that goes dense ``DENSE_STREAK_LIMIT`` times in a
   row is reduced dense from then on, without its mask (``DenseStreak``, fed the all-reduced outcome, so every rank
   gives up on the same step). The streak is the DDP's, per table (``streak_key``): a graph one rank recompiled
-  alone counts on from where the others are. A tied table's part, sent early on its own, would then send the
-  output layer's contribution a second time beside the whole table, so at the next forward each in-graph
-  variant that sends a part of a table that gave up is compiled again for its plan without the part
+  alone counts on from where the others are. A tied table's part, sent early on its own, would then be a second
+  table-sized all-reduce beside the lookups' contribution sent dense (the sum stays right, the bytes double), so
+  at the next forward each in-graph variant that sends a part of a table that gave up is compiled again for its
+  plan without the part
   (``InGraphVariant`` in ``graphddp/compiler/in_graph.py``, ``BucketPlan.without_rows``): the table goes whole in
   a dense bucket of its own. Every rank gave up on the same step, so every rank compiles again at the same forward,
   and a graph Dynamo compiles after that (a recompile, on one rank or all) is planned without the part from the
   start: ranks keep issuing the same collectives. The variant is compiled again from the graph's inputs as Dynamo
-  traced them (fake, symbolic where its shapes are dynamic), so it runs whatever shapes Dynamo's guards let it run.
+  traced them (fake, symbolic where its shapes are dynamic), so it runs whatever shapes Dynamo's guards let it run;
+  a graph with parts whose traced inputs are unknown runs split (``GraphDDPBackend.choose_reduction``), for a
+  variant that kept its parts would send buckets a recompiled graph does not.
   The price is one compile of that graph, once; the Reducer re-plans its own plan the same way.
 """
 

@@ -294,3 +294,19 @@ def test_the_dump_shows_the_in_graph_variant_with_its_all_reduces_and_sunk_waits
     # The last layer's bucket goes out before its input gradient is computed (launch_collectives_early).
     assert backward.index("all_reduce.default") < backward.index("aten.mm.default(tangents_1"), backward
     assert (tmp_path / "rank0" / folder.name.removesuffix("_in_graph") / "plan.json").exists()  # the split's, as before
+
+
+def test_a_graph_with_a_tied_tables_parts_runs_split_where_it_could_not_be_compiled_again() -> None:
+    # A variant sending a tied table's parts must be compiled again without them once the table gives up rows,
+    # from the graph's inputs as Dynamo traced them: a graph compiled after the give-up (a rank recompiling alone)
+    # is planned without the parts. Where those inputs are unknown (here: no ``example_value``, as in a graph not
+    # traced by Dynamo), the graph runs split, or its ranks would send different buckets.
+    from graphddp.compiler.backend import _fake_inputs
+
+    ddp = graphddp.DDP(MLP(), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    backend = graphddp.backend("aot_eager")
+    target, plan = ddp.reducer.compile_target, ddp.bucket_plan
+    assert _fake_inputs(torch.fx.symbolic_trace(MLP()), torch.zeros(1)) is None
+    assert backend.choose_reduction(plan, True, target).strategy == "in_graph"
+    choice = backend.choose_reduction(plan, True, target, compiles_again=False)
+    assert choice.strategy == "split" and "could not be compiled again" in choice.reason
