@@ -27,7 +27,16 @@ table is 134 ms at 1 Gbit/s. So, on the link measured at construction (the same 
 ``graphddp.runtime.calibration``), the rows save ``dense - rows`` seconds a step per table: the table's
 all-reduce, against the mask's (one byte per row) and the rows' at the worst case still reduced as rows
 (``ROW_SPARSE_MAX_DENSITY`` of them), both with gloo's CPU per byte; that rows are all exposed at the end of
-backward holds for the dense table too. The tables go rows when that is positive (eagerly each table for itself;
+backward holds for the dense table too. A tied table's parts (below) are not free either: dense, the output
+layer's contribution is summed into the table's gradient and travels once; as rows, each part is a table-sized
+all-reduce of its own, early in backward, where its link time can hide behind the compute that follows but gloo's
+CPU per byte cannot (on a CPU rank it slows that compute), so the rows are charged each part's CPU. That charge
+is not the whole cost: at 5 Gbit/s the bench GPT's tied table (16.8 MB) measured dense as fast as rows or faster
+in every matrix run that had both (sessions 21-29), where the rule, even charged, says rows by a few ms; sending
+beside a backward costs it about twice the CPU per byte the calibration measures (session 23, not explained),
+and a part's link time is not charged where the link binds. Gloo's CPU per byte is known where automatic caps
+measured it (0 otherwise, and on GPUs).
+The tables go rows when ``saved`` is positive (eagerly each table for itself;
 compiled all the tables of a graph together). Compiled, rows no longer keep a graph on the split: in-graph, an
 opaque node reduces them (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); until
 then (session 10) the rule also charged the split's launches, and the matrix's GPT ran split.
@@ -113,20 +122,28 @@ class RowsVerdict:
 
 
 def rows_pay(
-    tables: Sequence[tuple[int, int]], *, link: LinkModel, world: int, cpu_seconds_per_byte: float = 0.0
+    tables: Sequence[tuple[int, int]], *, link: LinkModel, world: int, cpu_seconds_per_byte: float = 0.0,
+    parts: Sequence[int] = (),
 ) -> RowsVerdict:
     """Do ``tables`` (each as ``(rows, bytes per row)``) pay to be reduced as rows rather than dense, on ``link``
-    between ``world`` ranks? (Note [Row-sparse gradients], "When rows pay".) No table: no rows."""
+    between ``world`` ranks? (Note [Row-sparse gradients], "When rows pay".) ``parts``: per table, how many
+    table-sized parts go dense beside its rows (a tied table's other uses; none where not given). No table: no
+    rows."""
     if world < 1 or cpu_seconds_per_byte < 0:
         raise ValueError(f"rows_pay: world must be >= 1 and costs >= 0, got world={world}, cpu={cpu_seconds_per_byte}")
+    if parts and (len(parts) != len(tables) or min(parts) < 0):
+        raise ValueError(f"rows_pay: parts must give each of the {len(tables)} tables a count >= 0, got {list(parts)}")
 
     def reduce_s(nbytes: int) -> float:
         return link.allreduce_s(nbytes, world) + cpu_seconds_per_byte * nbytes
 
     saved = 0.0
-    for rows, row_bytes in tables:
+    for (rows, row_bytes), sent_dense in zip(tables, parts or [0] * len(tables)):
         worst = math.ceil(rows * ROW_SPARSE_MAX_DENSITY) * row_bytes  # the most rows still reduced as rows
         saved += reduce_s(rows * row_bytes) - reduce_s(rows) - reduce_s(worst)
+        # Dense, a part's contribution travels inside the table's gradient; as rows, each part is a table-sized
+        # all-reduce of its own, sent while backward computes: its link time may hide there, its CPU cannot.
+        saved -= sent_dense * cpu_seconds_per_byte * rows * row_bytes
     return RowsVerdict(bool(tables) and saved > 0, saved)
 
 

@@ -59,11 +59,12 @@ class RowsRule:
         """Rows may be used at all (``graphddp.passes.rows_apply`` asks the rest)."""
         return self.enabled is not False
 
-    def verdict(self, tables: Sequence[tuple[int, int]]) -> RowsVerdict | None:
-        """``rows_pay`` on the measured link; None where nothing was measured (rows wherever they apply)."""
+    def verdict(self, tables: Sequence[tuple[int, int]], parts: Sequence[int] = ()) -> RowsVerdict | None:
+        """``rows_pay`` on the measured link (``parts``: per table, its parts sent dense beside the rows); None
+        where nothing was measured (rows wherever they apply)."""
         if self.link is None:
             return None
-        return rows_pay(tables, link=self.link, world=self.world, cpu_seconds_per_byte=self.cpu_seconds_per_byte)
+        return rows_pay(tables, link=self.link, world=self.world, cpu_seconds_per_byte=self.cpu_seconds_per_byte, parts=parts)
 
     def eager_tables(self, candidates: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> frozenset[str]:
         """Of ``candidates`` (``graphddp.passes.embedding_tables``: name to shape and bucket dtype), those reduced
@@ -80,14 +81,15 @@ class RowsRule:
     def for_graph(self, params: Sequence[GraphParam]) -> bool:
         """Are a captured graph's tables planned as rows? All its tables together (one plan of the graph: the
         rows go in-graph or on the split alike, Note [Rows in the compiled backward])."""
-        tables = {r.name for r in row_sparse_params(params)}
+        tables = row_sparse_params(params)
         if not tables:
             return False
-        shapes = [_shape(p.spec.shape, p.spec.dtype) for p in params if p.spec.name in tables]
-        verdict = self.verdict(shapes)
+        specs = {p.spec.name: p.spec for p in params}
+        shapes = [_shape(specs[t.name].shape, specs[t.name].dtype) for t in tables]
+        verdict = self.verdict(shapes, parts=[len(t.parts) for t in tables])  # a tied table's other uses: its parts
         if verdict is None:
             return True
-        logger.info("[rank %d] graphddp: a compiled graph's embedding tables %s reduced %s", self.rank, sorted(tables), verdict.describe())
+        logger.info("[rank %d] graphddp: a compiled graph's embedding tables %s reduced %s", self.rank, sorted(t.name for t in tables), verdict.describe())
         return verdict.rows
 
 

@@ -42,6 +42,34 @@ def test_gloo_cpu_counts_for_rows_and_tables_add_up() -> None:
     assert both.rows and both.saved_s == pytest.approx(2 * saved)
 
 
+def test_a_tied_tables_parts_are_charged_their_cpu() -> None:
+    # As rows, a tied table's part (the output layer's contribution) is a table-sized all-reduce of its own; dense,
+    # it travels inside the table's gradient. Its link time may hide in backward, its gloo CPU cannot.
+    rows, row_bytes = BENCH_GPT_TABLE
+    untied = rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, cpu_seconds_per_byte=1e-9)
+    tied = rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, cpu_seconds_per_byte=1e-9, parts=[1])
+    assert tied.saved_s == pytest.approx(untied.saved_s - 1e-9 * rows * row_bytes)
+    assert rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, parts=[2]) == rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2)
+    with pytest.raises(ValueError, match="parts must give each"):
+        rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, parts=[1, 1])
+
+
+def test_a_compiled_graphs_tied_table_is_charged_its_part() -> None:
+    # 65536 x 32 float32 (8 MiB) over loopback: rows save ~0.9 ms on the link; at 1 ns/B of gloo CPU an untied
+    # table gains from that too (half the bytes), but the tied GPT's output-layer part costs 8 MiB of CPU more.
+    gm, example_inputs, names = captured_gpt(65536)
+    charged = RowsRule(enabled="auto", link=LOOPBACK, world=2, cpu_seconds_per_byte=1e-9)
+    assert charged.verdict([(65536, 32 * 4)]).rows  # the table alone, untied
+    decided: list[bool] = []
+
+    def decide(params: list[object]) -> bool:
+        decided.append(charged.for_graph(params))  # type: ignore[arg-type]
+        return decided[-1]
+
+    prepared = prepare_graph(gm, example_inputs, names, caps=BucketCaps(), row_sparse=decide)
+    assert prepared is not None and decided == [False] and not prepared.plan.parts
+
+
 def test_no_table_no_rows_and_bad_inputs_are_refused() -> None:
     assert not rows_pay([], link=ONE_GBIT, world=2).rows
     assert not rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=1).rows  # one rank sends nothing
