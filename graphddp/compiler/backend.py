@@ -156,8 +156,10 @@ class GraphDDPBackend:
             return self.inner(gm, example_inputs)
         self.splits.append(prepared.split)
         in_graph_plan = parts_named_in(prepared.plan, prepared.params)  # a recompile may name its parts anew
-        traced = target is None or not prepared.plan.parts or _fake_inputs(gm, target.abandon_signal) is not None
-        choice = self.choose_reduction(prepared.plan, in_graph_plan is not None, target, compiles_again=traced)
+        # Dynamo's traced inputs, which a variant with a tied table's parts is compiled again from (InGraphVariant)
+        again = _fake_inputs(gm, target.abandon_signal) if target is not None and prepared.plan.parts else None
+        compiles_again = not prepared.plan.parts or again is not None
+        choice = self.choose_reduction(prepared.plan, in_graph_plan is not None, target, compiles_again=compiles_again)
         if target is not None:
             target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
@@ -181,7 +183,7 @@ class GraphDDPBackend:
             _warn_once(f"graphddp: reduction='in_graph' was asked for, but this graph runs split: {choice.reason}")
         in_graph = None
         if target is not None and choice.strategy == "in_graph":  # compiled first: gm is cut for the split below
-            in_graph = self._compile_in_graph(gm, example_inputs, prepared.params, in_graph_plan, graph_key, target)
+            in_graph = self._compile_in_graph(gm, example_inputs, prepared.params, in_graph_plan, graph_key, target, again)
         split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
         if target is None:
             return split_fn
@@ -211,10 +213,11 @@ class GraphDDPBackend:
 
     def _compile_in_graph(
         self, gm: fx.GraphModule, example_inputs: list[Any], params: Sequence[Any], plan: BucketPlan, graph_key: str,
-        target: CompileTarget,
+        target: CompileTarget, again: list[Any] | None,
     ) -> InGraphVariant:
         """The graph with each bucket of ``plan`` reduced in its backward, compiled; built again, from a copy of
-        ``gm`` as captured (the split cuts ``gm`` itself), where a tied table gives up rows (``InGraphVariant``)."""
+        ``gm`` as captured (the split cuts ``gm`` itself), where a tied table gives up rows (``InGraphVariant``,
+        from ``again``: ``_fake_inputs``, found where the graph was planned with parts)."""
         compiler = in_graph_compiler(self.inner)
         assert compiler is not None, "choose_reduction checks the inner compiler"
         # Tables that gave up rows before this graph was compiled (a recompile) go without their parts from the start.
@@ -240,9 +243,8 @@ class GraphDDPBackend:
                 dump.write_aot(folder, {"in_graph": (reducing, inputs)}, fake_mode)
             return reducing
 
-        again = _fake_inputs(gm, target.abandon_signal) if plan.parts else None
         assert again is not None or not plan.parts, "choose_reduction keeps a graph it could not compile again split"
-        return InGraphVariant(build, compiler, plan, signalled, again=again)
+        return InGraphVariant(build, compiler, plan, signalled, again=again if plan.parts else None)
 
     def _compile_split(
         self, prepared: Any, gm: fx.GraphModule, example_inputs: list[Any], graph_key: str, target: CompileTarget | None
