@@ -84,7 +84,7 @@ class BucketAllReduce(torch.autograd.Function):
     """Identity in forward; in backward, the bucket's gradients averaged over the group (Note [In-graph
     reduction], step 1). The first bucket of a graph also carries the abandon signal (Note [Abandoned backward]
     in ``graphddp/runtime/iteration.py``): one more element of its all-reduce, this rank's flag, whose sum over
-    the ranks becomes the signal's gradient."""
+    the ranks becomes the signal's gradient (summed apart where the bucket's dtype cannot count the ranks)."""
 
     @staticmethod
     def forward(
@@ -114,15 +114,17 @@ class BucketAllReduce(torch.autograd.Function):
             g.reshape(-1) if g is not None else some.new_zeros(s.numel())  # an output no loss depends on
             for g, s in zip(grads, ctx.shapes)
         ]
-        # [1]: this rank's flag, times the divisor the average divides it by, so the ranks' flags are summed
-        told = [ctx.saved_tensors[0].to(some.dtype) * ctx.divisor] if ctx.signals else []
+        # [1]: this rank's flag, times the divisor the average divides it by, so the ranks' flags are summed; in
+        # the bucket's own all-reduce where its dtype counts the ranks exactly, else apart (_sum_flags)
+        together = ctx.signals and _counts_ranks(ctx.wire or some.dtype, ctx.divisor)
+        told = [ctx.saved_tensors[0].to(some.dtype) * ctx.divisor] if together else []
         if ctx.pieces is not None:  # one big gradient in blocks of rows (Note [Gradient pieces])
             averaged, summed = _average_in_pieces(grads, flats, told, ctx)
         else:
             flat = _average(torch.cat([*flats, *told]), ctx)  # [bucket numel (+ 1)]
             *chunks, summed = flat.split([*(s.numel() for s in ctx.shapes), len(told)])
             averaged = [chunk.view(s) for chunk, s in zip(chunks, ctx.shapes)]
-        signal_grad = summed.float() if ctx.signals else None
+        signal_grad = (summed.float() if together else _sum_flags(ctx)) if ctx.signals else None
         if ctx.step is not None:  # Note [Steps in the compiled backward]: its zero keeps the node in the graph
             key, whole = ctx.step
             stepped = torch.ops.graphddp.step_bucket(key, [averaged[k] for k in whole])
@@ -164,7 +166,7 @@ class RowsAllReduce(torch.autograd.Function):
             averaged = averaged + parts
         signal_grad = None
         if ctx.signals:  # the plan's first bucket: its all-reduce carries the abandon signal (here, one of its own)
-            signal_grad = _average(ctx.saved_tensors[0].to(some.dtype) * ctx.divisor, ctx).float()
+            signal_grad = _sum_flags(ctx)
         if ctx.step is not None:
             stepped = torch.ops.graphddp.step_bucket(ctx.step, [averaged])
             signal_grad = stepped if signal_grad is None else signal_grad + stepped
@@ -198,6 +200,22 @@ def _average_in_pieces(
     big_averaged = torch.cat([first, *averaged[1:]]).view(ctx.shapes[big])
     small = iter(rest)
     return [big_averaged if k == big else next(small).view(s) for k, s in enumerate(ctx.shapes)], summed
+
+
+def _counts_ranks(dtype: torch.dtype, ranks: int) -> bool:
+    """``dtype`` holds every count from 0 to ``ranks`` exactly, so the ranks' flags summed in it, in any order, are
+    their number: integers up to 2 ** (mantissa bits + 1), 256 in bfloat16, 2048 in float16. Beyond, a sum of ones
+    stops growing (256 + 1 rounds to 256 in bfloat16) and "every rank abandoned" would read as "some"."""
+    return not dtype.is_floating_point or ranks <= 2 / torch.finfo(dtype).eps  # eps: 2 ** -(mantissa bits)
+
+
+def _sum_flags(ctx: Any) -> torch.Tensor:
+    """The ranks' abandon flags summed by an all-reduce of their own, in float32 (``ctx.saved_tensors[0]``, the
+    [1] signal): where the first bucket's dtype cannot count the ranks (``_counts_ranks``), and for a table's rows,
+    whose packed all-gathers carry no element of it. Every rank decides alike (dtype and world size agree), so
+    every rank issues it."""
+    reduced = torch.ops._c10d_functional.all_reduce(ctx.saved_tensors[0].float(), "sum", ctx.group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced)
 
 
 def _average(flat: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -53,8 +53,9 @@ agreement, and that path exists to have no collective of graphddp's own per iter
 the graphs' outputs still sees the abandoned backward, and the other ranks are told inside a collective that runs
 anyway: every in-graph variant takes one more input, the abandon signal (``AbandonSignal`` in
 ``graphddp.runtime.in_graph``: a [1] tensor that requires grad, 1 on a rank that abandoned its last backward),
-which its first bucket's all-reduce carries as one more element; the sum over the ranks comes back as the
-signal's gradient. It is copied to the host at the next training forward (no host sync on a GPU) and read at the
+which its first bucket's all-reduce carries as one more element (an all-reduce of its own in float32 where that
+bucket's dtype cannot count the ranks exactly: bfloat16 beyond 256 ranks, float16 beyond 2048); the sum over the
+ranks comes back as the signal's gradient. It is copied to the host at the next training forward (no host sync on a GPU) and read at the
 one after, on every rank alike: some but not all ranks: every rank raises, two training forwards after the
 backward that carried it; all of them: training goes on. The abandoning rank also warns at once. (An exception
 inside the compiled backward itself, between two of its collectives, leaves them unmatched either way: the split
