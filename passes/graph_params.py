@@ -8,6 +8,11 @@ backward of its **earliest** use in forward. A tied weight (an embedding reused 
 ready only when the embedding's backward has run, at the very end of backward. PyTorch's DDPOptimizer assigns a
 parameter to the bucket of its *last* use, which puts the tied weight in the first bucket: that bucket then
 cannot launch until backward is over.
+
+A use that sends no gradient back (``.detach()``, under ``no_grad``) counts too. Within one graph it has no
+autograd edge; but once the graph is cut (Note [Split at buckets]), the segment holding that use takes the
+parameter as an input, and the engine runs the parameter's AccumulateGrad only after that segment's backward. The
+plan serves the split and the in-graph reduction alike, so it takes the split's (later) moment for both.
 """
 
 from __future__ import annotations

@@ -582,3 +582,39 @@ def test_inductors_cache_key_follows_the_scheduling_pass_source(tmp_path, monkey
     changed.write_text(open(reduction.__file__).read() + "\n# changed\n")
     monkeypatch.setattr(reduction, "__file__", str(changed))
     assert in_graph._scheduling_pass()().uuid() != key
+
+
+class DetachedTableFirst(nn.Module):
+    """A tied table read without gradient (``.detach()``) before anything else, then a layer used before the
+    table's lookup, then the lookup, and the table again as the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.wte, self.mid = nn.Linear(8, 8), nn.Embedding(64, 8), nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        scale = self.wte.weight.detach().mean()  # sends no gradient back
+        gate = self.pre(torch.ones(8) * scale)  # [8], used before the lookup
+        x = self.mid(self.wte(idx) * gate)  # [B, T, 8]
+        return torch.nn.functional.linear(x, self.wte.weight)  # [B, T, 64]: the table's part
+
+
+def test_a_tables_part_never_shares_a_bucket_with_a_layer_used_before_the_tables_lookup() -> None:
+    """The ``.detach()`` counts as the table's earliest use (Note [Earliest use]), so the table comes last in ready
+    order, behind ``pre``. A bucket holding the output layer's part and ``pre`` would put its in-graph call before
+    ``pre``'s linear, ahead of the rows call it takes the table from; it cannot be planned: such a bucket completes
+    before the lookup, so the part's node shares the lookup's segment and the table gives up its parts
+    (``misplaced_parts``). For every first cap, a plan with parts keeps them apart, and its calls lint."""
+    model = DetachedTableFirst()
+    (captured,) = capture_graphs(model, torch.randint(0, 64, (2, 5)))
+    names = parameter_names(model)
+    with_parts = 0
+    for first in (256, 512, 1024, 2048, 2600, 3000, 4096):
+        caps = BucketCaps(bucket=1024, first=first, last=256)
+        prepared = prepare_graph(captured.gm, captured.example_inputs, names, caps=caps, row_sparse=True)
+        for bucket in prepared.plan.buckets:
+            if any(s.part for s in bucket.params):
+                assert not {s.name for s in bucket.params} & {"pre.weight", "pre.bias"}, prepared.plan.table_rows()
+        with_parts += bool(prepared.plan.parts)
+        insert_bucket_reductions(captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=2)  # lints
+    assert with_parts >= 3  # the check above ran on plans with parts
