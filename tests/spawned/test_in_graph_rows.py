@@ -274,7 +274,7 @@ def train_tied_table_gone_dense(rank: int, world: int, dump: str, inner: str, dy
     ("inner", "dynamic"),
     [
         ("aot_eager", False),
-        ("aot_eager", True),
+        pytest.param("aot_eager", True, marks=pytest.mark.slow),  # 15 s: dynamic shapes, in the slow suite
         pytest.param("inductor", False, marks=pytest.mark.slow),
         pytest.param("inductor", True, marks=pytest.mark.slow),
     ],

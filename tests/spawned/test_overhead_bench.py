@@ -206,6 +206,7 @@ def test_compiled_graphddp_reduces_in_graph_with_python_calls_per_bucket_not_per
     assert in_graph["added_calls"] < split["added_calls"] - in_graph["params"]
 
 
+@pytest.mark.slow  # 14 s: every compiled mode compiled; test_a_tiny_run_prints_every_mode_and_writes_json stays
 @pytest.mark.timeout(300, func_only=True)
 def test_steps_interleaved_time_every_mode_compiled_before_timing(tmp_path, capsys) -> None:
     assert main(["--world-sizes", "2", "--inners", "aot_eager", "--layers", "1", "--steps", "2", "--rounds", "1",
