@@ -43,3 +43,18 @@ def test_the_in_graph_rows_op_returns_a_contiguous_table_as_its_fake_says() -> N
     averaged = torch.ops.graphddp.reduce_rows(grad.t(), dist.group.WORLD.group_name, 1, -1)
     assert averaged.is_contiguous() and averaged.shape == (8, 3)
     torch.testing.assert_close(averaged, grad.t())
+
+
+def test_a_row_is_touched_where_any_element_is_nonzero_or_nan() -> None:
+    """``touched_rows_mask``: a row of only negative values, a NaN or an infinity is touched; a row of zeros,
+    ``-0.0`` among them, is not (its max and its min are both 0)."""
+    from graphddp.runtime.reductions import touched_rows_mask
+
+    table = torch.zeros(6, 4)
+    table[1] = -3.0
+    table[2, 3] = float("nan")
+    table[3, 0] = float("-inf")
+    table[4, 1] = -0.0
+    table[5, 2] = 1e-30
+    assert touched_rows_mask(table).tolist() == [0, 1, 1, 1, 0, 1]
+    assert touched_rows_mask(table).dtype == torch.uint8
