@@ -11,6 +11,7 @@ from pathlib import Path
 from graphddp.tools.bucket_args import add_bucket_arguments, bucket_options
 from graphddp.tools.cli import inner_backend
 
+from .allocator import ALLOCATORS
 from .link import Link, LinkUnavailable
 from .modes import MODES
 from .pictures import chrome_trace, draw
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inner", type=inner_backend, default=d.inner, help="inner compiler of both compiled modes")
     parser.add_argument("--link", default=d.link, help="loopback, or RATE[:DELAY] such as 2gbit or 1gbit:2ms")
     parser.add_argument("--out", default=d.out, help="folder for JSON, PNG and trace files")
+    parser.add_argument(
+        "--allocator", choices=ALLOCATORS, default=d.allocator,
+        help="the ranks' CPU allocator: system, or retain (freed memory kept for reuse: no page faults; bench/allocator.py)",
+    )  # fmt: skip
     add_bucket_arguments(
         parser, d, note="graphddp's modes and the comm mode plan with these caps; PyTorch's modes take --bucket-cap-mb "
         "only (their first bucket is PyTorch's own 1 MiB, with no ramps). The run's caps are numbers: time auto as a "
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup, pin=not args.no_pin,
-            inner=args.inner, link=args.link, out=args.out, **bucket_options(args).bucket_kwargs(),
+            inner=args.inner, link=args.link, allocator=args.allocator, out=args.out, **bucket_options(args).bucket_kwargs(),
         )  # fmt: skip
         if options.link != "loopback":
             Link.check_available()

@@ -86,6 +86,7 @@ from tabulate import tabulate
 from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port
 
+from .allocator import ALLOCATORS, allocator_env, environment
 from .as_ready import AsReady, bucket_layout, ready_order
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
@@ -158,6 +159,8 @@ class OverheadOptions:
     """The order of the timed steps (see the module's docstring): ``"steps"``, one step of every mode in turn,
     every mode alive at once; or ``"modes"``, ``--steps`` of one mode in a row, each mode built afresh."""
     device: str = "cpu"
+    allocator: str = "system"
+    """The ranks' CPU memory allocator: ``system`` or ``retain`` (``bench.allocator``)."""
     out: str = "bench-overhead"
 
     def __post_init__(self) -> None:
@@ -174,6 +177,7 @@ class OverheadOptions:
             raise ValueError(f"--width must be a multiple of 32 (heads of 32), got {self.width}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        allocator_env(self.allocator)  # raises on an unknown allocator
         if self.interleave not in INTERLEAVINGS:
             raise ValueError(f"--interleave must be one of {', '.join(INTERLEAVINGS)}, got {self.interleave!r}")
 
@@ -519,7 +523,8 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
         print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps, "
               f"interleaved by {o.interleave}", flush=True)
         queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
+        with environment(allocator_env(o.allocator)):  # read by each rank's C library as it starts
+            mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
         per_rank = dict(queue.get() for _ in range(world_size))
         rows += summarise(o, world_size, per_rank)
         Path(o.out, "overhead.json").write_text(json.dumps({"options": dataclasses.asdict(o), "rows": rows}, indent=1))
@@ -545,13 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         help="steps (default): one step of each mode in turn; modes: each mode's steps in a row, built afresh each round",
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--allocator", choices=ALLOCATORS, default=d.allocator, help="the ranks' CPU allocator (bench/allocator.py)")
     p.add_argument("--out", default=d.out)
     args = p.parse_args(argv)
     try:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "out")},
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "allocator", "out")},
             tables={"auto": "auto", "rows": True, "dense": False}[args.tables],
         )  # fmt: skip
     except ValueError as e:

@@ -19,6 +19,7 @@ from tabulate import tabulate
 from graphddp.ddp import BucketOptions
 from graphddp.tools.launch import free_port, processes_with, stop_job
 
+from .allocator import allocator_env
 from .link import Link, LinkSpec
 from .modes import MODES, NO_DDP, ModeName, compute_baseline
 from .predict import predict_modes
@@ -47,6 +48,9 @@ class BenchOptions(BucketOptions):
     inner: str = "inductor"
     link: str = "loopback"
     """``loopback`` or ``RATE[:DELAY]`` (``2gbit``, ``1gbit:2ms``)."""
+    allocator: str = "system"
+    """The ranks' CPU memory allocator: ``system`` or ``retain`` (``bench.allocator``: freed memory kept and reused,
+    no page faults for the next step's tensors)."""
     out: str = "bench-out"
 
     def __post_init__(self) -> None:
@@ -67,6 +71,7 @@ class BenchOptions(BucketOptions):
             raise ValueError(f"rounds must be between 1 and iters ({self.iters}), got {self.rounds}")
         if self.link != "loopback":
             LinkSpec.parse(self.link)
+        allocator_env(self.allocator)  # raises on an unknown allocator
 
 
 AGAINST_TORCH = (
@@ -95,8 +100,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
     config_path.write_text(json.dumps(config, indent=2))
     for stale in out.glob("rank*.json"):
         stale.unlink()
+    env = allocator_env(options.allocator)
     if options.link == "loopback":
-        run_jobs([_torchrun(options.world_size, 1, 0, "127.0.0.1", config_path)], str(config_path))
+        run_jobs([_torchrun(options.world_size, 1, 0, "127.0.0.1", config_path)], str(config_path), env)
     else:
         with Link(LinkSpec.parse(options.link), options.world_size) as link:
             commands = [
@@ -104,7 +110,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 for r in range(options.world_size)
             ]
             # Every namespace has the same hostname, so gloo must be told which interface to use.
-            run_jobs(commands, str(config_path), {"GLOO_SOCKET_IFNAME": "eth0"})
+            run_jobs(commands, str(config_path), {**env, "GLOO_SOCKET_IFNAME": "eth0"})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(options.world_size)]
     return summarize(options, ranks)
 
