@@ -140,7 +140,8 @@ def cell(
     if limit is not None and picked is not None:
         ratios["model's pick / limit"] = picked["median_s"] / limit
     result: dict[str, Any] = {
-        "workload": workload, "link": link, "median_s": median, "limit_s": limit, "ratios": ratios,
+        "workload": workload, "link": link, "allocator": summary["options"].get("allocator", "system"),
+        "median_s": median, "limit_s": limit, "ratios": ratios,
         "prediction_error": {m: v["prediction_error"] for m, v in modes.items() if "prediction_error" in v},
         "met": {} if crowded else {label: ratios[label] <= target for label, target in TARGETS.items() if label in ratios},
         "oversubscribed": crowded,

@@ -115,8 +115,9 @@ class BucketAllReduce(torch.autograd.Function):
             for g, s in zip(grads, ctx.shapes)
         ]
         # [1]: this rank's flag, times the divisor the average divides it by, so the ranks' flags are summed; in
-        # the bucket's own all-reduce where its dtype counts the ranks exactly, else apart (_sum_flags)
-        together = ctx.signals and _counts_ranks(ctx.wire or some.dtype, ctx.divisor)
+        # the bucket's own all-reduce where both its dtypes (the gradients', the wire's) count the ranks exactly,
+        # else apart (_sum_flags): bf16 gradients sent as fp16 still round the fp16 sum back to bf16
+        together = ctx.signals and all(_counts_ranks(d, ctx.divisor) for d in (some.dtype, ctx.wire) if d is not None)
         told = [ctx.saved_tensors[0].to(some.dtype) * ctx.divisor] if together else []
         if ctx.pieces is not None:  # one big gradient in blocks of rows (Note [Gradient pieces])
             averaged, summed = _average_in_pieces(grads, flats, told, ctx)

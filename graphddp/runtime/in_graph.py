@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 class AbandonSignal:
     """Tells every rank that some rank abandoned an in-graph backward (Note [Abandoned backward] in
     ``graphddp.runtime.iteration``), with no collective of its own: one more element in the first bucket's
-    all-reduce of the next in-graph backward (apart only where that bucket's dtype cannot count the ranks).
+    all-reduce of the next in-graph backward (in a float32 all-reduce of its own where that bucket's dtypes, its
+    gradients' and a compressing hook's, cannot count the ranks, and beside a table's rows).
 
     ``tensor`` ([1] float32, requires grad) is the last input of the first in-graph variant run in a training
     forward (later runs get ``spare``, zero, so it is summed once); its value is this rank's flag (1 once this

@@ -54,8 +54,9 @@ the graphs' outputs still sees the abandoned backward, and the other ranks are t
 anyway: every in-graph variant takes one more input, the abandon signal (``AbandonSignal`` in
 ``graphddp.runtime.in_graph``: a [1] tensor that requires grad, 1 on a rank that abandoned its last backward),
 which its first bucket's all-reduce carries as one more element (an all-reduce of its own in float32 where that
-bucket's dtype cannot count the ranks exactly: bfloat16 beyond 256 ranks, float16 beyond 2048); the sum over the
-ranks comes back as the signal's gradient. It is copied to the host at the next training forward (no host sync on a GPU) and read at the
+bucket's gradients or a compressing hook's wire dtype cannot count the ranks exactly: bfloat16 beyond 256 ranks,
+float16 beyond 2048; and where the first bucket is a table's rows); the sum over the ranks comes back as the
+signal's gradient. It is copied to the host at the next training forward (no host sync on a GPU) and read at the
 one after, on every rank alike: some but not all ranks: every rank raises, two training forwards after the
 backward that carried it; all of them: training goes on. The abandoning rank also warns at once. (An exception
 inside the compiled backward itself, between two of its collectives, leaves them unmatched either way: the split

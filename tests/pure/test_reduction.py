@@ -136,7 +136,7 @@ class Layers(nn.Module):
 
 def _backward_of_reducing_graph(
     caps: BucketCaps, model: nn.Module | None = None, schedule: Any = sink_waits, signal: bool = False, step_key: Any = None,
-    world_size: int = 2,
+    world_size: int = 2, wire: torch.dtype | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, BucketPlan, int]:
     model = model if model is not None else Layers()
     dtype = next(model.parameters()).dtype
@@ -144,7 +144,7 @@ def _backward_of_reducing_graph(
     prepared = prepare_graph(captured.gm, captured.example_inputs, parameter_names(model), caps=caps, row_sparse=False)
     reducing = insert_bucket_reductions(
         captured.gm, prepared.params, prepared.plan, group_names=("0",), divisor=world_size, signal=signal,
-        step_key=step_key,
+        step_key=step_key, wire=wire,
     )
     example_inputs = [*captured.example_inputs, *([torch.zeros(1, requires_grad=True)] if signal else [])]
     forward, backward = traced(reducing, example_inputs, schedule)
@@ -186,21 +186,32 @@ def test_the_first_bucket_carries_the_abandon_signal_and_its_sum_is_the_signals_
     assert [n.args[0].meta["val"].numel() for n in plain_backward.graph.nodes if n.target is ALL_REDUCE][0] == plan.buckets[0].numel
 
 
-@pytest.mark.parametrize(("dtype", "ranks", "apart"), [(torch.bfloat16, 256, False), (torch.bfloat16, 257, True), (torch.float16, 2049, True), (torch.float32, 2049, False)])
+@pytest.mark.parametrize(
+    ("dtype", "wire", "ranks", "apart"),
+    [
+        (torch.bfloat16, None, 256, False),
+        (torch.bfloat16, None, 257, True),
+        (torch.float16, None, 2049, True),
+        (torch.float32, None, 2049, False),
+        (torch.bfloat16, torch.float16, 257, True),  # the fp16 sum is cast back to bf16: 257 -> 256
+        (torch.float32, torch.bfloat16, 257, True),  # fp32 gradients sent as bf16 (bf16_compress_hook)
+    ],
+)
 def test_the_abandon_signal_goes_apart_in_float32_where_the_first_buckets_dtype_cannot_count_the_ranks(
-    dtype: torch.dtype, ranks: int, apart: bool
+    dtype: torch.dtype, wire: torch.dtype | None, ranks: int, apart: bool
 ) -> None:
     """In bfloat16 a sum of 257 ones is 256: "every rank abandoned" would read as "256 of 257" and raise on every
-    rank. Where the dtype cannot count the ranks, the flag goes in a [1] float32 all-reduce of its own."""
+    rank. Where the gradients' dtype or the wire's (a compressing comm hook's) cannot count the ranks, the flag goes
+    in a [1] float32 all-reduce of its own."""
     caps = BucketCaps(bucket=1200, first=1200, last=1200)
-    _, backward, plan, _ = _backward_of_reducing_graph(caps, Layers().to(dtype), signal=True, world_size=ranks)
+    _, backward, plan, _ = _backward_of_reducing_graph(caps, Layers().to(dtype), signal=True, world_size=ranks, wire=wire)
     reduces = [n.args[0].meta["val"] for n in backward.graph.nodes if n.target is ALL_REDUCE]
     sizes = [(value.numel(), value.dtype) for value in reduces]
-    buckets = [(b.numel, dtype) for b in plan.buckets]
+    buckets = [(b.numel, wire or dtype) for b in plan.buckets]
     if apart:
         assert sorted(sizes, key=str) == sorted([*buckets, (1, torch.float32)], key=str)
     else:
-        assert sizes == [(buckets[0][0] + 1, dtype), *buckets[1:]]
+        assert sizes == [(buckets[0][0] + 1, wire or dtype), *buckets[1:]]
     assert torch.tensor(1.0, dtype=torch.bfloat16).expand(257).cumsum(0)[-1] == 256  # why: the sum stops at 256
 
 
