@@ -18,10 +18,6 @@ library other than glibc ignores the variables.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-
 ALLOCATORS = ("system", "retain")
 
 _RETAIN = {
@@ -36,18 +32,3 @@ def allocator_env(allocator: str) -> dict[str, str]:
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}")
     return dict(_RETAIN) if allocator == "retain" else {}
-
-
-@contextlib.contextmanager
-def environment(extra: dict[str, str]) -> Iterator[None]:
-    """``extra`` in ``os.environ`` while the block runs (processes spawned in it start with it), then as before."""
-    before = {name: os.environ.get(name) for name in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -77,6 +77,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ from tabulate import tabulate
 from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port
 
-from .allocator import ALLOCATORS, allocator_env, environment
+from .allocator import ALLOCATORS, allocator_env
 from .as_ready import AsReady, bucket_layout, ready_order
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
@@ -523,7 +524,7 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
         print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps, "
               f"interleaved by {o.interleave}", flush=True)
         queue = mp.get_context("spawn").SimpleQueue()
-        with environment(allocator_env(o.allocator)):  # read by each rank's C library as it starts
+        with mock.patch.dict(os.environ, allocator_env(o.allocator)):  # read by each rank's C library as it starts
             mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
         per_rank = dict(queue.get() for _ in range(world_size))
         rows += summarise(o, world_size, per_rank)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.allocator import allocator_env, environment
+from bench.allocator import allocator_env
 from bench.overhead import OverheadOptions
 from bench.run import BenchOptions
 
@@ -51,17 +51,12 @@ def test_retain_keeps_freed_memory_so_the_next_tensor_touches_no_fresh_pages() -
     assert retain * 2 < system, (system, retain)
 
 
-def test_an_unknown_allocator_is_refused_in_one_line_and_environment_restores_what_it_set() -> None:
+def test_an_unknown_allocator_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="allocator must be one of system, retain, got 'jemalloc'"):
         BenchOptions(allocator="jemalloc")
     with pytest.raises(ValueError, match="allocator must be one of system, retain"):
         OverheadOptions(allocator="tcmalloc")
     assert allocator_env("system") == {}
-    name = "MALLOC_TRIM_THRESHOLD_"
-    before = os.environ.get(name)
-    with environment(allocator_env("retain")):
-        assert os.environ[name] == str(16 << 30)
-    assert os.environ.get(name) == before
 
 
 def test_a_bench_run_starts_its_ranks_with_the_allocators_environment(tmp_path, monkeypatch) -> None:
@@ -82,3 +77,24 @@ def test_a_bench_run_starts_its_ranks_with_the_allocators_environment(tmp_path, 
         with pytest.raises(Started):
             bench.run.run(BenchOptions(allocator=allocator, out=str(tmp_path / allocator)))
         assert started.pop() == expected
+
+
+def test_an_overhead_run_starts_its_ranks_with_the_allocators_environment_and_restores_it_after(tmp_path, monkeypatch) -> None:
+    """``bench.overhead.run`` spawns its ranks with the allocator's variables set, and leaves ``os.environ`` as it
+    found it."""
+    import bench.overhead
+
+    seen: list[str | None] = []
+
+    class Started(Exception):
+        pass
+
+    def start_processes(*args: object, **kwargs: object) -> None:
+        seen.append(os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+        raise Started
+
+    monkeypatch.setattr(bench.overhead.mp, "start_processes", start_processes)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    with pytest.raises(Started):
+        bench.overhead.run(OverheadOptions(world_sizes=(1,), allocator="retain", out=str(tmp_path)))
+    assert seen == [str(16 << 30)] and "MALLOC_TRIM_THRESHOLD_" not in os.environ
