@@ -58,6 +58,10 @@ workers doing the collectives). On a machine whose cores the
 ranks share (2 vCPUs, 2 ranks), a step's time is mostly its CPU time, which varies less from step to step than
 wall time does: it separates what a DDP *does* from when it waits, and its own work from its collectives'.
 
+And it counts the minor page faults each step takes a rank (``page faults``: ``minor_page_faults``): a DDP that
+allocates its buffers afresh each step, where glibc hands large blocks back to the OS when they are freed, faults
+every page of them in again each step (``--allocator retain`` keeps them; ``docs/benchmarks.md``, session 30).
+
 Prints a table and writes ``DIR/overhead.json``. ``bench.gpu`` is the GPU-sized sibling (GPT-2-small at full width).
 """
 
@@ -69,6 +73,7 @@ import functools
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import threading
@@ -289,7 +294,8 @@ def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
     idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     modes = o.modes(dist.get_world_size())
-    record: dict[str, Any] = {m: {"times_s": [], "cpu_s": [], "other_threads_cpu_s": [], "compiles_while_timed": 0} for m in modes}
+    record: dict[str, Any] = {m: {"times_s": [], "cpu_s": [], "other_threads_cpu_s": [], "page_faults": [], "compiles_while_timed": 0}
+                             for m in modes}  # fmt: skip
     rounds = _rounds_of_steps if o.interleave == "steps" else _rounds_of_modes
     rounds(o, modes, x, y, record)
     return record
@@ -366,10 +372,12 @@ class _Prepared:
 
     def time_one(self, o: OverheadOptions, record: dict[str, Any]) -> None:
         compiled = graphs_compiled()
+        faults = minor_page_faults()
         start, cpu, here = time.perf_counter(), time.process_time(), time.thread_time()
         self.step()
         _sync(o)
         here = time.thread_time() - here  # read inside the process clock's interval, so the difference is >= 0
+        record["page_faults"].append(minor_page_faults() - faults)
         record["cpu_s"].append(time.process_time() - cpu)
         record["times_s"].append(time.perf_counter() - start)
         record["other_threads_cpu_s"].append(record["cpu_s"][-1] - here)
@@ -394,6 +402,14 @@ class _Prepared:
 def _sync(o: OverheadOptions) -> None:
     if o.device == "cuda":
         torch.cuda.synchronize()
+
+
+def minor_page_faults() -> int:
+    """This process's minor page faults so far: each first touch of a page the kernel has just mapped. glibc maps
+    large allocations afresh and unmaps them when freed (``bench/allocator.py``), so a DDP that allocates its
+    buffers each step pays a fault per 4 KiB page each step; on a VM with nested paging that is microseconds each.
+    Counted, not timed: the ``page faults`` column says which DDP allocates afresh, whatever the machine's noise."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def graphs_compiled() -> int:
@@ -457,6 +473,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
         rows.append({"mode": mode, "step_s": statistics.median(times), "round_step_s": rounds,
                      "cpu_s": _mean_of_medians(per_rank, mode, "cpu_s"),
                      "other_threads_cpu_s": _mean_of_medians(per_rank, mode, "other_threads_cpu_s"),
+                     "page_faults": _mean_of_medians(per_rank, mode, "page_faults"),
                      "backward_calls": per_rank[0][mode].get("backward_calls"),
                      "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
                      "reduction": per_rank[0][mode].get("reduction"),
@@ -470,6 +487,8 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
             row["round_added_s"] = [t - b for t, b in zip(row["round_step_s"], base["round_step_s"], strict=True)]
             row["added_calls"] = row["backward_calls"] - base["backward_calls"]
             row["added_cpu_s"] = row["cpu_s"] - base["cpu_s"] if row["cpu_s"] is not None and base["cpu_s"] is not None else None
+            if row["page_faults"] is not None and base["page_faults"] is not None:
+                row["added_page_faults"] = row["page_faults"] - base["page_faults"]
     for row in rows:
         name, _, inner = row["mode"].partition(":")
         if (peer := torch_peer_of(name)) is not None:
@@ -506,14 +525,18 @@ def render(rows: list[dict[str, Any]]) -> str:
     def ratio(v: float | None) -> str:
         return "" if v is None else f"{v:.2f}"
 
+    def count(v: float | None) -> str:
+        return "" if v is None else f"{v:.0f}"
+
     table = [
         [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
          ratio(r.get("added_vs_torch")), round_spread(r.get("added_vs_torch_rounds")), ms(r.get("cpu_s")), ms(r.get("added_cpu_s")),
-         ms(r.get("other_threads_cpu_s")), r["backward_calls"], r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or ""]
+         ms(r.get("other_threads_cpu_s")), count(r.get("page_faults")), count(r.get("added_page_faults")), r["backward_calls"],
+         r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or ""]
         for r in rows
     ]  # fmt: skip
     headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "per round: median (range)", "cpu ms",
-               "added cpu ms", "other threads cpu ms", "py calls (bwd)", "added calls", "buckets", "reduction"]  # fmt: skip
+               "added cpu ms", "other threads cpu ms", "page faults", "added faults", "py calls (bwd)", "added calls", "buckets", "reduction"]  # fmt: skip
     return tabulate(table, headers=headers, disable_numparse=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from bench.overhead import (
     isolated_model,
     link_beside,
     main,
+    minor_page_faults,
     round_spread,
     summarise,
     torch_peer_of,
@@ -76,6 +78,23 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
+
+
+def test_page_faults_are_counted_per_step_and_read_against_the_baseline() -> None:
+    fresh = mmap.mmap(-1, 64 * mmap.PAGESIZE)  # pages from the OS, whatever the allocator keeps: none touched yet
+    before = minor_page_faults()
+    for page in range(0, len(fresh), mmap.PAGESIZE):
+        fresh[page] = 1  # each first touch: one fault
+    assert minor_page_faults() - before >= 32  # the kernel may map a few around each fault, never all 64 at once
+    fresh.close()
+    o = OverheadOptions(inners=())
+    faults = {"local": 10, "torch-eager": 12, "graphddp-eager": 4000}
+    per_rank = {r: {m: {"times_s": [1e-3] * 3, "page_faults": [f + r, f + r, 10**6], "backward_calls": 1, "params": 5}
+                    for m, f in faults.items()} for r in (0, 1)}  # fmt: skip
+    rows = {r["mode"]: r for r in summarise(o, 1, per_rank)}
+    assert rows["graphddp-eager"]["page_faults"] == pytest.approx(4000.5)  # each rank's median, averaged: no outlier
+    assert rows["graphddp-eager"]["added_page_faults"] == pytest.approx(3990)
+    assert rows["torch-eager"]["added_page_faults"] == pytest.approx(2)
 
 
 def test_each_mode_is_measured_against_its_kind_of_baseline_and_pytorch_peer() -> None:
@@ -168,8 +187,9 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert by_mode["graphddp-eager"]["added_calls"] > 0  # graphddp's hooks are Python; PyTorch's are C++
     assert all(r["cpu_s"] > 0 for r in rows) and by_mode["graphddp-eager"]["added_cpu_s"] is not None
     assert all(0 <= r["other_threads_cpu_s"] <= r["cpu_s"] for r in rows)  # one rank: no collective, little beside
+    assert all(r["page_faults"] >= 0 for r in rows) and by_mode["graphddp-eager"]["added_page_faults"] is not None
     out = capsys.readouterr().out
-    assert "graphddp-eager" in out and "added cpu ms" in out and "other threads cpu ms" in out
+    assert "graphddp-eager" in out and "added cpu ms" in out and "other threads cpu ms" in out and "page faults" in out
 
 
 @pytest.mark.timeout(300, func_only=True)
