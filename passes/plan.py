@@ -80,7 +80,8 @@ first bucket, then 25 MiB buckets to the end) leaves the network idle or exposed
 The order of cutting: the first bucket from the start, then the tail from the end, then the head ramp and the
 middle on what is left. The price is a few more collectives (and, compiled, more graph segments): at the default
 caps (25, 1, 1 MiB) up to four more at the head and five at the tail. ``BucketCaps(ramps=False)`` (DDP's
-``bucket_ramps=False``) gives PyTorch's layout.
+``bucket_ramps=False``) gives PyTorch's sequence of caps (each still a bound, where PyTorch's Reducer closes a
+bucket once it holds its cap or more).
 
 The ramps step by bucket, not by bytes: a parameter larger than its slot's cap takes the slot alone, and the
 next, doubled cap may then hold only a little (a 0.25 MB bucket between the 3 MB and 16 MB ones of the bench
@@ -209,7 +210,8 @@ class BucketCaps:
 
     ramps: bool = True
     """Ramp the caps up after the first bucket and down to ``last`` at the end (Note [Bucket ramps]). False
-    gives PyTorch's layout: the first bucket, then buckets of up to ``bucket`` to the end."""
+    gives PyTorch's caps: the first bucket, then buckets of up to ``bucket`` to the end (at most: PyTorch's
+    Reducer closes a bucket at its cap or more, so at one cap it may cut fewer, larger buckets)."""
 
     sequence: tuple[int, ...] = ()
     """Every bucket's cap, in ready order (PyTorch's ``bucket_cap_mb_list``): bucket ``k`` of each dtype/device
