@@ -266,8 +266,12 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     def _broadcast_buffers(self, src: int) -> None:
         # Buffers may have been replaced since construction: look them up each time.
-        buffers = [b.detach() for _, b in self._synced_buffers()]
-        self.reducer.plans.broadcast_buffers(buffers, src, counted=not self._join_config.enable)  # an out-of-step guard
+        synced = tuple(b for _, b in self._synced_buffers())
+        # The broadcast writes the buffers in place on the receiving ranks; a forward before it (two forwards, one
+        # backward: a Siamese model's BatchNorm) may have saved them for its backward, which would then find them
+        # modified and raise on those ranks only. As PyTorch's DDP, keep their version counters.
+        with torch.autograd._unsafe_preserve_version_counter(synced):
+            self.reducer.plans.broadcast_buffers([b.detach() for b in synced], src, counted=not self._join_config.enable)  # an out-of-step guard
 
     def _broadcast_state(self, src: int, buffers: bool | None = None) -> None:
         """Parameters (and buffers: by default with ``broadcast_buffers``) from ``src`` to every rank, ignored ones

@@ -40,3 +40,23 @@ def test_a_forward_through_the_wrapper_on_one_rank_is_named_on_every_rank_once()
 @pytest.mark.parametrize("how", ["every rank", "module on rank 0", "none"])
 def test_forwards_every_rank_runs_alike_warn_nothing(how: str) -> None:
     assert run_on_ranks(train_with_a_log, 2, how, timeout=120) == [[], []]
+
+
+def two_forwards_then_one_backward(rank: int, world: int) -> list[torch.Tensor]:
+    """A Siamese step: two forwards through the wrapper (each broadcasts BatchNorm's buffers, written in place on
+    rank 1), then one backward through both; the averaged gradients."""
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(WithBatchNorm(), bucket_cap_mb=0.002)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randn(8, 12, generator=g)
+        (ddp(x).pow(2).mean() + ddp(2 * x).pow(2).mean()).backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_two_forwards_then_one_backward_with_batchnorm_trains_on_every_rank() -> None:
+    """The buffers' broadcast keeps their version counters (as PyTorch's DDP): rank 1's backward must not find the
+    running statistics the first forward saved "modified by an inplace operation"."""
+    grads = run_on_ranks(two_forwards_then_one_backward, 2, timeout=120)
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs)  # averaged: the same on both ranks
