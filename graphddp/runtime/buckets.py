@@ -313,8 +313,8 @@ class BucketSlots:
         return bucket if bucket.mark_ready(where[1]) else None
 
     def mark_unused(self, unused: list[int], mark: Callable[[int], None], mark_part: Callable[[Where], None]) -> None:
-        """The forward's unused parameters are ready at once, their parts too (no gradient reaches them, through a
-        tap neither): ``mark(i)``, ``mark_part(where)``."""
+        """The forward's unused parameters are ready, their parts too (no gradient reaches them, through a tap
+        neither): ``mark(i)``, ``mark_part(where)``; at the backward's first hook (Note [Reducer])."""
         for i in unused:
             mark(i)
             for where in self.parts_of.get(i, ()):

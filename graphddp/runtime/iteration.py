@@ -96,7 +96,8 @@ class NotBegun:
     [Counting without a frame] in ``graphddp.runtime.arrivals``)."""
 
     def all_launched(self, finalize: Callable[[], None]) -> None:
-        """Every bucket is launched (here: by the forward's unused parameters alone)."""
+        """Every bucket is launched (never before the first hook: the forward's unused parameters are marked
+        ready there)."""
 
     def check_finished(self, rank: int) -> None:
         """Raise if a backward with this ending ended unfinished (called by the next forward)."""
@@ -195,8 +196,8 @@ class BackwardWatch:
 
 class Phase(enum.Enum):
     """Where an iteration stands among its own collectives besides the buckets, each issued once, in this order.
-    (Not the backward: the forward's unused parameters may launch every bucket, and so start the count, before
-    any hook.)"""
+    (Not the backward: the forward's unused parameters, marked ready at its first hook, may launch every bucket
+    there, and so start the count, before any other gradient is in.)"""
 
     PREPARED = 1
     """The forward is done (``prepare_for_backward``); nothing issued yet."""

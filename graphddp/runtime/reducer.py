@@ -9,9 +9,10 @@ One iteration, on every rank:
    (``graphddp.runtime.plans``, Note [Plan agreement]).
 2. ``prepare_for_backward(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
    (``graphddp.runtime.iteration``: its phase among its own collectives, and how its backward ends), every bucket
-   reset, and the parameters the usage policy (``graphddp.runtime.unused``) finds unused marked ready at once,
-   their parts too (the plan-agreement all-reduce first, as they may launch a bucket).
-3. Backward: a post-accumulate-grad hook per parameter fires when its ``.grad`` is final and marks its slot
+   reset, and the parameters the usage policy (``graphddp.runtime.unused``) finds unused noted.
+3. Backward: the first gradient hook marks the noted parameters ready, their parts too (as PyTorch's Reducer
+   does: a bucket they complete launches, and a forward that no backward follows must issue nothing, whichever
+   parameters each rank left unused). A post-accumulate-grad hook per parameter fires when its ``.grad`` is final and marks its slot
    ready (in steady state it only counts its bucket down: Note [Hook that only counts] in
    ``graphddp.runtime.countdown``); a tap hands over a *part* of a tied weight's gradient through the compile backend's view of the Reducer
    (``graphddp.runtime.target``), written into its slot at once (``take_part``). When a bucket is complete, its
@@ -195,7 +196,6 @@ class Reducer:
         self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescale)
         iteration.before_last(self._launcher, self.usage, self.plans)  # the agreement and usage count (Note [Reducer])
         self._countdown.prepare(steady=not (iteration.local_unused or self._events.recording or self.plans.ready_order.learning))
-        self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
         iteration.watch.watch(outputs)  # a backward that raises before the first hook is drained too
 
     def on_grad_ready(self, i: int) -> None:
@@ -228,10 +228,15 @@ class Reducer:
         return True
 
     def _begin_backward(self, iteration: Iteration) -> None:
-        """The first hook: the ending, and the steady hook where nothing is asked per gradient."""
+        """The first hook: the ending, the steady hook where nothing is asked per gradient, and the parameters this
+        rank's forward did not use, marked ready. Marked here, not at the end of the forward, as PyTorch's Reducer
+        does: a bucket they complete launches its collective, and a forward that no backward follows (an
+        evaluation with gradients enabled, a skipped batch) must issue none, whichever parameters each rank
+        used."""
         iteration.begin_backward(self._finalize)
         self.stats.mark("backward_start")
         self._countdown.arm(per_gradient_work=self._events.recording or self.plans.ready_order.learning)
+        self._slots.mark_unused(iteration.local_unused, self._mark_ready, self._part_ready)
 
     def _mark_ready(self, i: int) -> None:
         """Parameter ``i``'s gradient is final: copied with the bucket's others once it is complete."""

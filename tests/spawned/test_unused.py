@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from models import build_model
 from ranks import run_on_ranks
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from training import CAPS, Case, batch_for, loss_for, state_of
 
 import graphddp
@@ -87,3 +88,56 @@ def test_skip_all_reduce_unused_params_skips_what_no_rank_used_and_reduces_late_
         if compiled:  # the skip needs the Reducer's hooks: every graph stays on the split, and says why
             assert len(strategies) == (2 if rank == 0 else 1), strategies
             assert all(s.startswith("split") and "skip_all_reduce_unused_params" in s for s in strategies), strategies
+
+
+# -- a forward that no backward follows ----------------------------------------------------------------------------
+class PerRankHead(nn.Module):
+    """A trunk and one head per rank: each rank leaves the other ranks' heads unused (per-rank heads, experts)."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(12, 16)
+        self.heads = nn.ModuleList(nn.Linear(16, 6) for _ in range(world))
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](torch.relu(self.trunk(x)))  # [B, 12] -> [B, 6]
+
+
+def train_with_an_evaluation_forward(rank: int, world: int, impl: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Four steps; after step 1 a forward with gradients enabled and no backward (an evaluation that forgot
+    ``no_grad``). Returns the module's state and the buckets a comm hook was asked to reduce, in order."""
+    # 52-byte caps: each tensor a bucket of its own, so the first buckets in ready order (rank 0's: its head first)
+    # are exactly what rank 1 leaves unused.
+    kwargs: dict[str, Any] = {"find_unused_parameters": True, "bucket_cap_mb": 0.00005}
+    module = PerRankHead(world)
+    ddp: nn.Module = graphddp.DDP(module, first_bucket_cap_mb=0.00005, **kwargs) if impl == "graphddp" else nn.parallel.DistributedDataParallel(module, **kwargs)
+    reduced: list[int] = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: PyTorch checks a real annotation
+        reduced.append(bucket.index())
+        return allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = batch_for(Case(), step, 0, rank)
+        F.mse_loss(ddp(x, rank), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            reduced_before = len(reduced)
+            ddp(x, rank)  # no backward: no collective, on any rank (the heads it leaves unused differ by rank)
+            assert len(reduced) == reduced_before, f"rank {rank}: a forward alone reduced buckets {reduced[reduced_before:]}"
+    return state_of(ddp.module), reduced
+
+
+def test_a_forward_no_backward_follows_reduces_nothing_whatever_each_rank_left_unused() -> None:
+    """Parameters unused in a forward are marked ready at the backward's first gradient, as PyTorch's Reducer
+    does, not at the forward's end: a bucket they complete would otherwise be reduced by a forward alone, on the
+    ranks whose unused parameters complete it, and the ranks would issue different collectives."""
+    ours = run_on_ranks(train_with_an_evaluation_forward, 2, "graphddp", timeout=120)
+    theirs = run_on_ranks(train_with_an_evaluation_forward, 2, "torch", timeout=120)
+    for (state, _), (reference, _) in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(state, reference)
+    assert ours[0][1] == ours[1][1]  # the same buckets, in the same order, on both ranks
