@@ -135,6 +135,35 @@ def test_a_feature_set_after_compiling_closes_the_gate(feature: str) -> None:
         assert opened == [False, True, True, False, False]
 
 
+def register_late_then_recompile_alone(rank: int, world: int) -> list[bool]:
+    """A built-in comm hook registered after compiling (step 3), then rank 0 alone compiles the graph again (a
+    shorter batch at step 4): the gate stays closed on every rank, and the gradients stay PyTorch's DDP's."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp, ref = fresh_pair()
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    opened = []
+    for step in range(6):
+        if step == 3:
+            for module in (ddp, ref):
+                module.register_comm_hook(None, allreduce_hook)
+        x, y = batch(step, 0, rank)
+        if step >= 4 and rank == 0:
+            x, y = x[:4], y[:4]  # another shape on rank 0 only: Dynamo compiles the graph again there
+        for module in (compiled, ref):
+            F.mse_loss(module(x), y).backward()
+        opened.append(ddp.reducer.compile_target.gate.open)
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        ddp.zero_grad(), ref.zero_grad()
+    return opened
+
+
+def test_a_graph_compiled_again_on_one_rank_after_a_late_comm_hook_keeps_the_gate_closed() -> None:
+    for opened in run_on_ranks(register_late_then_recompile_alone, 2, timeout=180):
+        assert opened == [False, True, True, False, False, False]
+
+
 def users_allreduce(state, bucket):  # a comm hook a user wrote: Python graphddp does not trace
     import torch.distributed as dist
 
