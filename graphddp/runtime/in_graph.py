@@ -52,11 +52,12 @@ class AbandonSignal:
         self._told = False  # this rank's flag is set
         self._handed = False  # this forward's first in-graph run has the signal
         self._carried = False  # ... and its value was this rank's flag
+        self._told_since_handed = False  # a later abandon set the flag again: it stays once the carried one is counted
         self._pending: tuple[torch.Tensor, Any, bool] | None = None  # (count on the host, copy's event, told here)
 
     def tell(self) -> None:
         """This rank abandoned its last in-graph backward: the next one carries the flag."""
-        self._told = True
+        self._told = self._told_since_handed = True
         with torch.no_grad():
             self.tensor.fill_(1.0)
 
@@ -64,7 +65,7 @@ class AbandonSignal:
         """The last input of an in-graph variant about to run: the signal for the forward's first run."""
         if self._handed:
             return self.spare
-        self._handed, self._carried = True, self._told
+        self._handed, self._carried, self._told_since_handed = True, self._told, False
         return self.tensor
 
     def begin_training_forward(self) -> None:
@@ -89,10 +90,12 @@ class AbandonSignal:
             self._pending = (host, event, self._carried)
         else:
             self._pending = (count.to("cpu"), None, self._carried)
-        if self._carried:  # told once (a flag set since, by a later abandon, stays for the next backward)
-            self._told = self._carried = False
-            with torch.no_grad():
-                self.tensor.zero_()
+        if self._carried:  # told once; a flag set since, by a later abandon (``tell`` runs first), stays
+            self._carried = False
+            if not self._told_since_handed:
+                self._told = False
+                with torch.no_grad():
+                    self.tensor.zero_()
 
     def _check(self, count: float, told_here: bool) -> None:
         ranks = round(count)
