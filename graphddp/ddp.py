@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.utils.rnn import PackedSequence
 
 from .compiler import compile_target, dynamo_hook
 from .compiler.backend import GraphDDPBackend, inner_compiler
@@ -267,10 +268,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     def _broadcast_buffers(self, src: int) -> None:
         # Buffers may have been replaced since construction: look them up each time.
         synced = tuple(b for _, b in self._synced_buffers())
-        # The broadcast writes the buffers in place on the receiving ranks; a forward before it (two forwards, one
-        # backward: a Siamese model's BatchNorm) may have saved them for its backward, which would then find them
-        # modified and raise on those ranks only. As PyTorch's DDP, keep their version counters.
-        with torch.autograd._unsafe_preserve_version_counter(synced):
+        with torch.autograd._unsafe_preserve_version_counter(synced):  # as PyTorch's DDP (PlanKeeper.broadcast_buffers)
             self.reducer.plans.broadcast_buffers([b.detach() for b in synced], src, counted=not self._join_config.enable)  # an out-of-step guard
 
     def _broadcast_state(self, src: int, buffers: bool | None = None) -> None:
@@ -415,12 +413,17 @@ def compile(
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
+    """``obj``'s tensors on ``device``, every container of the type it was (a namedtuple, a ``PackedSequence``, an
+    ``OrderedDict`` or another dict subclass), as PyTorch's DDP moves its inputs (``torch.distributed.utils.
+    _recursive_to``): a forward that reads ``batch.x`` or takes a ``PackedSequence`` gets one."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
         return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_move_to(o, device) for o in obj))
     if isinstance(obj, tuple):
         return tuple(_move_to(o, device) for o in obj)
     if isinstance(obj, list):
         return [_move_to(o, device) for o in obj]
     if isinstance(obj, dict):
-        return {k: _move_to(v, device) for k, v in obj.items()}
+        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
     return obj

@@ -348,7 +348,9 @@ class PlanKeeper:
         from a forward it did not run at the same point (an evaluation forward through the wrapper on some ranks
         only): its next agreement says so and every rank warns, once. Not an error: after a backward the
         collectives still match and the buffers are rank 0's, as in PyTorch's DDP. Not ``counted`` under ``join``,
-        where ranks that joined legitimately stopped counting."""
+        where ranks that joined legitimately stopped counting. Written in place on the receiving ranks, the buffers
+        may be saved by an earlier forward's graph (two forwards, one backward: a Siamese model's BatchNorm): the
+        caller keeps their version counters, as PyTorch's DDP does, or that backward raises on those ranks only."""
         step = torch.tensor([self.training_forwards], dtype=torch.int64, device=self._device)
         broadcast_coalesced([*buffers, step], src=src, group=self._group)
         if counted:  # compared on the device, read with the agreement's verdict (no host sync per forward)

@@ -228,11 +228,7 @@ class Reducer:
         return True
 
     def _begin_backward(self, iteration: Iteration) -> None:
-        """The first hook: the ending, the steady hook where nothing is asked per gradient, and the parameters this
-        rank's forward did not use, marked ready. Marked here, not at the end of the forward, as PyTorch's Reducer
-        does: a bucket they complete launches its collective, and a forward that no backward follows (an
-        evaluation with gradients enabled, a skipped batch) must issue none, whichever parameters each rank
-        used."""
+        """The first hook: the ending, the steady hook, the forward's unused parameters ready (Note [Reducer], 3)."""
         iteration.begin_backward(self._finalize)
         self.stats.mark("backward_start")
         self._countdown.arm(per_gradient_work=self._events.recording or self.plans.ready_order.learning)
