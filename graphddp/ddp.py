@@ -119,7 +119,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.device, self.device_ids = device_of(module, device_ids, output_device, self.rank)
         self._make_reducer(self._first_plan(named, init_sync=init_sync, init_sync_buffers=given.init_sync_buffers))
         self.require_backward_grad_sync = True
-        self._sync_buffers_next_forward = True
+        self.require_forward_param_sync = True  # PyTorch's name: the next forward broadcasts buffers
         for hook in _construction_hooks:  # e.g. checkpoints (Note [Checkpoints] in graphddp.integrations.checkpoint)
             hook()
         buckets = self.bucket_plan.buckets
@@ -252,11 +252,11 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     def _forward_done(self, synchronised: bool) -> None:
         self.reducer.unprepared.forward_ran(grad_enabled=torch.is_grad_enabled(), synchronised=synchronised)
-        self._sync_buffers_next_forward = synchronised  # as PyTorch: buffers broadcast only after a synced forward
+        self.require_forward_param_sync = synchronised  # as PyTorch: buffers broadcast only after a synced forward
 
     # -- buffers and state -------------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
-        wanted = self.world_size > 1 and self.options.broadcast_buffers and self._sync_buffers_next_forward
+        wanted = self.world_size > 1 and self.options.broadcast_buffers and self.require_forward_param_sync
         return wanted and self._has_synced_buffers
 
     @functools.cached_property

@@ -184,6 +184,21 @@ def test_no_sync_skips_the_reducer() -> None:
     assert len(log.of_kind("launch")) == len(ddp.bucket_plan.buckets)
 
 
+def test_require_forward_param_sync_follows_the_forwards_as_pytorchs() -> None:
+    """PyTorch's flag that the next forward broadcasts buffers (accelerate's ``trigger_sync_in_backward`` reads
+    and sets it): True after construction and after a synchronising forward, False after one under ``no_sync``."""
+    seen = {}
+    for name, ddp in (("graphddp", graphddp.DDP(MLP())), ("torch", nn.parallel.DistributedDataParallel(MLP()))):
+        flags = [ddp.require_forward_param_sync]
+        with ddp.no_sync():
+            step(ddp)
+        flags.append(ddp.require_forward_param_sync)
+        step(ddp)
+        flags.append(ddp.require_forward_param_sync)
+        seen[name] = flags
+    assert seen["graphddp"] == seen["torch"] == [True, False, True]
+
+
 def test_missing_gradient_without_the_flag_raises_at_the_next_forward() -> None:
     ddp = graphddp.DDP(Branchy())  # `dead` never takes part
     step(ddp, Case(model="branchy"))  # backward itself completes (no hang)
