@@ -128,6 +128,7 @@ class InGraphGate:
         self.in_graph_forwards = 0
         """Runs of a compiled graph that reduced in-graph (the benchmark and tests read it)."""
         self._runs_before = 0  # in_graph_forwards when this forward began
+        self._ran: set[frozenset[str]] = set()  # the parameter sets of this forward's in-graph runs
         self.watch = BackwardWatch()
         """Sees an in-graph backward that raised (the compiled graphs' switch hands it their outputs)."""
 
@@ -135,6 +136,7 @@ class InGraphGate:
         """At the start of every DDP forward, after the plan switch (a forward without gradients changes
         nothing: it has no backward). ``needs_hooks``: a rank has joined, or a feature set after compiling (a
         comm hook, ``step_in_backward``) needs the Reducer."""
+        self._ran.clear()
         if self.watch.abandoned():
             logger.warning(
                 "[rank %d] graphddp.DDP: the previous backward stopped before its end (an exception inside it) while "
@@ -164,11 +166,20 @@ class InGraphGate:
             self._set(False)
         return self.open
 
-    def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
-        """Asked by each compiled graph as it runs: reduce in-graph (True), or run split (False)?"""
+    def reduces_in_graph(self, params: frozenset[str], can: bool, *, steps: bool = False) -> bool:
+        """Asked by each compiled graph as it runs: reduce in-graph (True), or run split (False)? ``steps``: its
+        backward steps the optimizer (Note [Steps in the compiled backward])."""
         if not self.open:
             return False
         if can and params in self._plans.agreed_in_graph:
+            if steps and params in self._ran:
+                raise RuntimeError(
+                    f"[rank {self._rank}] graphddp.DDP: a graph that steps the optimizer inside its compiled backward "
+                    "(step_in_backward) ran twice in one forward (the same parameters: a block called twice, perhaps "
+                    "across a graph break); each backward would step them on part of their gradient. Step after "
+                    "backward instead, or compile with reduction='split' (Note [Steps in the compiled backward])."
+                )
+            self._ran.add(params)
             self.in_graph_forwards += 1
             return True
         if params in self._plans.agreed_in_graph:  # every other rank runs this graph's in-graph variant

@@ -21,7 +21,9 @@ the same averages into ``.grad`` when the compiled backward returns, as without 
   after a graph was compiled in-graph without these nodes sends every graph back to the split, as before.
 * **One graph**: where the module compiles into several graphs (graph breaks), they run split and the Reducer
   steps. A later graph's backward runs first; a parameter it shares with an earlier graph (a tied weight) would
-  be stepped on part of its gradient, before the earlier graph's backward had read it.
+  be stepped on part of its gradient, before the earlier graph's backward had read it. For the same reason a
+  graph that steps must run once per forward: a second run over the same parameters (a block called twice across
+  a graph break, which Dynamo compiles into graphs of one parameter set) raises before it runs, on every rank.
 * **The key**: an int naming (the DDP's target, the bucket's parameter names), made when the graph is compiled.
   The target is held weakly: a node of a freed DDP steps nothing.
 """

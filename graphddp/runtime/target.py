@@ -240,7 +240,7 @@ class ReducerTarget:
 
     def reduces_in_graph(self, params: frozenset[str], can: bool) -> bool:
         """Asked by each compiled graph as it runs (``graphddp.compiler.in_graph.ReductionSwitch``)."""
-        return self.gate.reduces_in_graph(params, can)
+        return self.gate.reduces_in_graph(params, can, steps=self._stepper is not None)
 
     def take_part(self, key: tuple[str, str], grad: torch.Tensor) -> bool:
         """A tap's backward offers a part of a tied weight's gradient: the Reducer takes it into its slot (True)

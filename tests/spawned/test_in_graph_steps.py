@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import IN, MLP, OUT, GraphBreaks
-from ranks import run_on_ranks
+from ranks import expect_failure_on_every_rank, run_on_ranks
 from training import CAPS
 
 import graphddp
@@ -137,3 +137,34 @@ def compiled_autograd_steps(rank: int, world: int) -> list[tuple[bool, int]]:
 def test_stepping_inside_the_compiled_backward_under_compiled_autograd() -> None:
     for record in run_on_ranks(compiled_autograd_steps, 2):
         assert [open_ for open_, _ in record][1:] == [True, True, True], record
+
+
+class BlockTwice(torch.nn.Module):
+    """One block called twice, a graph break between: two captured graphs over the same two parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Linear(IN, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(x)
+        torch._dynamo.graph_break()
+        return self.block(F.relu(x))[:, :OUT]  # [B, IN] -> [B, OUT]
+
+
+def steps_through_a_block_twice(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ddp = graphddp.DDP(BlockTwice(), **CAPS)
+    ddp.step_in_backward(torch.optim.SGD(ddp.parameters(), lr=0.1))
+    compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager"))
+    for step in range(3):
+        F.mse_loss(compiled(batch(step, 0, rank)[0]), batch(step, 0, rank)[1]).backward()
+
+
+def test_a_stepping_graph_run_twice_in_one_forward_raises_on_every_rank() -> None:
+    """Each backward would step the block on part of its gradient (the later graph's first): a clear error
+    before the second run, on every rank, instead of a silently wrong step."""
+    errors = expect_failure_on_every_rank(steps_through_a_block_twice, 2, timeout=180)
+    for rank, error in errors.items():
+        assert f"[rank {rank}]" in error and "ran twice in one forward" in error, error
