@@ -292,12 +292,15 @@ def _check_device_ids(
     device: torch.device,
     rank: int,
 ) -> list[int] | None:
-    if device_ids is None:
-        return None
     if device.type == "cpu":
-        raise ValueError(
-            f"[rank {rank}] graphddp.DDP: device_ids must be None for a module on the CPU, got {device_ids}"
-        )
+        if device_ids or output_device:  # PyTorch's test: an empty list, or device 0, passes
+            raise ValueError(
+                f"[rank {rank}] graphddp.DDP: device_ids and output_device must be None for a module on the CPU, got "
+                f"device_ids={device_ids}, output_device={output_device}"
+            )
+        return None
+    if not device_ids:  # None or [], as PyTorch: the module's device
+        return None
     if len(device_ids) != 1:
         raise ValueError(
             f"[rank {rank}] graphddp.DDP: device_ids must name the single device of this rank, got {device_ids}"

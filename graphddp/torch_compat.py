@@ -49,6 +49,7 @@ class TorchDDPSurface:
     rank: int
     world_size: int
     device_ids: list[int] | None
+    device: torch.device
     _will_sync_buffers: Callable[[], bool]
 
     # PyTorch's attributes (DistributedDataParallel.__init__ sets them).
@@ -69,7 +70,27 @@ class TorchDDPSurface:
     find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
     static_graph = property(lambda self: self.options.static_graph)
     gradient_as_bucket_view = property(lambda self: self.options.gradient_as_bucket_view)
-    broadcast_buffers = property(lambda self: self.options.broadcast_buffers)
+    is_multi_device_module = False
+    """graphddp wraps a module on one device (PyTorch's attribute: its multi-device path is not here)."""
+
+    @property
+    def device_type(self) -> str:
+        """The type of the module's device (``"cpu"``, ``"cuda"``), as PyTorch's DDP keeps it."""
+        return self.device.type
+
+    @property
+    def output_device(self) -> int | None:
+        """PyTorch's: None for a CPU module or without ``device_ids``, else the device's index."""
+        return None if not self.device_ids else self.device.index
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """PyTorch's option attribute; assigning it, as scripts do, changes what the next forward broadcasts."""
+        return self.options.broadcast_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     @property
     def forward_sync_buffers(self) -> bool:

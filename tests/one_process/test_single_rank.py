@@ -71,7 +71,8 @@ def test_construction_logs_one_info_line_and_the_table_at_debug(caplog: pytest.L
         ({"last_bucket_cap_mb": float("nan")}, ValueError, "last_bucket_cap_mb must be a finite number of MiB > 0"),
         ({"bucket_ramps": "no"}, TypeError, "bucket_ramps must be True or False"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
-        ({"device_ids": [0]}, ValueError, "device_ids must be None for a module on the CPU"),
+        ({"device_ids": [0]}, ValueError, "device_ids and output_device must be None for a module on the CPU"),
+        ({"output_device": 1}, ValueError, "device_ids and output_device must be None for a module on the CPU"),
     ],
 )
 def test_bad_constructor_arguments(kwargs: dict, error: type, match: str) -> None:
@@ -197,6 +198,20 @@ def test_require_forward_param_sync_follows_the_forwards_as_pytorchs() -> None:
         flags.append(ddp.require_forward_param_sync)
         seen[name] = flags
     assert seen["graphddp"] == seen["torch"] == [True, False, True]
+
+
+def test_device_attributes_and_an_empty_device_ids_list_as_pytorchs() -> None:
+    ours, theirs = graphddp.DDP(MLP(), device_ids=[]), nn.parallel.DistributedDataParallel(MLP(), device_ids=[])
+    for name in ("device_type", "output_device", "is_multi_device_module", "device_ids"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    with pytest.raises(ValueError, match="device_ids and output_device arguments only work with"):
+        nn.parallel.DistributedDataParallel(MLP(), output_device=1)  # PyTorch refuses what graphddp refuses above
+
+
+def test_broadcast_buffers_can_be_assigned_as_on_pytorchs() -> None:
+    ddp = graphddp.DDP(MLP())
+    ddp.broadcast_buffers = False
+    assert ddp.broadcast_buffers is False and ddp.options.broadcast_buffers is False and not ddp.will_sync_module_buffers()
 
 
 def test_missing_gradient_without_the_flag_raises_at_the_next_forward() -> None:

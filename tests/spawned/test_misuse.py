@@ -412,7 +412,7 @@ CATALOGUE: dict[str, Misuse] = {
     "no_trainable_parameters": Misuse(construct, ("no_trainable_parameters",), "RuntimeError: no parameter that requires a gradient"),
     "frozen_model": Misuse(construct, ("frozen_model",), "RuntimeError: no parameter that requires a gradient"),
     "wrapped_twice": Misuse(construct, ("wrapped_twice",), "ValueError: already wrapped"),
-    "device_ids_for_a_cpu_module": Misuse(construct, ("device_ids_for_a_cpu_module",), "ValueError: device_ids must be None"),
+    "device_ids_for_a_cpu_module": Misuse(construct, ("device_ids_for_a_cpu_module",), "ValueError: device_ids and output_device must be None"),
     "negative_bucket_cap": Misuse(construct, ("negative_bucket_cap",), "ValueError: .*bucket"),
     "bucket_cap_not_a_number": Misuse(construct, ("bucket_cap_not_a_number",), "TypeError: .*bucket"),
     "find_unused_not_a_bool": Misuse(construct, ("find_unused_not_a_bool",), "TypeError: find_unused_parameters must be True or False"),
