@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .countdown import GradientHooks
+from .in_graph_blocks import drop_pending
 from .iteration import BackwardWatch
 from .plans import PlanKeeper
 
@@ -145,6 +146,7 @@ class InGraphGate:
                 "(Note [Abandoned backward] in graphddp/runtime/iteration.py).", self._rank,
             )
             self.signal.tell()
+            drop_pending()
         if not grad_enabled:
             return
         self.signal.begin_training_forward()

@@ -20,7 +20,14 @@ from .launch_context import no_backward_context, settle
 _pending: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}
 """The blocks' all-reduces in flight and the blocks they were given, by the data pointer of the gradient they
 write (each block a view of its own, only held here: ``settle`` sees it given back, Note [A collective holds no
-Python object])."""
+Python object]). The gradient's own pointer, not its storage's: two gradients may share one storage (Inductor's
+memory planning pools buffers)."""
+
+
+def drop_pending() -> None:
+    """A backward was abandoned (Note [Abandoned backward]): forget the blocks it left in flight, so they do not
+    keep its gradients' memory for good (a later gradient's first block starts a list of its own anyway)."""
+    _pending.clear()
 
 
 def _rows_of(gradient: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -45,7 +52,7 @@ def reduce_block_(
     block.div_(divisor)
     with no_backward_context():  # Note [A collective holds no Python object]
         work = dist.all_reduce(block, group=_resolve_process_group(group_name), async_op=True)
-    key = gradient.untyped_storage().data_ptr()
+    key = gradient.data_ptr()
     entry = None if first else _pending.get(key)
     if entry is None:  # the gradient's first block (or one whose first never ran): a list of its own
         entry = _pending[key] = ([], [])
@@ -57,7 +64,7 @@ def reduce_block_(
 @torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",))
 def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
     """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset."""
-    works, blocks = _pending.pop(gradient.untyped_storage().data_ptr(), ([], []))
+    works, blocks = _pending.pop(gradient.data_ptr(), ([], []))
     settle(works, blocks, "a gradient block")
     flat = gradient.view(-1)
     for copy, offset in zip(copies, offsets):
