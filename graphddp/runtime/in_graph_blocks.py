@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..passes.blocks_in_place import BLOCK_OP, WAIT_BLOCKS_OP  # the pass calls the ops by these names
-from .launch_context import no_backward_context, settle
+from .launch_context import CUDAGRAPH_UNSAFE, no_backward_context, settle
 
 _pending: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}
 """The blocks' all-reduces in flight and the blocks they were given, by the data pointer of the gradient they
@@ -35,7 +35,7 @@ def _rows_of(gradient: torch.Tensor, offset: int, shape: tuple[int, int]) -> tor
     return gradient.view(-1)[offset : offset + shape[0] * shape[1]].view(shape)
 
 
-@torch.library.custom_op(BLOCK_OP, mutates_args=("gradient",))
+@torch.library.custom_op(BLOCK_OP, mutates_args=("gradient",), tags=CUDAGRAPH_UNSAFE)
 def reduce_block_(
     gradient: torch.Tensor,
     rows: torch.Tensor,
@@ -61,7 +61,7 @@ def reduce_block_(
     blocks.append(block)
 
 
-@torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",))
+@torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",), tags=CUDAGRAPH_UNSAFE)
 def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
     """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset."""
     works, blocks = _pending.pop(gradient.data_ptr(), ([], []))

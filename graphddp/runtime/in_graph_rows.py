@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..passes.reduction import ROWS_OP  # the passes find the node by this name: they import nothing of the runtime
+from .launch_context import CUDAGRAPH_UNSAFE
 from .reductions import DENSE_STREAK_LIMIT, DenseStreak, goes_as_rows, touched_rows_mask
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def gave_up(key: int) -> bool:
     return counted is not None and counted[0].gave_up
 
 
-@torch.library.custom_op(ROWS_OP, mutates_args=())
+@torch.library.custom_op(ROWS_OP, mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
     """``grad`` (``[rows, ...]``) averaged over the group ``group_name``, sent as the rows some rank touched (see
     the Note); a new tensor of ``grad``'s shape, zero in the rows no rank touched. ``streak``: the table's

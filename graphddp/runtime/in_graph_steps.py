@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from ..passes.reduction import STEP_OP  # the passes find the nodes by this name: they import nothing of the runtime
+from .launch_context import CUDAGRAPH_UNSAFE
 
 
 class StepsParameters(Protocol):
@@ -59,7 +60,7 @@ def bucket_key(target: StepsParameters, names: Sequence[str]) -> int:
     return key
 
 
-@torch.library.custom_op(STEP_OP, mutates_args=())
+@torch.library.custom_op(STEP_OP, mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def step_bucket(key: int, grads: list[torch.Tensor]) -> torch.Tensor:
     """Step the parameters of bucket ``key`` with ``grads``, their averaged gradients; a [1] float32 zero."""
     entry = _buckets.get(key)

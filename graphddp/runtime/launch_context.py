@@ -76,6 +76,11 @@ class no_backward_context:  # noqa: N801 (a context manager, named as torch name
             self._context = None
 
 
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,)
+"""The tags of graphddp's ops inside a compiled backward (a big gradient's blocks, a table's rows, a bucket's
+optimizer step): their Python issues collectives and steps the optimizer every step, so no CUDA graph may record
+them (``mode="reduce-overhead"``: Inductor then runs that graph without CUDA graphs, or cuts it around them)."""
+
 GIVE_BACK_LIMIT_S = 1.0
 """How long ``given_back`` waits for a worker thread that is late (a loaded machine), after which it logs a
 warning and goes on: nothing is wrong with the step, the collective is only destroyed later, on that thread."""

@@ -1,5 +1,6 @@
-"""``graphddp::reduce_block_`` keeps each gradient's blocks apart, even where two gradients share one storage
-(Inductor's memory planning pools buffers), and an abandoned backward's blocks are dropped."""
+"""graphddp's ops in a compiled backward: ``reduce_block_`` keeps each gradient's blocks apart, even where
+two share one storage (Inductor's memory planning pools buffers), an abandoned backward's blocks are dropped, and
+no CUDA graph records any of them."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_an_abandoned_backwards_blocks_are_dropped() -> None:
     assert in_graph_blocks._pending
     in_graph_blocks.drop_pending()
     assert not in_graph_blocks._pending
+
+
+def test_graphddps_ops_in_a_compiled_backward_are_never_recorded_into_a_cuda_graph() -> None:
+    """Their Python runs every step (collectives, an optimizer step): ``mode="reduce-overhead"`` must not record
+    them once and replay the recording."""
+    import graphddp.runtime.in_graph_rows  # noqa: F401  (registers graphddp::reduce_rows)
+    import graphddp.runtime.in_graph_steps  # noqa: F401  (registers graphddp::step_bucket)
+
+    ops = torch.ops.graphddp
+    for op in (ops.reduce_block_, ops.wait_blocks_, ops.reduce_rows, ops.step_bucket):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
