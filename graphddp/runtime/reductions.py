@@ -145,7 +145,9 @@ def in_graph_wire(hook: CommHook, group: dist.ProcessGroup) -> torch.dtype | Non
 
     if not hook.custom:
         return None
-    if hook.state is not None and hook.state is not group:  # the built-in hooks' state: the group they reduce on
+    # The built-in hooks' state is the group they reduce on; None means the default group (WORLD), so on a DDP of
+    # a subgroup the hook reduces over every rank, which the in-graph all-reduce (on the DDP's group) would not.
+    if (hook.state if hook.state is not None else dist.group.WORLD) is not group:
         return False
     wires = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: torch.float16,
              default_hooks.bf16_compress_hook: torch.bfloat16}  # fmt: skip

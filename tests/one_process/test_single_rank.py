@@ -461,3 +461,17 @@ def test_an_output_that_is_a_parameter_gets_no_hook_from_the_backward_watch() ->
         scale, y = ddp(torch.randn(2, 4))
         (y.sum() + scale.sum()).backward()
     assert not model.scale._backward_hooks, model.scale._backward_hooks
+
+
+def test_a_builtin_hook_without_state_is_traced_only_on_the_default_group() -> None:
+    """PyTorch's built-in hooks reduce over WORLD when their state is None: in-graph, on a DDP of another group,
+    the traced all-reduce would use the DDP's group instead, so such a hook keeps the split (the Reducer runs it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+
+    from graphddp.runtime.reductions import CommHook, in_graph_wire
+
+    other = dist.new_group([0])
+    assert in_graph_wire(CommHook(None, allreduce_hook, custom=True), dist.group.WORLD) is None
+    assert in_graph_wire(CommHook(None, fp16_compress_hook, custom=True), dist.group.WORLD) is torch.float16
+    assert in_graph_wire(CommHook(None, allreduce_hook, custom=True), other) is False
+    assert in_graph_wire(CommHook(other, allreduce_hook, custom=True), other) is None
