@@ -246,7 +246,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.stats.mark("forward_end")
         if synchronise and not self.reducer.compile_target.gate.reduced_in_graph():  # else: the graphs reduced
-            self.reducer.prepare_for_backward(output)
+            self.reducer.prepare(output)
         self._forward_done(synchronise)
         return output
 

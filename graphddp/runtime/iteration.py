@@ -41,7 +41,7 @@ and never silent.
 
 A backward abandoned before its first hook (out of memory in its first op) issued nothing and looks like a
 forward that no backward followed, which must issue nothing. ``BackwardWatch`` tells
-them apart: ``prepare_for_backward`` puts a tensor hook on the forward's first output autograd computed, which
+them apart: ``Reducer.prepare`` puts a tensor hook on the forward's first output autograd computed, which
 queues an engine callback when the backward reaches it; the callback never runs if the backward raised. Such an
 iteration is drained too. (A ``torch.autograd.grad`` through the outputs ends normally: not
 abandoned. A backward that raised before reaching that output, in the loss's own backward, is not seen.) Under
@@ -200,7 +200,7 @@ class Phase(enum.Enum):
     there, and so start the count, before any other gradient is in.)"""
 
     PREPARED = 1
-    """The forward is done (``prepare_for_backward``); nothing issued yet."""
+    """The forward is done (``Reducer.prepare``); nothing issued yet."""
     COUNTING_USAGE = 2
     """The plan agreement, with the usage count (``graphddp.runtime.unused``) where the policy takes one, was
     issued (``bookkeeping``): just before the last bucket's collective, or after the waits of a hook's chained
@@ -218,7 +218,7 @@ def bookkeeping(plans: PlanKeeper, entries: list[int] | None, *, joined: bool = 
 @dataclasses.dataclass
 class Iteration:
     """The Reducer's state for one synchronised backward (Note [Reducer] in ``graphddp.runtime.reducer``). Made by
-    ``prepare_for_backward``; the Reducer holds none between iterations, so nothing stale survives one."""
+    ``Reducer.prepare``; the Reducer holds none between iterations, so nothing stale survives one."""
 
     local_unused: list[int]
     """Parameters the usage policy found unused on this rank (marked ready at once)."""
@@ -232,7 +232,7 @@ class Iteration:
     """The usage count in flight, where the usage policy needs one (``count_usage``)."""
     watch: BackwardWatch = dataclasses.field(default_factory=BackwardWatch)
     """Sees a backward that reached the forward's outputs and raised before any gradient hook (Note [Abandoned
-    backward]); armed by ``prepare_for_backward``."""
+    backward]); armed by ``Reducer.prepare``."""
 
     def begin_backward(self, finalize: Callable[[], None]) -> None:
         """The backward's first hook: the backward's ending is chosen."""

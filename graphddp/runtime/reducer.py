@@ -7,7 +7,7 @@ One iteration, on every rank:
 1. ``begin_forward`` (start of a DDP forward): raise what the previous backward left (a missing gradient, or a
    compiled backward that ended unfinished), and switch plans if the ranks agreed on a new one
    (``graphddp.runtime.plans``, Note [Plan agreement]).
-2. ``prepare_for_backward(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
+2. ``prepare(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
    (``graphddp.runtime.iteration``: its phase among its own collectives, and how its backward ends), every bucket
    reset, and the parameters the usage policy (``graphddp.runtime.unused``) finds unused noted.
 3. Backward: the first gradient hook marks the noted parameters ready, their parts too (as PyTorch's Reducer
@@ -63,6 +63,7 @@ from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
 from .plans import PlanKeeper, planned_specs
+from .reducer_surface import TorchReducerSurface
 from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
 from .rows_rule import RowsRule
 from .skipping import SkipNeverUsed, SkipNothing
@@ -72,7 +73,7 @@ from .trace import Events, NullEvents
 from .unused import ExpectAllUsed, GradientUsage, UsagePolicy, ready_twice
 
 
-class Reducer:
+class Reducer(TorchReducerSurface):
     """Bucketed, overlapped gradient averaging for a list of parameters: the coordinator of one iteration (Note
     [Reducer]). The compile backend sees it as its ``compile_target`` (``graphddp.runtime.target``)."""
 
@@ -187,7 +188,7 @@ class Reducer:
         if plan is not None:
             self.adopt(plan)
 
-    def prepare_for_backward(self, outputs: Any) -> None:
+    def prepare(self, outputs: Any) -> None:
         """Step 2 of Note [Reducer]: arm the hooks for the backward of this forward."""
         self._slots.reset()
         self._launcher.reset()

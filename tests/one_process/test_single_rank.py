@@ -475,3 +475,40 @@ def test_a_builtin_hook_without_state_is_traced_only_on_the_default_group() -> N
     assert in_graph_wire(CommHook(None, fp16_compress_hook, custom=True), dist.group.WORLD) is torch.float16
     assert in_graph_wire(CommHook(None, allreduce_hook, custom=True), other) is False
     assert in_graph_wire(CommHook(other, allreduce_hook, custom=True), other) is None
+
+
+@pytest.mark.parametrize("options", [{}, {"static_graph": True}, {"find_unused_parameters": True}])
+def test_lightnings_manual_optimization_calls_on_the_reducer_change_nothing(options: dict) -> None:
+    """Lightning's ``prepare_for_backward`` (lightning/pytorch/overrides/distributed.py) after the DDP's forward,
+    and its ``post_backward``'s ``_delay_all_reduce`` for a static graph: the gradients stay the local ones (one
+    rank), every bucket launched once."""
+    torch.manual_seed(0)
+    ddp, local = graphddp.DDP(MLP(), **options), MLP()
+    local.load_state_dict(ddp.module.state_dict())
+    for seed in range(3):
+        ddp.reducer.events = log = EventLog()
+        x, y = batch_for(Case(), seed, 0, 0)
+        loss = F.mse_loss(ddp(x), y)
+        args = [loss] if ddp.find_unused_parameters and not ddp.static_graph else []
+        assert ddp.reducer._rebuild_buckets() is False
+        ddp.reducer.prepare_for_backward(args)
+        loss.backward()
+        ddp.reducer._delay_all_reduce()
+        F.mse_loss(local(x), y).backward()
+        for p, q in zip(ddp.parameters(), local.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        assert len(log.of_kind("launch")) == len(ddp.bucket_plan.buckets)
+        ddp.zero_grad(), local.zero_grad()
+
+
+def test_accelerates_trigger_sync_in_backward_synchronises_a_no_sync_forward() -> None:
+    """accelerate's ``trigger_sync_in_backward``: a forward under ``no_sync``, then ``prepare_for_backward([])``
+    with the sync flags set, so its backward goes through the Reducer."""
+    ddp = graphddp.DDP(MLP())
+    ddp.reducer.events = log = EventLog()
+    with ddp.no_sync():
+        loss = F.mse_loss(ddp(batch_for(Case(), 0, 0, 0)[0]), batch_for(Case(), 0, 0, 0)[1])
+    ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_backward([])
+    loss.backward()
+    assert len(log.of_kind("launch")) == len(ddp.bucket_plan.buckets)
