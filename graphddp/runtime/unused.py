@@ -10,8 +10,10 @@ Three small policies instead of flags in the hot hook:
 * ``SearchEveryIteration`` (``find_unused_parameters=True``): walk the autograd graph from the forward's
   outputs; parameters not reached are marked ready at once (their bucket can launch), and parameters unused on
   every rank keep ``.grad`` as it was (the globally-unused bitmap of the VLDB 2020 paper).
-* ``StaticGraph`` (``static_graph=True``): search in the first iteration only, then reuse the answer; no
-  traversal and no usage all-reduce afterwards.
+* ``StaticGraph`` (``static_graph=True``): no search at all; the parameters that got no gradient in the first
+  iteration's backward are the unused ones from then on, as PyTorch's static graph learns them (a search of the
+  autograd graph cannot see into a reentrant checkpoint, whose parameters' gradients come from its own inner
+  backward); no usage all-reduce afterwards.
 
 ``GradientUsage`` keeps what the Reducer learns about usage: which parameters got a gradient here (over
 ``no_sync`` micro-batches too), the all-reduce of that map after the last bucket, and the missing-gradient error.
@@ -118,7 +120,9 @@ class SearchEveryIteration:
 
 
 class StaticGraph(SearchEveryIteration):
-    """``static_graph=True``: the first iteration's answer holds for every later one."""
+    """``static_graph=True``: the first iteration's backward says which parameters get no gradient; that holds for
+    every later one. Nothing is searched: in the first iteration no parameter is marked unused up front, and the
+    end of its backward fills the ones no gradient reached (``GradientUsage.end`` tells ``observe``)."""
 
     searches_each_iteration = False
 
@@ -132,9 +136,7 @@ class StaticGraph(SearchEveryIteration):
         return self._frozen is None or bool(self._frozen)
 
     def locally_unused(self, outputs: Any, index_of: dict[int, int]) -> list[int]:
-        if self._frozen is not None:
-            return self._frozen
-        return super().locally_unused(outputs, index_of)
+        return self._frozen if self._frozen is not None else []
 
     def reduces_usage(self) -> bool:
         return self._frozen is None
@@ -217,7 +219,7 @@ class GradientUsage:
         """End of a synchronised backward: tell the policy, forget this rank's usage, and keep the error for the
         next forward (``raise_pending``) if a parameter missed its gradient where the policy forbids it (the same
         on every rank)."""
-        self.policy.observe(local_unused, counts)
+        self.policy.observe(sorted({*local_unused, *missing}), counts)  # unused: marked up front, or filled at the end
         self.used[:] = [False] * len(self._names)  # in place: the steady hook writes this list (graphddp.runtime.countdown)
         unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
         self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere

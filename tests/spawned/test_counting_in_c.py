@@ -161,7 +161,7 @@ def test_a_missing_gradient_raises_when_counted_in_c() -> None:
         run_on_ranks(missing_gradient_when_counted_in_c, 2)
 
 
-def reentrant_checkpoint_parity(rank: int, world: int) -> None:
+def reentrant_checkpoint_parity(rank: int, world: int, static: bool = False) -> None:
     """The middle layer under a reentrant checkpoint: its gradients arrive in a nested backward, whose engine
     callbacks run when *it* ends. The backward must still be begun (its end-of-backward callback queued) in the
     outer one, by the first gradient's hook, counted in C or not."""
@@ -170,9 +170,10 @@ def reentrant_checkpoint_parity(rank: int, world: int) -> None:
 
     torch.manual_seed(0)
     model = CheckpointKinds("reentrant")
-    ddp = graphddp.DDP(copy.deepcopy(model), **CAPS)  # small buckets: the middle layer's complete in the nested backward
+    # small buckets: the middle layer's complete in the nested backward
+    ddp = graphddp.DDP(copy.deepcopy(model), static_graph=static, **CAPS)
     assert len(ddp.bucket_plan.buckets) > 2
-    ref = torch.nn.parallel.DistributedDataParallel(model)
+    ref = torch.nn.parallel.DistributedDataParallel(model, static_graph=static)
     for step in range(6):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(4, IN, generator=g), torch.randn(4, OUT, generator=g)
@@ -181,5 +182,8 @@ def reentrant_checkpoint_parity(rank: int, world: int) -> None:
         assert_same_grads_then_zero(ddp, ref)
 
 
-def test_a_reentrant_checkpoint_keeps_parity_when_counted_in_c() -> None:
-    run_on_ranks(reentrant_checkpoint_parity, 2)
+@pytest.mark.parametrize("static", [False, True])
+def test_a_reentrant_checkpoint_keeps_parity_when_counted_in_c(static: bool) -> None:
+    """With ``static_graph`` too, what PyTorch documents it for: a search of the autograd graph would find the
+    checkpointed layer unused (its parameters are not in the outer graph), then its gradients came."""
+    run_on_ranks(reentrant_checkpoint_parity, 2, static)
