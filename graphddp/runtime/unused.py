@@ -8,7 +8,8 @@ Three small policies instead of flags in the hot hook:
   all-reduce, issued just before the last bucket's (Note [Plan agreement] in ``graphddp.runtime.plans``), so
   it is done when the last bucket is.
 * ``SearchEveryIteration`` (``find_unused_parameters=True``): walk the autograd graph from the forward's
-  outputs; parameters not reached are marked ready at once (their bucket can launch), and parameters unused on
+  outputs; parameters not reached are marked ready at the backward's first gradient (their bucket can launch
+  then; never by a forward alone, Note [Reducer]), and parameters unused on
   every rank keep ``.grad`` as it was (the globally-unused bitmap of the VLDB 2020 paper).
 * ``StaticGraph`` (``static_graph=True``): no search at all; the parameters that got no gradient in the first
   iteration's backward are the unused ones from then on, as PyTorch's static graph learns them (a search of the
