@@ -221,7 +221,7 @@ class Iteration:
     ``Reducer.prepare``; the Reducer holds none between iterations, so nothing stale survives one."""
 
     local_unused: list[int]
-    """Parameters the usage policy found unused on this rank (marked ready at once)."""
+    """Parameters the usage policy found unused on this rank (marked ready at the backward's first hook)."""
     prescale: float | None
     """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
     phase: Phase = Phase.PREPARED

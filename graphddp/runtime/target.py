@@ -187,6 +187,8 @@ class ReducerTarget:
         owner = self._reducer()
         checks = (
             ("a comm hook other than the built-in allreduce/fp16/bf16 ones", in_graph_wire(owner.comm_hook, self._group) is False),
+            ("a comm hook registered after a graph was compiled to reduce in-graph",
+             self._traced_hook is not None and owner.comm_hook is not self._traced_hook),
             ("find_unused_parameters", owner.usage.policy.searches_each_iteration),
             ("mixed_precision reduces in another dtype", any(s.dtype != p.dtype for s, (_, p) in zip(self._plans.specs, self._named_params))),
         )
@@ -208,14 +210,12 @@ class ReducerTarget:
     def in_graph_wire(self) -> torch.dtype | None:
         """The dtype a graph's in-graph all-reduce sends (None: the gradients' own), as the comm hook in force says
         (``graphddp.runtime.reductions.in_graph_wire``). That hook is remembered: one registered later sends every
-        graph back to the split, where the Reducer runs it. Remembered once: a graph compiled after that
-        registration (a recompile, perhaps on one rank only) must not make the new hook the traced one, or that
-        rank's gate would open alone and issue in-graph collectives the others do not."""
+        graph back to the split, where the Reducer runs it (``in_graph_blockers``, ``begin_forward``). Remembered
+        once: a graph compiled after that registration (a recompile, perhaps on one rank only) must not make the new
+        hook the traced one, or that rank's gate would open alone and issue in-graph collectives the others do not."""
         hook = self._reducer().comm_hook
         if self._traced_hook is None:
             self._traced_hook = hook
-        elif hook is not self._traced_hook:
-            self.block_in_graph("a comm hook registered after a graph was compiled to reduce in-graph")
         wire = in_graph_wire(hook, self._group)
         assert wire is not False, "in_graph_blockers refuses this hook"
         return wire
