@@ -286,8 +286,8 @@ def torch_buckets(tensors: Sequence[torch.Tensor], bucket_cap_mb: float | None) 
     not restated: its caps from its ``_BucketCapacityConfig`` (in torch 2.13 a ``bucket_cap_mb`` given explicitly
     is the first bucket's cap too, ``dist._DEFAULT_FIRST_BUCKET_BYTES`` only by default) and its cut from the
     function its Reducer calls, ``dist._compute_bucket_assignment_by_size``, which closes a bucket once it holds its
-    cap *or more*, where graphddp's planner never exceeds a cap: at the same caps PyTorch sends fewer, larger
-    buckets (10 against 13 for ``bench.overhead``'s GPT at 1 MiB)."""
+    cap *or more*: graphddp's planner does so too without ramps (``BucketCaps.closes_over_cap``), and
+    ``tests/one_process/test_torch_layout.py`` holds the two to the same buckets."""
     first, cap = _torch_caps_bytes(bucket_cap_mb)
     indices, _ = dist._compute_bucket_assignment_by_size(list(tensors), [first, cap], [False] * len(tensors))
     return sorted(indices, key=min)

@@ -28,8 +28,8 @@ width, and times, interleaved step by step in the same processes (``--interleave
 - ``bound-ready`` / ``bound-ready-torch`` (eager): each bucket all-reduced the moment its last gradient is
   accumulated, from a buffer made beforehand, and nothing else (``bench.as_ready``): a DDP that costs only its
   collectives, sent as an eager DDP sends them. ``bound-ready`` sends graphddp's buckets, ``bound-ready-torch``
-  PyTorch's (a bucket closes once it holds the cap or more), so a DDP's distance from its own layout's row is
-  its own cost, and the distance between the two rows is what the layouts cost.
+  PyTorch's, so a DDP's distance from its own layout's row is its own cost (since session 32 the two layouts
+  are the same: ramps off, graphddp closes a bucket at its cap or more, as PyTorch does).
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. Two orders (``--interleave``):
@@ -418,9 +418,9 @@ def graphs_compiled() -> int:
 
 
 def bucket_count(ddp: Any) -> int | None:
-    """Buckets a DDP reduces per step. The same ``bucket_cap_mb`` does not give the same layout: PyTorch closes
-    a bucket once it holds the cap or more (its rebuilt buckets of GPT blocks are 1.01 MiB at a 1 MiB cap),
-    graphddp's planner never lets one exceed it (0.76 MiB there), so graphddp sends more, smaller buckets."""
+    """Buckets a DDP reduces per step, each from the DDP's own record: the bench runs both at the same caps, ramps
+    off for graphddp, and both then close a bucket once it holds its cap or more (PyTorch's layout), so the
+    counts agree (10 for the bench GPT at 1 MiB)."""
     if hasattr(ddp, "bucket_plan"):
         return len(ddp.bucket_plan.buckets)
     logged = ddp._get_ddp_logging_data()  # PyTorch's DDP: its own record of the buckets it rebuilt

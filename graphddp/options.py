@@ -40,10 +40,10 @@ class BucketOptions:
     ``"auto"``."""
     bucket_ramps: bool = True
     """Caps double from the first bucket's up to ``bucket_cap_mb`` and halve again down to the last bucket's
-    (Note [Bucket ramps] in ``graphddp.passes.plan``). False: PyTorch's caps, the first bucket's and then
-    ``bucket_cap_mb`` to the end. Each bucket still holds at most its cap, where PyTorch's Reducer closes a bucket
-    once it holds its cap or more: at one cap graphddp may cut more, smaller buckets (``bench.overhead``'s GPT: 13
-    against 10 at 1 MiB)."""
+    (Note [Bucket ramps] in ``graphddp.passes.plan``); with them no bucket exceeds its cap unless one parameter
+    alone does. False: PyTorch's layout, the first bucket's cap and then ``bucket_cap_mb`` to the end, each
+    bucket closed once it holds its cap or more as PyTorch's Reducer closes it, so the same caps cut the same
+    buckets as PyTorch's DDP (``BucketCaps.closes_over_cap``)."""
     bucket_cap_mb_list: tuple[float, ...] | None = None
     """Every bucket's cap in MiB, in ready order, the last repeating (PyTorch's ``bucket_cap_mb_list``); when
     given, the other caps and the ramps are not used, as PyTorch ignores ``bucket_cap_mb`` then."""

@@ -80,8 +80,9 @@ first bucket, then 25 MiB buckets to the end) leaves the network idle or exposed
 The order of cutting: the first bucket from the start, then the tail from the end, then the head ramp and the
 middle on what is left. The price is a few more collectives (and, compiled, more graph segments): at the default
 caps (25, 1, 1 MiB) up to four more at the head and five at the tail. ``BucketCaps(ramps=False)`` (DDP's
-``bucket_ramps=False``) gives PyTorch's sequence of caps (each still a bound, where PyTorch's Reducer closes a
-bucket once it holds its cap or more).
+``bucket_ramps=False``) gives PyTorch's layout: its sequence of caps, each bucket closed once it holds its cap or
+more as PyTorch's Reducer closes it (``BucketCaps.closes_over_cap``), so the same caps cut the same buckets; with
+the ramps, every bucket stays within its cap.
 
 The ramps step by bucket, not by bytes: a parameter larger than its slot's cap takes the slot alone, and the
 next, doubled cap may then hold only a little (a 0.25 MB bucket between the 3 MB and 16 MB ones of the bench
@@ -210,8 +211,8 @@ class BucketCaps:
 
     ramps: bool = True
     """Ramp the caps up after the first bucket and down to ``last`` at the end (Note [Bucket ramps]). False
-    gives PyTorch's caps: the first bucket, then buckets of up to ``bucket`` to the end (at most: PyTorch's
-    Reducer closes a bucket at its cap or more, so at one cap it may cut fewer, larger buckets)."""
+    gives PyTorch's layout: the first bucket, then buckets of ``bucket`` to the end, each closed as PyTorch's
+    Reducer closes it (``closes_over_cap``)."""
 
     sequence: tuple[int, ...] = ()
     """Every bucket's cap, in ready order (PyTorch's ``bucket_cap_mb_list``): bucket ``k`` of each dtype/device
@@ -258,6 +259,14 @@ class BucketCaps:
                 raise ValueError(f"bucket_cap_mb_list entries must be finite numbers of MiB > 0, got {value!r}")
         sequence = tuple(max(1, int(v * MiB)) for v in caps_mb)
         return cls(bucket=max(sequence), first=sequence[0], last=sequence[-1], ramps=False, sequence=sequence)
+
+    @property
+    def closes_over_cap(self) -> bool:
+        """A bucket closes once it holds its cap or more (its last gradient may take it over the cap), as PyTorch's
+        Reducer and DDPOptimizer close theirs: PyTorch's layout (no ramps, or a cap per bucket), so that the same
+        caps cut the same buckets. With ramps, a bucket never exceeds its cap (a gradient larger than its cap
+        goes alone), which the ramps' steps are reckoned in (Note [Bucket ramps])."""
+        return not self.ramps
 
     def ramp(self, start: int) -> Iterator[int]:
         """``start``, doubling, while below ``bucket``: the caps of a ramp (Note [Bucket ramps]); none without
@@ -532,16 +541,17 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
     end, then the head ramp and the middle on what is left in between; or, with a cap per bucket
     (``caps.sequence``), bucket after bucket in ready order. The first bucket and the head ramp's let a big
     gradient's blocks grow as the ramp does (``Bucket.blocks_grow_to``)."""
+    over = caps.closes_over_cap
     if caps.sequence:
         cut: list[Cut] = []
         for cap in itertools.chain(caps.sequence, itertools.repeat(caps.sequence[-1])):
             if not items:
                 return cut
-            n = _fitting(items, cap)
+            n = _fitting(items, cap, over=over)
             cut.append((_flat(items[:n]), cap, None))
             items = items[n:]
     grows = caps.bucket if caps.ramps and caps.first < caps.bucket else None
-    n = _fitting(items, caps.first)
+    n = _fitting(items, caps.first, over=over)
     first, rest = (_flat(items[:n]), caps.first, grows), items[n:]
     tail: list[Cut] = []
     for cap in caps.ramp(caps.last):  # the last bucket first
@@ -555,23 +565,25 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
     for cap in itertools.chain(ramp, itertools.repeat(caps.bucket)):
         if not rest:
             break
-        n = _fitting(rest, cap)
+        n = _fitting(rest, cap, over=over)
         head.append((_flat(rest[:n]), cap, caps.bucket if len(head) < len(ramp) else None))
         rest = rest[n:]
     return [first, *head, *tail]
 
 
-def _fitting(items: Sequence[list[ParamSpec]], cap: int) -> int:
+def _fitting(items: Sequence[list[ParamSpec]], cap: int, *, over: bool = False) -> int:
     """How many leading items fit in ``cap`` bytes; at least one (a parameter larger than the cap goes alone).
-    A gradient planned alone (``ParamSpec.alone``) is always alone."""
+    ``over`` (``BucketCaps.closes_over_cap``): as many as it takes to hold ``cap`` bytes or more, the last one
+    perhaps taking the bucket over its cap, as PyTorch's Reducer fills a bucket. A gradient planned alone
+    (``ParamSpec.alone``) is always alone."""
     if items[0][0].alone:
         return 1
     total = 0
     for n, members in enumerate(items):
-        if members[0].alone:
+        if members[0].alone or (over and total >= cap):
             return n
         total += sum(p.nbytes for p in members)
-        if total > cap and n > 0:
+        if total > cap and n > 0 and not over:
             return n
     return len(items)
 

@@ -317,14 +317,17 @@ def test_delayed_all_reduce_arguments_go_together_and_name_module_parameters() -
 
 
 def test_bucket_cap_mb_list_caps_each_bucket_in_ready_order_the_last_repeating() -> None:
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])  # 8 x 4224 bytes, in ready order
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(12)])  # 12 x 4224 bytes
     kib = 1 / 1024
     ddp = graphddp.DDP(model, bucket_cap_mb_list=[5 * kib, 9 * kib, 13 * kib], first_bucket_cap_mb=0.5)
     caps = [b.cap_bytes for b in ddp.bucket_plan.buckets]
-    sizes = [sum(p.nbytes for p in b.params) for b in ddp.bucket_plan.buckets]
     assert caps == [5120, 9216, 13312, 13312], caps  # the list wins over bucket_cap_mb and first/last caps
-    assert all(size <= cap for size, cap in zip(sizes, caps)), (sizes, caps)
     assert ddp.bucket_plan.caps.sequence == (5120, 9216, 13312)
+    # Cut as PyTorch's DDP cuts by its list: a bucket closes once it holds its cap or more.
+    names = [n for n, _ in model.named_parameters()][::-1]  # the initial plan's order: reverse registration
+    params = dict(model.named_parameters())
+    pytorchs, _ = dist._compute_bucket_assignment_by_size([params[n] for n in names], list(caps[:3]), [False] * len(names))
+    assert [list(b.names) for b in ddp.bucket_plan.buckets] == [[names[i] for i in b] for b in sorted(pytorchs, key=min)]
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,9 @@ def rebuilt_buckets(model: nn.Module, **ddp_options: object) -> list[list[int]]:
 @pytest.mark.parametrize("cap_mb", [0.5, 1.2, None])
 def test_the_model_lays_out_pytorchs_buckets_as_pytorch_does(cap_mb: float | None) -> None:
     # Six 300 x 300 layers (361,200 B each with the bias): ready last layer first. At 0.5 MiB PyTorch closes a
-    # bucket once it holds the cap or more (two layers, 0.69 MiB), where graphddp's planner would keep each
-    # bucket under it (one layer and a bias or weight at most): the layouts differ, and the model must be PyTorch's.
+    # bucket once it holds the cap or more (two layers, 0.69 MiB), where graphddp's planner with its ramps keeps
+    # each bucket under it (one layer and a bias or weight at most): the model must be PyTorch's rule, and
+    # graphddp's ``bucket_ramps=False`` (PyTorch's layout) must cut the very same buckets.
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(300, 300) for _ in range(6)])
     names = [name for name, _ in model.named_parameters()]
@@ -36,9 +37,12 @@ def test_the_model_lays_out_pytorchs_buckets_as_pytorch_does(cap_mb: float | Non
     specs = [ParamSpec(name, tuple(p.shape), p.dtype, "cpu") for name, p in reversed(list(model.named_parameters()))]
     modelled = [[p.name for p in bucket] for bucket in torch_buckets(specs, bucket_cap_mb=cap_mb)]
     assert modelled == measured
+    first, bucket = (1, 25) if cap_mb is None else (cap_mb, cap_mb)  # torch 2.13: an explicit cap is the first's
+    pytorchs_layout = plan_buckets(specs, caps=BucketCaps.from_mb(bucket, first, first, ramps=False))
+    assert [list(b.names) for b in pytorchs_layout.buckets] == measured
     if cap_mb == 0.5:  # the case that tells the two rules apart
-        ours = plan_buckets(specs, caps=BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=False)).buckets
-        assert len(ours) > len(measured)
+        ramped = plan_buckets(specs, caps=BucketCaps.from_mb(cap_mb, cap_mb, cap_mb, ramps=True)).buckets
+        assert len(ramped) > len(measured)
 
 
 def test_a_torch_without_the_caps_config_gets_a_one_mib_first_bucket(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -330,7 +330,7 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     assert two["bucket 2"][0] == pytest.approx(two["bucket 1"][1])  # block 1 waits for block 0 on its channel
     # A whole bucket before a big one in the same segment goes with its block 0; one after it, at the segment's end.
     c, d = ParamSpec.of("c", torch.zeros(500)), ParamSpec.of("d", torch.zeros(500))
-    shared = plan_bucket_groups([[c], [ParamSpec.of("b", torch.zeros(64)), big], [d]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000, ramps=False))
+    shared = plan_bucket_groups([[c], [ParamSpec.of("b", torch.zeros(64)), big], [d]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))  # one cap: no ramps, each bucket within it
     assert [b.pieces is not None for b in shared.buckets] == [False, True, False]
     one_segment = StepInputs(segment_backward_s=(0.010,), bucket_bytes=(2000, 25856, 2000), completed_by=(0, 0, 0))
     expanded, _ = step_inputs_in_pieces(one_segment, shared, {("w", ""): 0.0064})

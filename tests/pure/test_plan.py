@@ -31,9 +31,11 @@ def test_fills_buckets_in_the_given_order_up_to_the_caps() -> None:
     assert p.param_names == tuple(f"p{i}" for i in range(10))
 
 
-def test_no_bucket_exceeds_its_cap_unless_one_parameter_alone_does() -> None:
-    sizes = [7, 300, 5, 5, 900, 1, 64, 64, 64, 2000, 3]
-    p = plan([spec(f"p{i}", n) for i, n in enumerate(sizes)], bucket_cap=1024, first_cap=256)
+SIZES = [7, 300, 5, 5, 900, 1, 64, 64, 64, 2000, 3]  # elements: 28, 1200, 20, 20, 3600, ... bytes
+
+
+def test_with_ramps_no_bucket_exceeds_its_cap_unless_one_parameter_alone_does() -> None:
+    p = plan([spec(f"p{i}", n) for i, n in enumerate(SIZES)], bucket_cap=1024, first_cap=256, last_cap=1024)
     for b in p.buckets:
         if len(b.params) > 1:
             assert b.nbytes <= b.cap_bytes, (b.index, b.nbytes, b.cap_bytes)
@@ -41,6 +43,19 @@ def test_no_bucket_exceeds_its_cap_unless_one_parameter_alone_does() -> None:
     lonely = [b for b in p.buckets if b.nbytes > b.cap_bytes]
     # 1200 bytes over the 256-byte first cap, then 3600 and 8000 over 1024: each alone in its bucket
     assert [b.names for b in lonely] == [("p1",), ("p4",), ("p9",)]
+
+
+def test_without_ramps_a_bucket_closes_at_its_cap_or_more_as_pytorchs_reducer_closes_it() -> None:
+    # PyTorch's rule (``BucketCaps.closes_over_cap``): add a gradient, close once the bucket holds the cap or more.
+    p = plan([spec(f"p{i}", n) for i, n in enumerate(SIZES)], bucket_cap=1024, first_cap=256)
+    assert [b.names for b in p.buckets] == [
+        ("p0", "p1"),  # 28 + 1200 >= 256
+        ("p2", "p3", "p4"),  # 20 + 20 + 3600 >= 1024
+        ("p5", "p6", "p7", "p8", "p9"),  # 4 + 3 * 256 + 8000 >= 1024
+        ("p10",),  # what is left
+    ]
+    for b in p.buckets[:-1]:
+        assert b.nbytes >= b.cap_bytes > b.nbytes - b.params[-1].nbytes
 
 
 def test_one_bucket_per_dtype_and_device_numbered_by_first_ready_parameter() -> None:
