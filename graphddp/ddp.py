@@ -232,7 +232,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             self.reducer.stats.forward_started()
         self._replicas.before_forward(synchronising)  # check_replicas_every (graphddp.runtime.replicas)
         self.reducer.begin_forward(grad_enabled)
-        self._delayed.before_forward(synchronising)
+        if grad_enabled:  # a forward without gradients leaves a prepared backward's delayed all-reduce armed
+            self._delayed.before_forward(synchronising)
         # In-graph reduction this forward? (Note [In-graph reduction])
         self.reducer.compile_target.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, joining=self._join_config.enable)
         if self._will_sync_buffers():

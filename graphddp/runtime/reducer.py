@@ -6,7 +6,9 @@ One iteration, on every rank:
 
 1. ``begin_forward`` (start of a DDP forward): raise what the previous backward left (a missing gradient, or a
    compiled backward that ended unfinished), and switch plans if the ranks agreed on a new one
-   (``graphddp.runtime.plans``, Note [Plan agreement]).
+   (``graphddp.runtime.plans``, Note [Plan agreement]). A forward without gradients changes nothing while a
+   prepared iteration waits for its backward (``q = ddp(x)``, then a target ``ddp(x2)`` under ``no_grad``, then
+   the backward of ``q``): as in PyTorch's DDP, that backward is reduced.
 2. ``prepare(outputs)`` (end of a synchronising forward): a fresh ``Iteration`` record
    (``graphddp.runtime.iteration``: its phase among its own collectives, and how its backward ends), every bucket
    reset, and the parameters the usage policy (``graphddp.runtime.unused``) finds unused noted.
@@ -172,6 +174,8 @@ class Reducer(TorchReducerSurface):
             stale.drain(self.plans, self._launcher, self.usage, late, self.rank)
             self.plans.backward_abandoned([i for b in self.buckets for i in b.param_indices])
             self._active.clear()
+        elif stale is not None and not grad_enabled and not stale.ending.begun:
+            return  # a forward without gradients (a target under no_grad) before the backward: it stays prepared
         elif stale is not None and stale.ending.dropped_by_next_forward:
             self._iteration = None  # its forward had no backward, or its compiled backward ended unfinished
             stale.ending.check_finished(self.rank)
