@@ -30,6 +30,7 @@ checkpointing) are split like any node, and any pair of caps works.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -182,9 +183,11 @@ class GraphDDPBackend:
         if choice.strategy == "split" and self.reduction == "in_graph":
             _warn_once(f"graphddp: reduction='in_graph' was asked for, but this graph runs split: {choice.reason}")
         in_graph = None
-        if target is not None and choice.strategy == "in_graph":  # compiled first: gm is cut for the split below
-            in_graph = self._compile_in_graph(gm, example_inputs, prepared.params, in_graph_plan, graph_key, target, again)
-        split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
+        several = (target is not None and choice.strategy == "in_graph") or split.num_segments > 1
+        with _one_metadata_per_frame(several):
+            if target is not None and choice.strategy == "in_graph":  # compiled first: gm is cut for the split below
+                in_graph = self._compile_in_graph(gm, example_inputs, prepared.params, in_graph_plan, graph_key, target, again)
+            split_fn = self._compile_split(prepared, gm, example_inputs, graph_key, target)
         if target is None:
             return split_fn
         return ReductionSwitch(in_graph, split_fn, target, frozenset(p.spec.name for p in prepared.params))
@@ -260,6 +263,19 @@ class GraphDDPBackend:
 
         lower_graph(prepared, gm, example_inputs, name=graph_key, dump=self.dump, on_segment=compile_segment)
         return prepared.split_gm
+
+
+def _one_metadata_per_frame(several: bool) -> contextlib.AbstractContextManager[Any]:
+    """Note [Several AOT graphs in one frame]: where one Dynamo graph becomes several AOTAutograd graphs (split
+    segments, an in-graph variant beside its split), they share Dynamo's one ``TracingContext``, whose
+    ``fw_metadata`` each compile overwrites. A backward is compiled lazily, at its first run, and Inductor reads
+    which of its inputs are *donated* (buffers it may overwrite in place, ``get_donated_idxs``) from that context:
+    every segment's backward would take the last compiled graph's list, naming other tensors, some still needed
+    (an earlier segment's saved activation). PyTorch's DDPOptimizer keeps a list of metadata and pops it in
+    reverse, which holds only if backwards compile in the reverse order of their forwards; the in-graph variant and
+    the split share the context too. So such graphs are compiled without donated buffers (a memory optimisation
+    of the backward, not a change of its results); a graph compiled alone keeps them."""
+    return torch._functorch.config.patch(donated_buffer=False) if several else contextlib.nullcontext()
 
 
 def _fake_inputs(gm: fx.GraphModule, signal: torch.Tensor) -> list[Any] | None:

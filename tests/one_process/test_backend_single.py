@@ -310,3 +310,34 @@ def test_a_graph_with_a_tied_tables_parts_runs_split_where_it_could_not_be_compi
     assert backend.choose_reduction(plan, True, target).strategy == "in_graph"
     choice = backend.choose_reduction(plan, True, target, compiles_again=False)
     assert choice.strategy == "split" and "could not be compiled again" in choice.reason
+
+
+def test_each_segments_backward_compiles_with_no_other_graphs_donated_buffers() -> None:
+    """Note [Several AOT graphs in one frame]: three segments share Dynamo's TracingContext; each backward,
+    compiled lazily, must not read the last compiled segment's donated-buffer list (Inductor would overwrite
+    tensors another segment's backward still needs)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_donated_idxs
+
+    seen: list[tuple[int, list[int] | None]] = []  # (backward inputs, the donated list it would be told)
+
+    def backward_compiler(gm: torch.fx.GraphModule, inputs: list) -> object:
+        seen.append((sum(n.op == "placeholder" for n in gm.graph.nodes), get_donated_idxs()))
+        return make_boxed_func(gm.forward)
+
+    class ThreeLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 32] -> []
+            h = torch.relu(self.b(torch.relu(self.a(x))))
+            return (self.c(torch.tanh(h) ** 2) * torch.sigmoid(h)).sum()
+
+    inner = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    ddp = graphddp.DDP(ThreeLayers(), bucket_cap_mb=0.004, first_bucket_cap_mb=0.004)
+    compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction="split"))
+    compiled(torch.randn(4, 32)).backward()
+    assert len(seen) == 3, seen  # one backward per segment
+    assert all(not donated for _, donated in seen), seen
