@@ -74,6 +74,7 @@ from ..passes import (
     reduce_in_place,
 )  # fmt: skip
 from ..runtime import in_graph_blocks, in_graph_rows, in_graph_steps  # noqa: F401  (register graphddp's ops)
+from .compile_target import running
 
 logger = logging.getLogger(__name__)
 
@@ -487,8 +488,10 @@ class InGraphVariant:
 
 class ReductionSwitch:
     """What Dynamo runs for a graph compiled for a graphddp.DDP: the in-graph variant while the DDP's gate is open
-    for this graph's parameters, the split one otherwise (Note [In-graph reduction]). One Python call per graph
-    and forward, nothing per parameter."""
+    for this graph's parameters and that DDP's forward runs it, the split one otherwise (Note [In-graph
+    reduction]): the same compiled code called outside the wrapper (``ddp.module(x)``, with
+    ``DDP(torch.compile(model))``) reduces nothing, as PyTorch's DDP, its gradients left to the hooks, which keep
+    them local. One Python call per graph and forward, nothing per parameter."""
 
     def __init__(self, in_graph: InGraphVariant | None, split: Callable[..., Any], target: Any, params: frozenset[str]) -> None:
         self.in_graph, self.split = in_graph, split
@@ -497,7 +500,7 @@ class ReductionSwitch:
 
     def __call__(self, *args: Any) -> Any:
         target = self._target()
-        if target is not None and target.reduces_in_graph(self.params, self.in_graph is not None):
+        if target is not None and running() is target and target.reduces_in_graph(self.params, self.in_graph is not None):
             variant = self.in_graph
             assert variant is not None, "reduces_in_graph says no without a variant"
             if variant.tables_with_parts and (dropped := variant.tables_to_drop(target.tables_gone_dense_in_graph())):

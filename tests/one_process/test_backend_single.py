@@ -341,3 +341,29 @@ def test_each_segments_backward_compiles_with_no_other_graphs_donated_buffers() 
     compiled(torch.randn(4, 32)).backward()
     assert len(seen) == 3, seen  # one backward per segment
     assert all(not donated for _, donated in seen), seen
+
+
+def test_the_compiled_module_called_outside_the_wrapper_runs_no_in_graph_reduction() -> None:
+    """``DDP(torch.compile(model))``: ``ddp.module(x)`` runs the same compiled code as ``ddp(x)``; outside the
+    wrapper's forward it must not run the in-graph variant (its backward would all-reduce: on one rank only, a
+    hang), as PyTorch's DDP reduces nothing there."""
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8] -> []
+            return self.b(torch.relu(self.a(x))).sum()
+
+    ddp = graphddp.DDP(torch.compile(TwoLayers(), backend=graphddp.backend("aot_eager")))
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        ddp(x).backward()
+    gate = ddp.reducer.compile_target.gate
+    runs = gate.in_graph_forwards
+    assert runs > 0  # the wrapper's forwards reduce in-graph by now
+    ddp.module(x).backward()  # a local backward: its gradients accumulate, reduced nowhere
+    assert gate.in_graph_forwards == runs
+    ddp(x).backward()
+    assert gate.in_graph_forwards == runs + 1  # and the wrapper's next forward in-graph again
