@@ -68,13 +68,16 @@ class DelayedAllReduce:
 
     def before_forward(self, synchronising: bool) -> None:
         """PyTorch's ``_clear_grad_buffer``: gradients all reset (``zero_grad(set_to_none=True)``) zero the buffer;
-        a missing ``.grad`` becomes its view, so autograd accumulates into the buffer in place."""
+        a missing ``.grad`` becomes its view, so autograd accumulates into the buffer in place, zeroed where others
+        were kept (one optimizer reset its parameters, another accumulates): the view still holds the last
+        average."""
         self._sync = synchronising
-        if all(p.grad is None for p in self._params):
+        every_one_reset = all(p.grad is None for p in self._params)
+        if every_one_reset:
             self.buffer.zero_()
         for p, view in zip(self._params, self._views):
             if p.grad is None:
-                p.grad = view
+                p.grad = view if every_one_reset else view.zero_()
 
     def _all_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         if self._sync:

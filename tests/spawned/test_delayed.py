@@ -57,3 +57,26 @@ def train_delayed(rank: int, world: int, accumulate: int) -> None:
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_delayed_parameters_train_as_pytorchs_ddp_and_respect_no_sync(accumulate: int) -> None:
     run_on_ranks(train_delayed, 2, accumulate)
+
+
+def train_resetting_some(rank: int, world: int) -> None:
+    """Each step resets fc3.weight's gradient only (another optimizer's parameters keep accumulating): the
+    delayed view it gets back holds the last average and must be zeroed, as PyTorch's ``_clear_grad_buffer``."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    ours = graphddp.DDP(model, **CAPS, **delayed(model))
+    ref = torch.nn.parallel.DistributedDataParallel(twin, **delayed(twin))
+    for step in range(3):
+        x, y = batch_for(Case(), step, 0, rank)
+        for module in (ours, ref):
+            F.mse_loss(module(x), y).backward()
+        dist.barrier()  # PyTorch leaves its delayed Work unwaited; gloo's barrier waits for it
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"step {step} {name}: {m}")
+        for module in (ours, ref):
+            module.module.fc3.weight.grad = None
+
+
+def test_a_delayed_gradient_reset_alone_starts_from_zero_as_in_pytorchs_ddp() -> None:
+    run_on_ranks(train_resetting_some, 2)
