@@ -230,10 +230,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         synchronising = grad_enabled and self.require_backward_grad_sync
         if synchronising:  # PyTorch's logger samples synchronised iterations (graphddp.runtime.stats)
             self.reducer.stats.forward_started()
-        self._replicas.before_forward(synchronising)  # check_replicas_every (graphddp.runtime.replicas)
+        self._replicas.before_forward(synchronising and not self._join_config.enable)  # a join's replicas differ
         self.reducer.begin_forward(grad_enabled)
-        if grad_enabled:  # a forward without gradients leaves a prepared backward's delayed all-reduce armed
-            self._delayed.before_forward(synchronising)
+        self._delayed.before_forward(grad_enabled=grad_enabled, synchronising=synchronising)
         # In-graph reduction this forward? (Note [In-graph reduction])
         self.reducer.compile_target.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, joining=self._join_config.enable)
         if self._will_sync_buffers():

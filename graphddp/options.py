@@ -117,7 +117,8 @@ class DDPOptions(BucketOptions):
     """Promise that the set of used parameters never changes: search once, then skip the search."""
     check_replicas_every: int = 0
     """Compare the parameters' values across ranks before every this many training forwards and raise, naming the
-    first that differs, when the replicas drifted apart (``graphddp.runtime.replicas``); 0: never."""
+    first that differs, when the replicas drifted apart (``graphddp.runtime.replicas``); 0: never. Forwards
+    inside ``ddp.join()`` are not counted: a rank that joined takes no optimizer step until the join's end."""
 
     def __post_init__(self) -> None:
         for field in ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):

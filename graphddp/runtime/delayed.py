@@ -66,11 +66,13 @@ class DelayedAllReduce:
         params = dict(module.named_parameters())
         return cls([params[n] for n in names], params[hook_name], group=group, rank=rank)
 
-    def before_forward(self, synchronising: bool) -> None:
+    def before_forward(self, *, grad_enabled: bool, synchronising: bool) -> None:
         """PyTorch's ``_clear_grad_buffer``: gradients all reset (``zero_grad(set_to_none=True)``) zero the buffer;
         a missing ``.grad`` becomes its view, so autograd accumulates into the buffer in place, zeroed where others
         were kept (one optimizer reset its parameters, another accumulates): the view still holds the last
-        average."""
+        average. A forward without gradients changes nothing (a prepared backward's all-reduce stays armed)."""
+        if not grad_enabled:
+            return
         self._sync = synchronising
         every_one_reset = all(p.grad is None for p in self._params)
         if every_one_reset:
@@ -95,7 +97,7 @@ class DelayedAllReduce:
 class NoDelay:
     """No parameter delayed (the default)."""
 
-    def before_forward(self, synchronising: bool) -> None:
+    def before_forward(self, *, grad_enabled: bool, synchronising: bool) -> None:
         pass
 
 

@@ -138,8 +138,11 @@ class JoinSupport:
             self._reducer.shadow_backward()
 
     def sync_final_model(self, module: ShadowedModule, is_last_joiner: bool) -> None:
-        """After all ranks joined, the last joiner's parameters (and buffers) become everyone's."""
-        module.broadcast_state(self.common_rank(is_last_joiner))
+        """After all ranks joined, the last joiner's parameters (and buffers) become everyone's, and its count of
+        training forwards (ranks that joined stopped counting: the next agreement would find them out of step)."""
+        src = self.common_rank(is_last_joiner)
+        module.broadcast_state(src)
+        self._reducer.plans.adopt_forward_count(src)
 
     def _backward_sync_flag(self, synchronises: bool) -> tuple[torch.Tensor, Any]:
         """The all-reduce behind ``announce_backward_sync`` (joined ranks add nothing): (flag, work)."""

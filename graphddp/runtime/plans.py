@@ -302,6 +302,12 @@ class PlanKeeper:
         if grad_enabled:
             self.training_forwards += 1
 
+    def adopt_forward_count(self, src: int) -> None:
+        """The end of a ``join``: ``src``'s count of training forwards becomes every rank's (a collective)."""
+        count = torch.tensor([self.training_forwards], dtype=torch.int64, device=self._device)
+        dist.broadcast(count, group=self._group, group_src=src)
+        self.training_forwards = int(count.item())
+
     def comm_hook_registered(self) -> None:
         """A comm hook now reduces every bucket dense: warn if tied tables' gradients were split into parts."""
         parts = {p.label for plan in (self.current, self.graph_plans.proposed) if plan is not None for p in plan.parts}
@@ -370,6 +376,12 @@ class PlanKeeper:
         """An agreement all-reduce was issued and not yet waited for (only ever between its issue and the end of
         the backward that issued it)."""
         return self._agreement is not None and not self._agreement.settled
+
+    def backward_shadowed(self, in_plan_order: Sequence[int]) -> None:
+        """A joined rank shadowed a synchronised backward: it ends as the other ranks' did for the ready order (a
+        first backward's rebuild is a broadcast at the next forward, on every rank). A rank that joined before any
+        backward of its own (no batch at all) offers the plan's order, which serves every rank if it is rank 0."""
+        self.ready_order.backward_ended(in_plan_order)
 
     def backward_abandoned(self, in_plan_order: Sequence[int]) -> None:
         """This rank drained an abandoned backward (Note [Abandoned backward]): its next agreement says so, and it

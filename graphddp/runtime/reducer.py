@@ -114,10 +114,8 @@ class Reducer(TorchReducerSurface):
     def adopt(self, plan: BucketPlan) -> None:
         """Install ``plan``: new flat buffers, gradients moved into their new slices (bucket views follow)."""
         if self._iteration is not None:
-            raise RuntimeError(
-                f"[rank {self.rank}] graphddp: cannot change the bucket plan while a backward is in flight; "
-                "adopt a plan between iterations."
-            )
+            raise RuntimeError(f"[rank {self.rank}] graphddp: cannot change the bucket plan while a backward is in flight; "
+                               "adopt a plan between iterations.")
         if (problem := plan.coverage_problem(self._names)) is not None:
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
         self._slots = BucketSlots(plan, self._names, self._params, self._layout, self.usage.used)
@@ -127,10 +125,8 @@ class Reducer(TorchReducerSurface):
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
 
     def _make_launcher(self) -> Launcher:
-        dense = [
-            dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad)
-            for b in self.buckets
-        ]
+        dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad)
+                 for b in self.buckets]
         each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, channels=self._channels)
         return Launcher(self.buckets, self._skip.reductions(self.buckets, each, dense), self._policy, self._events)
 
@@ -307,6 +303,7 @@ class Reducer(TorchReducerSurface):
         self._launcher.shadow()
         shadow.count_usage(self._launcher, self.usage, self.plans, fill=0, joined=True)  # ChainedLaunch: after the waits
         self._skip.reduce_late(self._slots, self.usage.counts(shadow.usage), self._events, joined=True)
+        self.plans.backward_shadowed([i for b in self.buckets for i in b.param_indices])
 
     # -- introspection ---------------------------------------------------------------------------------------
     @property

@@ -150,7 +150,7 @@ def test_the_delayed_parameters_all_reduce_is_lent_an_alias_and_settled_by_the_e
     monkeypatch.setattr(delayed, "settle", recording_settle)
     first, hooked = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     reduction = delayed.DelayedAllReduce([first], hooked, group=dist.group.WORLD, rank=0)
-    reduction.before_forward(True)
+    reduction.before_forward(grad_enabled=True, synchronising=True)
     ((first * 2).sum() + (hooked * 3).sum()).backward()
     ((works, (alias,)),) = settled
     assert works == [], "the Work was not dropped in settle"

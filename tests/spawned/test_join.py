@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 from models import MLP
-from ranks import expect_failure_on_every_rank
+from ranks import expect_failure_on_every_rank, run_on_ranks
 from training import CAPS, Case, batch_for
 
 import graphddp
@@ -25,3 +26,29 @@ def test_join_throw_on_early_termination_raises_on_every_rank(world: int) -> Non
     assert "Rank 0 exhausted all inputs" in errors[0]
     for rank in range(1, world):
         assert "Detected at least one rank that exhausted inputs" in errors[rank]
+
+
+def join_with_replica_checks(rank: int, world: int, steps_on_rank_0: int) -> None:
+    """``check_replicas_every=1`` with ``join()``: rank 0 trains ``steps_on_rank_0`` steps in a join (the others
+    two more), then every rank trains two steps more, the replicas checked before each. Raises or hangs on error."""
+    ddp = graphddp.DDP(MLP(), **CAPS, check_replicas_every=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(steps_on_rank_0 + 2 * (rank > 0)):
+            x, y = batch_for(Case(), step, 0, rank)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for step in range(2):  # after the join the replicas agree again (its end broadcasts the model)
+        x, y = batch_for(Case(), step, 1, rank)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("steps_on_rank_0", [3, 0])
+def test_join_with_replica_checks_and_uneven_inputs_trains_on(steps_on_rank_0: int) -> None:
+    """While a rank has joined the replicas differ by design (it takes no step): no check runs in a join, and
+    the counts stay alike on every rank, so the checks after it run at the same forward everywhere. A rank with
+    no batch at all (0) joins before any backward of its own."""
+    run_on_ranks(join_with_replica_checks, 2, steps_on_rank_0, timeout=60)
