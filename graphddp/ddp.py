@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.nn.utils.rnn import PackedSequence
 
 from .compiler import compile_target, dynamo_hook
@@ -322,21 +322,10 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         return self.reducer.plan
 
     # -- join (Note [Join] in graphddp.runtime.join): PyTorch's Joinable, over this module's JoinSupport ---------
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """Context manager for uneven inputs: ranks that run out of data shadow the others' collectives.
-
-        Built on ``torch.distributed.algorithms.Join``; the arguments mean what they mean for PyTorch's DDP.
-        """
-        return Join(
-            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
-        )
-
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self._delayed_names[0]:  # issued by a gradient hook, among the buckets: a joined rank has no such moment
+            raise RuntimeError(f"[rank {self.rank}] graphddp.DDP: join() cannot shadow the all-reduce of "
+                               "delay_all_reduce_named_params (PyTorch's DDP hangs there); train without a join or without delaying.")
         divide = kwargs.get("divide_by_initial_world_size", True)
         return self._join.hook(self._shadowed(), divide_by_initial_world_size=divide)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 from .runtime.torch_ddp import TorchDDP, active_ddp_module
 
@@ -82,6 +83,21 @@ class TorchDDPSurface:
     def output_device(self) -> int | None:
         """PyTorch's: None for a CPU module or without ``device_ids``, else the device's index."""
         return None if not self.device_ids else self.device.index
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs: ranks that run out of data shadow the others' collectives (Note
+        [Join] in ``graphddp.runtime.join``; the DDP's ``join_hook``).
+
+        Built on ``torch.distributed.algorithms.Join``; the arguments mean what they mean for PyTorch's DDP.
+        """
+        return Join(
+            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+        )
 
     @property
     def broadcast_buffers(self) -> bool:

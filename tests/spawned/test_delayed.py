@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from models import MLP
-from ranks import run_on_ranks
+from ranks import expect_failure_on_every_rank, run_on_ranks
 from training import CAPS, Case, batch_for
 
 import graphddp
@@ -80,3 +80,16 @@ def train_resetting_some(rank: int, world: int) -> None:
 
 def test_a_delayed_gradient_reset_alone_starts_from_zero_as_in_pytorchs_ddp() -> None:
     run_on_ranks(train_resetting_some, 2)
+
+
+def join_with_delayed(rank: int, world: int) -> None:
+    model = MLP()
+    ddp = graphddp.DDP(model, **CAPS, **delayed(model))
+    with ddp.join():
+        pass
+
+
+def test_a_join_with_delayed_parameters_is_refused_on_every_rank() -> None:
+    # A joined rank cannot mirror an all-reduce a gradient hook issues among the buckets: PyTorch's DDP hangs.
+    for error in expect_failure_on_every_rank(join_with_delayed, 2, timeout=60).values():
+        assert "join() cannot shadow the all-reduce of delay_all_reduce_named_params" in error
