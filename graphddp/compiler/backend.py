@@ -26,6 +26,18 @@ forward (it asks ``graphddp.compiler.compile_target.running()``), the backend
 
 Unlike PyTorch's DDPOptimizer, the graph split and the Reducer use the same plan, higher-order ops (activation
 checkpointing) are split like any node, and any pair of caps works.
+
+Note [Several AOT graphs in one frame]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Where one Dynamo graph becomes several AOTAutograd graphs (split segments, an in-graph variant beside its
+split), they share Dynamo's one ``TracingContext``, whose ``fw_metadata`` each compile overwrites. A backward is
+compiled lazily, at its first run, and Inductor reads which of its inputs are *donated* (buffers it may overwrite
+in place, ``get_donated_idxs``) from that context: every segment's backward would take the last compiled graph's
+list, naming other tensors, some still needed (an earlier segment's saved activation). PyTorch's DDPOptimizer
+keeps a list of metadata and pops it in reverse, which holds only if backwards compile in the reverse order of
+their forwards; the in-graph variant and the split share the context too. So such graphs are compiled without
+donated buffers (``_one_metadata_per_frame``: a memory optimisation of the backward, not a change of its
+results); a graph compiled alone keeps them.
 """
 
 from __future__ import annotations
@@ -266,15 +278,8 @@ class GraphDDPBackend:
 
 
 def _one_metadata_per_frame(several: bool) -> contextlib.AbstractContextManager[Any]:
-    """Note [Several AOT graphs in one frame]: where one Dynamo graph becomes several AOTAutograd graphs (split
-    segments, an in-graph variant beside its split), they share Dynamo's one ``TracingContext``, whose
-    ``fw_metadata`` each compile overwrites. A backward is compiled lazily, at its first run, and Inductor reads
-    which of its inputs are *donated* (buffers it may overwrite in place, ``get_donated_idxs``) from that context:
-    every segment's backward would take the last compiled graph's list, naming other tensors, some still needed
-    (an earlier segment's saved activation). PyTorch's DDPOptimizer keeps a list of metadata and pops it in
-    reverse, which holds only if backwards compile in the reverse order of their forwards; the in-graph variant and
-    the split share the context too. So such graphs are compiled without donated buffers (a memory optimisation
-    of the backward, not a change of its results); a graph compiled alone keeps them."""
+    """No donated buffers while ``several`` AOT graphs of one frame compile (Note [Several AOT graphs in one
+    frame])."""
     return torch._functorch.config.patch(donated_buffer=False) if several else contextlib.nullcontext()
 
 
