@@ -116,7 +116,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._delayed_names = named_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | frozenset(self._delayed_names[0])  # kept local, or delayed (as PyTorch)
         named = trainable_parameters(self._synced_parameters(), self.rank)
-        self.device, self.device_ids = device_of(module, device_ids, output_device, self.rank)
+        self.device, self.device_ids = device_of(module, self._synced_parameters(), device_ids, output_device, self.rank)
         self._make_reducer(self._first_plan(named, init_sync=init_sync, init_sync_buffers=given.init_sync_buffers))
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True  # PyTorch's name: the next forward broadcasts buffers
@@ -362,6 +362,11 @@ def _check_wrappable(module: nn.Module) -> None:
         raise TypeError(f"graphddp.DDP wraps an nn.Module, got {type(module).__name__}")
     if isinstance(module, (DistributedDataParallel, TorchDDP)):
         raise ValueError("graphddp.DDP: the module is already wrapped in a DistributedDataParallel; wrap the inner module")
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+        raise RuntimeError(  # PyTorch's type and words: scripts match on them
+            "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a dummy forward "
+            "pass to correctly initialize the modules (graphddp.DDP: a lazy module, nn.LazyLinear and the like)."
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "graphddp.DDP needs a process group: call torch.distributed.init_process_group() first "

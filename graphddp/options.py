@@ -201,7 +201,8 @@ def from_torch_arguments(
         first_bucket_cap_mb=first_bucket_cap_mb,
         last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps,
-        bucket_cap_mb_list=tuple(bucket_cap_mb_list) if isinstance(bucket_cap_mb_list, list) else bucket_cap_mb_list,
+        # PyTorch's: an empty list is no list (``if bucket_cap_mb_list:``)
+        bucket_cap_mb_list=(tuple(bucket_cap_mb_list) or None) if isinstance(bucket_cap_mb_list, list) else bucket_cap_mb_list,
         sparse_embedding_grads=sparse_embedding_grads,
         broadcast_buffers=forward_sync,
         find_unused_parameters=find_unused_parameters,
@@ -218,12 +219,14 @@ def from_torch_arguments(
 
 def device_of(
     module: nn.Module,
+    synced: list[tuple[str, nn.Parameter]],
     device_ids: list[int | torch.device] | None,
     output_device: int | torch.device | None,
     rank: int,
 ) -> tuple[torch.device, list[int] | None]:
-    """(the module's single device, ``device_ids`` as PyTorch keeps them), checked against each other."""
-    device = _single_device([p for _, p in module.named_parameters()], rank)
+    """(the device of the ``synced`` parameters, the module's less the ignored ones, as PyTorch's DDP takes it;
+    ``device_ids`` as PyTorch keeps them), checked against each other."""
+    device = _single_device([p for _, p in synced], rank)
     if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         raise ValueError("SyncBatchNorm layers only work with GPU modules")  # PyTorch's check and words
     return device, _check_device_ids(device_ids, output_device, device, rank)

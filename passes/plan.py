@@ -105,6 +105,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -240,7 +241,7 @@ class BucketCaps:
         """Caps given in MiB, as users write them (``bucket_cap_mb=25``); validated here."""
         values = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb, "last_bucket_cap_mb": last_bucket_cap_mb}
         for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers too, as from a config
                 raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of MiB > 0, got {value!r}")
@@ -253,7 +254,7 @@ class BucketCaps:
         if isinstance(caps_mb, (str, bytes)) or not isinstance(caps_mb, Sequence) or not caps_mb:
             raise ValueError(f"bucket_cap_mb_list must be a non-empty list of MiB, got {caps_mb!r}")
         for value in caps_mb:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"bucket_cap_mb_list entries must be numbers of MiB, got {type(value).__name__} {value!r}")
             if not 0 < value < float("inf"):
                 raise ValueError(f"bucket_cap_mb_list entries must be finite numbers of MiB > 0, got {value!r}")

@@ -333,7 +333,6 @@ def test_bucket_cap_mb_list_caps_each_bucket_in_ready_order_the_last_repeating()
 @pytest.mark.parametrize(
     "value, error, message",
     [
-        ([], ValueError, "must be a non-empty list of MiB"),
         ([1, 0], ValueError, "finite numbers of MiB > 0, got 0"),
         ([1, "2"], TypeError, "entries must be numbers of MiB, got str"),
         (4, ValueError, "must be a non-empty list of MiB, got 4"),
@@ -515,3 +514,24 @@ def test_accelerates_trigger_sync_in_backward_synchronises_a_no_sync_forward() -
     ddp.reducer.prepare_for_backward([])
     loss.backward()
     assert len(log.of_kind("launch")) == len(ddp.bucket_plan.buckets)
+
+
+def test_a_lazy_module_is_refused_in_pytorchs_words() -> None:
+    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters can't be used with `DistributedDataParallel`"):
+        graphddp.DDP(nn.Sequential(nn.LazyLinear(4), nn.ReLU()))
+
+
+def test_caps_as_a_config_gives_them_numpy_numbers_and_an_empty_list_are_pytorchs() -> None:
+    np = pytest.importorskip("numpy")
+    by_numpy = graphddp.DDP(MLP(), bucket_cap_mb=np.float32(0.5), first_bucket_cap_mb=np.int64(1))
+    assert by_numpy.bucket_plan.caps == graphddp.DDP(MLP(), bucket_cap_mb=0.5, first_bucket_cap_mb=1).bucket_plan.caps
+    assert graphddp.DDP(MLP(), bucket_cap_mb_list=[]).bucket_plan.caps == graphddp.DDP(MLP()).bucket_plan.caps  # no list
+
+
+def test_an_ignored_parameter_elsewhere_does_not_count_for_the_modules_device() -> None:
+    # PyTorch's DDP takes the device from the parameters it synchronises; an ignored one may live elsewhere.
+    model = MLP()
+    model.register_parameter("elsewhere", nn.Parameter(torch.zeros(3, device="meta")))
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["elsewhere"])
+    ddp = graphddp.DDP(model)
+    assert ddp.device == torch.device("cpu") and "elsewhere" not in {p.name for b in ddp.bucket_plan.buckets for p in b.params}
