@@ -367,3 +367,32 @@ def test_the_compiled_module_called_outside_the_wrapper_runs_no_in_graph_reducti
     assert gate.in_graph_forwards == runs
     ddp(x).backward()
     assert gate.in_graph_forwards == runs + 1  # and the wrapper's next forward in-graph again
+
+
+def test_a_second_ddp_of_the_same_class_never_runs_the_first_ones_in_graph_variant() -> None:
+    """Dynamo reuses a graph across instances of one class (its cache is by code): the second DDP's forward runs
+    the graph compiled for the first, whose in-graph variant reduces on the first DDP's group and gate. It must
+    run split, through the second DDP's own hooks."""
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8] -> []
+            return self.b(torch.relu(self.a(x))).sum()
+
+    backend = graphddp.backend("aot_eager")
+    first, second = graphddp.DDP(TwoLayers()), graphddp.DDP(TwoLayers())
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        torch.compile(first, backend=backend)(x).backward()
+    runs = first.reducer.compile_target.gate.in_graph_forwards
+    assert runs > 0
+    eager = TwoLayers()
+    eager.load_state_dict(second.module.state_dict())
+    torch.compile(second, backend=backend)(x).backward()
+    eager(x).backward()
+    assert first.reducer.compile_target.gate.in_graph_forwards == runs
+    for ours, reference in zip(second.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, reference.grad)
