@@ -30,6 +30,10 @@ class FlatBucket:
 
     buffer: torch.Tensor  # [spec.numel], made on first use (``__getattr__``)
     views: list[torch.Tensor]  # per parameter, its slice of ``buffer``
+    carrier: torch.Tensor  # [spec.numel + room]: ``buffer`` and the agreement's room after it (if any)
+    room = 0
+    """Elements after the gradients for the plan agreement's entries (Note [The agreement rides a bucket] in
+    ``graphddp.runtime.agreement_ride``): 0 but in the bucket the agreement rides."""
 
     def __init__(self, spec: Bucket, params: list[torch.nn.Parameter], param_indices: list[int]) -> None:
         assert len(params) == len(spec.params) == len(param_indices)
@@ -54,14 +58,21 @@ class FlatBucket:
         self._in_place: torch.Tensor | None = None  # this iteration's gradient reduced where it lies, flat
 
     @staticmethod
-    def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # [numel]: the gradients of the bucket's parameters, back to back, in plan order; a view per parameter.
-        buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+    def _storage(spec: Bucket, room: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # [numel (+ room)]: the gradients of the bucket's parameters, back to back, in plan order (then the
+        # agreement's room); a view per parameter.
+        carrier = torch.zeros(spec.numel + room, dtype=spec.dtype, device=spec.device)
+        buffer = carrier[: spec.numel] if room else carrier
         views, offset = [], 0
         for p in spec.params:
             views.append(buffer[offset : offset + p.numel].view(p.shape))
             offset += p.numel
         return buffer, views
+
+    def make_room(self, room: int) -> None:
+        """``room`` elements after the gradients (the bucket the agreement rides), before the buffer is made."""
+        assert not self.allocated and room > 0, f"bucket {self.index}: room is made once, before the buffer"
+        self.room = room
 
     def __getattr__(self, name: str) -> Any:
         """``buffer``: the flat buffer (zeros until written), and ``views``: per parameter, its slice of it shaped
@@ -69,11 +80,12 @@ class FlatBucket:
         asks (Note [A lone gradient reduced where it lies]), so it holds no second copy of that gradient. Once made
         they are plain attributes: no Python call per access on the hot path (Python calls ``__getattr__`` only
         for an attribute it did not find)."""
-        if name not in ("buffer", "views"):
+        if name not in ("buffer", "views", "carrier"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        buffer, views = self._storage(self.spec)
+        buffer, views = self._storage(self.spec, self.room)
         self.__dict__.setdefault("buffer", buffer)  # a sparse gradient's bucket may have put its own already
         self.__dict__.setdefault("views", views)
+        self.__dict__.setdefault("carrier", buffer if not self.room else buffer._base)
         return self.__dict__[name]
 
     @property
@@ -82,9 +94,9 @@ class FlatBucket:
         return "buffer" in self.__dict__
 
     def zeros(self) -> torch.Tensor:
-        """A new tensor of zeros shaped like ``buffer`` (a joined rank's or a drained bucket's stand-in), without
-        allocating ``buffer``."""
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        """A new tensor of zeros shaped like ``carrier`` (a joined rank's or a drained bucket's stand-in: the room
+        too), without allocating ``buffer``."""
+        return torch.zeros(self.numel + self.room, dtype=self.dtype, device=self.device)
 
     @property
     def reduced_in_place(self) -> bool:
@@ -173,7 +185,7 @@ class SparseGradBucket(FlatBucket):
         self.plain = False  # its buffer is the gradient tensor itself, put there whole
 
     @staticmethod
-    def _storage(spec: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _storage(spec: Bucket, room: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
         (param,) = spec.params
         empty = _no_rows(param.shape, param.dtype, param.device)
         return empty, [empty]  # the view is never written: ``put`` replaces the buffer

@@ -210,7 +210,8 @@ class Phase(enum.Enum):
 def bookkeeping(plans: PlanKeeper, entries: list[int] | None, *, joined: bool = False) -> UsageCount | None:
     """An iteration's one collective of graphddp's own: the plan agreement (Note [Plan agreement] in
     ``graphddp.runtime.plans``), carrying the usage count's ``entries`` where the policy takes one
-    (``GradientUsage.entries``). Returns the count in flight, or None."""
+    (``GradientUsage.entries``); inside the last bucket's all-reduce where it rides (Note [The agreement rides a
+    bucket] in ``graphddp.runtime.agreement_ride``). Returns the count in flight, or None."""
     agreement = plans.start_agreement(joined=joined, carrying=entries or ())
     return UsageCount(*agreement.carried()) if agreement is not None and entries is not None else None
 

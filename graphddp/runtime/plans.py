@@ -19,7 +19,9 @@ backward in flight:
   with its square, to **one small all-reduce on the main group**: it runs whatever ``find_unused_parameters``
   and ``static_graph`` say, and where the policy counts usage it carries the usage count too (the iteration's
   only collective of graphddp's own besides the buckets: each one costs two ranks sharing a CPU a round trip
-  and a worker's wake-up, ``docs/benchmarks.md``, session 9). The sums
+  and a worker's wake-up, ``docs/benchmarks.md``, session 9; where the last bucket can carry it, it rides
+  inside that bucket's all-reduce and is no collective of its own, Note [The agreement rides a bucket] in
+  ``graphddp.runtime.agreement_ride``). The sums
   equal ``n * token`` and ``n * token**2`` exactly when every rank contributed the same token (equality in
   Cauchy-Schwarz). At the next forward every rank adopts the proposal. When the tokens disagree, every rank
   gathers the proposals: if they hold the same parameters in other orders (data-dependent control flow: each
@@ -62,6 +64,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
+from .agreement_ride import AgreementRide
 from .auto_caps import AutoCaps
 from .comm import all_gather_bytes, broadcast_coalesced
 from .launch_context import given_back, lend
@@ -136,11 +139,16 @@ class PlanAgreement:
     the rank's count of training forwards (``step``; None for a joined rank, which does not count), so ranks that
     fell out of step (Note [Plan agreement]) are found, and whatever int64 entries the iteration adds
     (``carrying``: the usage count, ``graphddp.runtime.unused``), so that graphddp's bookkeeping costs an iteration
-    one small collective, not two."""
+    one small collective, not two; or, riding a bucket (``ride``), none of its own (Note [The agreement rides a
+    bucket] in ``graphddp.runtime.agreement_ride``)."""
+
+    OWN_ENTRIES = 2 * 2 + 5
+    """Entries of its own: two tokens and their squares, and the five counted ones (``__init__``)."""
 
     def __init__(
         self, tokens: tuple[int, int], step: int | None, group: dist.ProcessGroup, device: torch.device, *,
         abandoned: bool = False, buffers_out_of_step: torch.Tensor | None = None, carrying: Sequence[int] = (),
+        ride: AgreementRide | None = None,
     ) -> None:  # fmt: skip
         self.tokens, self.step, self.abandoned = tokens, step, abandoned
         self._ranks = dist.get_world_size(group)
@@ -150,10 +158,20 @@ class PlanAgreement:
         own = [*agreement_entries(tokens), *counted]
         self._own = len(own)
         self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
+        assert self._own == self.OWN_ENTRIES
         if buffers_out_of_step is not None and step is not None:
             self._sums[self._own - 1 : self._own] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
-        self._alias = lend(self._sums)
-        self._work: dist.Work | None = dist.all_reduce(self._alias, group=group, async_op=True)
+        self._work: dist.Work | None = None
+        self._arrived = ride is None  # riding: once its bucket has been waited for
+        if ride is not None:
+            ride.seat(self._sums, self._own, self._arrive)
+        else:
+            self._alias = lend(self._sums)
+            self._work = dist.all_reduce(self._alias, group=group, async_op=True)
+
+    def _arrive(self, sums: torch.Tensor) -> None:
+        self._sums.copy_(sums)
+        self._arrived = True
 
     def verdict(self) -> bool | None:
         return agreed(self.tokens, self._read()[:-5], self._ranks)
@@ -166,7 +184,9 @@ class PlanAgreement:
         """The backward's end: wait (the all-reduce went before the last bucket's, so it is done) and drop the
         ``Work``, so that nothing of the iteration stays in flight after backward (Note [A collective holds no
         Python object]: a ``barrier`` the script issues next would otherwise keep it, and with it ``_sums``, for
-        one of gloo's threads to release, perhaps while the interpreter exits)."""
+        one of gloo's threads to release, perhaps while the interpreter exits). Riding a bucket, nothing to wait
+        for: that bucket was waited for (the end of backward, a drain, a shadow) before anything settles this."""
+        assert self._arrived, "the plan agreement's bucket was never waited for (Note [The agreement rides a bucket])"
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -174,7 +194,7 @@ class PlanAgreement:
 
     @property
     def settled(self) -> bool:
-        return self._work is None
+        return self._work is None and self._arrived
 
     def _read(self) -> list[int]:
         self.settle()
@@ -281,6 +301,8 @@ class PlanKeeper:
         """Parameter sets of the agreed graphs that reduce in-graph (``graphddp.runtime.in_graph``)."""
         self.training_forwards = 0
         """Forwards run with gradients enabled (synchronising or under no_sync); ranks must agree on it."""
+        self.ride: AgreementRide | None = None
+        """The bucket the agreement rides in the plan in force, if any (set by the Reducer with its buckets)."""
 
     def install(self, plan: BucketPlan) -> None:
         """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""
@@ -333,8 +355,9 @@ class PlanKeeper:
 
     def start_agreement(self, *, joined: bool = False, carrying: Sequence[int] = ()) -> PlanAgreement | None:
         """Once a synchronised backward's gradients are all in (or a joined rank's shadow of it), before its last
-        bucket's collective: the agreement all-reduce, async, with ``carrying`` summed in the same collective. None
-        on one rank."""
+        bucket's collective: the agreement all-reduce, async, with ``carrying`` summed in the same collective; or
+        none of its own where it rides that bucket (``ride``, Note [The agreement rides a bucket]). None on one
+        rank."""
         if self.world_size == 1:
             return None
         step = None if joined else self.training_forwards
@@ -342,10 +365,10 @@ class PlanKeeper:
         buffers, self._buffers_out_of_step = self._buffers_out_of_step, None
         self._agreement = PlanAgreement(
             self.graph_plans.tokens(), step, self._group, self._device, abandoned=abandoned,
-            buffers_out_of_step=buffers, carrying=carrying,
+            buffers_out_of_step=buffers, carrying=carrying, ride=self.ride,
         )  # fmt: skip
-        if joined:  # a shadow has no end of backward to settle it at (``backward_ended``); a joined rank is idle anyway
-            self._agreement.settle()
+        if joined and self.ride is None:  # a shadow has no end of backward to settle at; a joined rank is idle anyway
+            self._agreement.settle()  # (riding: once the shadow has waited for its bucket, ``backward_shadowed``)
         return self._agreement
 
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor], src: int, *, counted: bool) -> None:
@@ -381,7 +404,7 @@ class PlanKeeper:
         """A joined rank shadowed a synchronised backward: it ends as the other ranks' did for the ready order (a
         first backward's rebuild is a broadcast at the next forward, on every rank). A rank that joined before any
         backward of its own (no batch at all) offers the plan's order, which serves every rank if it is rank 0."""
-        self.ready_order.backward_ended(in_plan_order)
+        self.backward_ended(in_plan_order)
 
     def backward_abandoned(self, in_plan_order: Sequence[int]) -> None:
         """This rank drained an abandoned backward (Note [Abandoned backward]): its next agreement says so, and it

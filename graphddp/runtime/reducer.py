@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..passes import BucketCaps, BucketPlan, GraphSplit
+from .agreement_ride import choose_ride, with_ride
 from .auto_caps import AutoCaps
 from .buckets import BucketSlots, FlatBucket, Where
 from .channels import Channels
@@ -64,7 +65,7 @@ from .iteration import Iteration, UnpreparedBackward
 from .join import ActiveRanks
 from .launcher import ChainedLaunch, EagerLaunch, Launcher, launch_policy
 from .optimizer_overlap import NoStep, StepPerBucket
-from .plans import PlanKeeper, planned_specs
+from .plans import PlanAgreement, PlanKeeper, planned_specs
 from .reducer_surface import TorchReducerSurface
 from .reductions import CommHook, bucket_reductions, dense_reduction, local_average
 from .rows_rule import RowsRule
@@ -119,6 +120,8 @@ class Reducer(TorchReducerSurface):
         if (problem := plan.coverage_problem(self._names)) is not None:
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
         self._slots = BucketSlots(plan, self._names, self._params, self._layout, self.usage.used)
+        self.plans.ride = choose_ride(self._slots.buckets, PlanAgreement.OWN_ENTRIES, len(self._names), world_size=self.world_size,
+                                      averaging=not self._hook.custom, skips=self._skip.skips)  # before any buffer
         self._countdown.use(self._slots)  # at once: the steady hook must never count an old plan's buckets
         self._slots.move_grads()
         self.plans.install(plan)
@@ -128,7 +131,8 @@ class Reducer(TorchReducerSurface):
         dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad)
                  for b in self.buckets]
         each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, channels=self._channels)
-        return Launcher(self.buckets, self._skip.reductions(self.buckets, each, dense), self._policy, self._events)
+        reductions = with_ride(self._skip.reductions(self.buckets, each, dense), self.plans.ride, self._channels.of_bucket)
+        return Launcher(self.buckets, reductions, self._policy, self._events)
 
     def set_comm_hook(self, state: Any, hook: Any) -> None:
         self._hook = CommHook(state, hook, custom=True)
@@ -182,9 +186,7 @@ class Reducer(TorchReducerSurface):
     def switch_plan(self, grad_enabled: bool) -> None:
         """Adopt the plan the ranks agreed on, if any (collective: every rank, joined ones too, calls it)."""
         gone_dense = [self._names[i] for i in self._slots.tables_with_parts(self._launcher.gave_up())]
-        plan = self.plans.next_plan(
-            grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense
-        )
+        plan = self.plans.next_plan(grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense)
         if plan is not None:
             self.adopt(plan)
 

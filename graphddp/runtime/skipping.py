@@ -24,6 +24,9 @@ from .unused import GradientUsage
 class SkipNothing:
     """Every bucket is reduced (``skip_all_reduce_unused_params=False``)."""
 
+    skips = False
+    """Some bucket may skip its collective (so none can carry the plan agreement: ``agreement_ride``)."""
+
     def reductions(self, buckets: Sequence[FlatBucket], reductions: list[Any], dense: Sequence[DenseReduction]) -> list[Any]:
         return reductions
 
@@ -36,6 +39,8 @@ class SkipNothing:
 
 class SkipNeverUsed:
     """Buckets of parameters no rank has used yet skip their collective (see the module docstring)."""
+
+    skips = True
 
     def __init__(self, usage: GradientUsage) -> None:
         self._usage = usage

@@ -1,7 +1,8 @@
-"""What a synchronised step issues besides its buckets, and what it walks, on two gloo ranks: one small
-collective of graphddp's own (the plan agreement carrying the usage count, Note [Plan agreement] in
-graphddp.runtime.plans), issued just before the last bucket's and done when backward returns; and no module walk
-for buffers every forward where the module has none. Claims from recorded calls, never from timing."""
+"""What a synchronised step issues besides its buckets, and what it walks, on two gloo ranks: the plan agreement
+carrying the usage count (Note [Plan agreement] in graphddp.runtime.plans), issued just before the last bucket's
+and done when backward returns, inside that bucket's all-reduce where it can ride it (Note [The agreement rides
+a bucket]: no collective of graphddp's own), as one small collective of its own where not; and no module walk for
+buffers every forward where the module has none. Claims from recorded calls, never from timing."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ def record_collectives(rank: int, world: int, find_unused: bool, hook: bool) -> 
     def agree(original: Any) -> Any:
         def start(self: Any, **kwargs: Any) -> Any:
             nonlocal issued
-            seen.append("agreement")
+            own: list[Any] = []
+
+            def all_reduce(*args: Any, **kw: Any) -> Any:  # the agreement's collective of its own, if any
+                own.append(args)
+                return real(*args, **kw)
+
+            real = plans.dist.all_reduce
+            with patched(plans.dist, "all_reduce", lambda _: all_reduce):
+                agreement = original(self, **kwargs)
+            seen.append("agreement" if own else "agreement riding")
             issued += bool(kwargs.get("carrying"))
-            return original(self, **kwargs)
+            return agreement
 
         return start
 
@@ -64,7 +74,8 @@ def record_collectives(rank: int, world: int, find_unused: bool, hook: bool) -> 
 
     with patched(launcher.Launcher, "_launch", launch), patched(plans.PlanKeeper, "start_agreement", agree), patched(unused.UsageCount, "wait", wait):  # fmt: skip
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))  # 4 KiB weights
+        # 4 KiB weights: three buckets (each closed by a weight), the last one layer's bias and weight
+        model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
         ddp = graphddp.DDP(model, find_unused_parameters=find_unused, **CAPS)
         if hook:
             ddp.register_comm_hook(None, chained_allreduce)
@@ -84,12 +95,12 @@ def chained_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # unannot
 
 
 @pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused_parameters"])
-def test_one_collective_of_its_own_just_before_the_last_bucket(find_unused: bool) -> None:
+def test_the_agreement_rides_the_last_bucket_with_no_collective_of_its_own(find_unused: bool) -> None:
     for rank, per_backward in enumerate(run_on_ranks(record_collectives, 2, find_unused, False)):
         for seen in per_backward:
             buckets = [s for s in seen if s.startswith("bucket")]
             assert len(buckets) >= 3, f"rank {rank}: {seen}"
-            assert seen == [*buckets[:-1], "agreement", buckets[-1], "done"], f"rank {rank}: {seen}"
+            assert seen == [*buckets[:-1], "agreement riding", buckets[-1], "done"], f"rank {rank}: {seen}"
 
 
 def test_a_hook_that_chains_collectives_gets_the_agreement_after_them() -> None:
