@@ -33,7 +33,6 @@ bucket can carry it, it travels *inside* that bucket's all-reduce:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,62 +54,103 @@ def limb_bits(dtype: torch.dtype, world_size: int) -> int:
     return bits if bits >= 4 else 0
 
 
+class Passage:
+    """One agreement's trip in the riding bucket: its entries, on the host, until they come back summed."""
+
+    def __init__(self, values: list[int], flag: torch.Tensor | None, decode: Callable[[list[float], int], list[int]]) -> None:
+        self.values = values
+        """The agreement's own entries, then its usage entries (each >= 0; a usage entry 0 or 1)."""
+        self.flag = flag
+        """Added to the last own entry on the device (the buffers' flag: no host sync for a GPU's), or None."""
+        self._decode = decode
+        self._room: torch.Tensor | None = None  # the summed room, once the bucket was waited for
+        self._wait: Callable[[], Any] | None = None  # the bucket's wait, once launched
+
+    def departed(self, wait: Callable[[], Any]) -> None:
+        self._wait = wait
+
+    def land(self, room: torch.Tensor) -> None:
+        """The bucket was waited for: ``room`` holds the sums over the ranks (kept: a drain's zeros go away)."""
+        self._room, self._wait = room.clone(), None
+
+    @property
+    def landed(self) -> bool:
+        return self._room is not None
+
+    def sums(self) -> list[int]:
+        """The entries' sums over the ranks (one host read). Waits for the bucket if nothing has yet (an error in
+        the end of backward before it)."""
+        if self._room is None:
+            if self._wait is None:
+                raise RuntimeError(
+                    "graphddp: the plan agreement's bucket was never launched (Note [The agreement rides a bucket] in "
+                    "graphddp/runtime/agreement_ride.py); a backward stopped before its last bucket and was not drained."
+                )
+            self._wait()
+        assert self._room is not None
+        return self._decode(self._room.tolist(), len(self.values))
+
+
 class AgreementRide:
     """Room for the agreement's entries in the last bucket's all-reduce (Note [The agreement rides a bucket]):
     ``own`` entries as limbs, then up to ``counts`` usage entries, one element each."""
 
-    def __init__(self, bucket_index: int, own: int, counts: int, dtype: torch.dtype, device: torch.device, world_size: int) -> None:
+    def __init__(self, bucket_index: int, own: int, counts: int, dtype: torch.dtype, world_size: int) -> None:
         self.bucket_index = bucket_index
         self._bits = limb_bits(dtype, world_size)
         assert self._bits, f"no exact limbs in {dtype} for {world_size} ranks"
         self._limbs = -(-63 // self._bits)  # an int64 >= 0 has 63 bits
-        self._shifts = torch.arange(self._limbs, dtype=torch.int64, device=device) * self._bits  # [limbs]
         self._own, self._counts = own, counts
         self.room = own * self._limbs + counts
         """Elements after the riding bucket's gradients."""
-        self._seat: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+        self._seat: Passage | None = None
 
-    def seat(self, sums: torch.Tensor, own: int, arrive: Callable[[torch.Tensor], None]) -> None:
-        """This iteration's agreement (int64 [own + usage entries], each >= 0, a usage entry 0 or 1) rides the
-        bucket's next launch; ``arrive`` gets the entries' sums over the ranks (int64, the same shape) once that
-        launch is waited for."""
+    def seat(self, values: list[int], own: int, flag: torch.Tensor | None) -> Passage:
+        """This iteration's agreement rides the bucket's next launch: ``own`` entries of its own, then none or
+        ``counts`` usage entries; ``flag`` added to the last own entry on the device."""
         assert self._seat is None, "one agreement per launch"
-        assert own == self._own and sums.numel() - own in (0, self._counts), (own, sums.numel(), self._counts)
-        self._seat = (sums, arrive)
+        assert own == self._own and len(values) - own in (0, self._counts), (own, len(values), self._counts)
+        self._seat = Passage(values, flag, self._decode)
+        return self._seat
 
-    def board(self, room: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
-        """The bucket launches: the seated entries into ``room`` (its carrier's last ``room`` elements); returns
-        what the summed room goes to once waited for, or None (nothing seated: the room goes as zeros)."""
+    def board(self, room: torch.Tensor) -> Passage | None:
+        """The bucket launches: the seated entries into ``room`` (its carrier's last ``room`` elements), encoded on
+        the host and copied once; None when nothing is seated (the room goes as zeros)."""
         if self._seat is None:
             room.zero_()
             return None
-        (sums, arrive), self._seat = self._seat, None
-        limbs, counts = room[: self._own * self._limbs], room[self._own * self._limbs :]
-        limbs.copy_(((sums[: self._own].unsqueeze(1) >> self._shifts) & ((1 << self._bits) - 1)).flatten())
-        carried = sums.numel() - self._own
-        counts[:carried].copy_(sums[self._own :])
-        counts[carried:].zero_()  # an iteration that counts no usage (static_graph after its first)
-        return functools.partial(self._landed, arrive, carried)
+        passage, self._seat = self._seat, None
+        mask, own = (1 << self._bits) - 1, passage.values[: self._own]
+        limbs = [(v >> (self._bits * k)) & mask for v in own for k in range(self._limbs)]
+        counts = passage.values[self._own :]
+        room.copy_(torch.tensor([*limbs, *counts, *[0] * (self._counts - len(counts))], dtype=room.dtype))
+        if passage.flag is not None:  # 0 or 1: the last own entry's lowest limb
+            at = (self._own - 1) * self._limbs
+            room[at : at + 1].add_(passage.flag)
+        return passage
 
-    def _landed(self, arrive: Callable[[torch.Tensor], None], carried: int, room: torch.Tensor) -> None:
-        summed = room.round().to(torch.int64)  # each limb's, each count's exact sum over the ranks
-        own = (summed[: self._own * self._limbs].view(self._own, self._limbs) << self._shifts).sum(1)
-        arrive(torch.cat([own, summed[self._own * self._limbs :][:carried]]))
+    def _decode(self, room: list[float], entries: int) -> list[int]:
+        summed = [round(v) for v in room]  # each limb's, each count's exact sum over the ranks
+        own = [sum(summed[e * self._limbs + k] << (self._bits * k) for k in range(self._limbs)) for e in range(self._own)]
+        return [*own, *summed[self._own * self._limbs :][: entries - self._own]]
 
 
-def choose_ride(buckets: Sequence[Any], own: int, counts: int, *, world_size: int, averaging: bool, skips: bool) -> AgreementRide | None:
+def choose_ride(
+    buckets: Sequence[Any], own: int, counts: int, *, world_size: int, averaging: bool, skips: bool, device: torch.device
+) -> AgreementRide | None:
     """The ride of the agreement in the last of ``buckets`` (the plan's ``FlatBucket``s in launch order, none
     allocated yet), with room for ``own`` entries and ``counts`` usage entries, or None where it cannot ride
     (Note [The agreement rides a bucket]). ``averaging``: graphddp's own all-reduce reduces the dense buckets (no
-    comm hook); ``skips``: buckets of never-used parameters may skip theirs."""
+    comm hook); ``skips``: buckets of never-used parameters may skip theirs; ``device``: where the DDP's
+    collectives run (a CUDA module on gloo runs them on the CPU: its buckets carry nothing)."""
     if world_size == 1 or not averaging or skips or not buckets:
         return None
     last = buckets[-1]
     spec = last.spec
-    if not (last.plain and len(last.params) >= 2 and limb_bits(last.dtype, world_size)
+    if not (last.plain and len(last.params) >= 2 and limb_bits(last.dtype, world_size) and last.device == device
             and not (spec.sparse_grad or any(p.row_sparse for p in spec.params))):  # fmt: skip
         return None
-    ride = AgreementRide(last.index, own, counts, last.dtype, last.device, world_size)
+    ride = AgreementRide(last.index, own, counts, last.dtype, world_size)
     last.make_room(ride.room)
     return ride
 
@@ -141,25 +181,25 @@ class RidingReduction:
         # ``buffer``: the bucket's own (its carrier holds the room), or a stand-in's zeros, made with the room
         carrier = buffer if buffer.numel() > bucket.numel else bucket.carrier
         room = carrier[bucket.numel :]
-        land = self._ride.board(room)
+        passage = self._ride.board(room)
         alias = carrier.view(carrier.shape)  # ``lend``: Note [A collective holds no Python object]
         gradients = buffer if carrier is not buffer else carrier[: bucket.numel]
-        return RiddenInFlight(self._allreduce([alias], self._sum), gradients, alias, room, land)
+        in_flight = RiddenInFlight(self._allreduce([alias], self._sum), gradients, alias, room, passage)
+        if passage is not None:
+            passage.departed(in_flight.wait)
+        return in_flight
 
 
 class RiddenInFlight(AveragedInFlight):
     """The riding bucket's all-reduce: waited for, it hands the agreement its summed room (once)."""
 
-    def __init__(
-        self, work: Any, gradients: torch.Tensor, alias: torch.Tensor, room: torch.Tensor,
-        land: Callable[[torch.Tensor], None] | None,
-    ) -> None:  # fmt: skip
+    def __init__(self, work: Any, gradients: torch.Tensor, alias: torch.Tensor, room: torch.Tensor, passage: Passage | None) -> None:
         super().__init__(work, gradients, alias)
-        self._room, self._land = room, land
+        self._room, self._passage = room, passage
 
     def wait(self) -> torch.Tensor:
         gradients = super().wait()
-        if self._land is not None:
-            land, self._land = self._land, None
-            land(self._room)
+        if self._passage is not None:
+            passage, self._passage = self._passage, None
+            passage.land(self._room)
         return gradients

@@ -13,7 +13,8 @@ group; graphddp offers it as ``channels=k``:
   (``graphddp.passes.bucket_channel``), channel 0 being the DDP's own group. Buckets are still launched in plan
   order on every rank (``graphddp.runtime.launcher``), so each group sees the same sequence of collectives on
   every rank; the Reducer's own small collectives (plan agreement, usage count) and the buffer broadcast stay on
-  the DDP's group. The in-graph reduction (Note [In-graph reduction]) names each bucket's group by the same rule.
+  the DDP's group (the agreement travels on the last bucket's channel where it rides that bucket, Note [The
+  agreement rides a bucket] in ``graphddp.runtime.agreement_ride``). The in-graph reduction (Note [In-graph reduction]) names each bucket's group by the same rule.
 * **how they are made**: at construction, on every rank, k-1 new groups over the DDP's ranks, with its backend
   and its timeout (``torch.distributed.new_group``; every rank of the default group takes part, so the DDP's
   group must span them all). The ranks' ``channels`` are compared with the other construction options first

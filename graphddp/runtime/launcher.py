@@ -81,7 +81,8 @@ class Launcher:
         """Issued just before the last bucket's collective, once (the Reducer's plan agreement and usage count,
         ``Iteration.count_usage``), where the launch policy does not chain collectives: every gradient is in by
         then, and the small all-reduce is done when the last bucket is, so the end of backward does not wait a
-        round trip more for it, and nothing of the iteration is left in flight after it."""
+        round trip more for it, and nothing of the iteration is left in flight after it; where it rides the last
+        bucket, it only seats its entries there (Note [The agreement rides a bucket])."""
 
     def reset(self) -> None:
         """A new backward: nothing launched."""

@@ -37,7 +37,9 @@ backward in flight:
   another's. It is issued just before the last bucket's collective, once every gradient is in
   (``Launcher.before_last``; after the waits where a comm hook chains collectives), so it is done when the last
   bucket is and the end of backward waits no round trip more for it; never at the end of a forward: a forward
-  that no backward follows issues nothing.
+  that no backward follows issues nothing. Where the last bucket can carry it, it is no all-reduce of its own:
+  its entries ride in room after that bucket's gradients (Note [The agreement rides a bucket] in
+  ``graphddp.runtime.agreement_ride``).
   Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
   plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
   graph's split;
@@ -64,7 +66,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
-from .agreement_ride import AgreementRide
+from .agreement_ride import AgreementRide, Passage
 from .auto_caps import AutoCaps
 from .comm import all_gather_bytes, broadcast_coalesced
 from .launch_context import given_back, lend
@@ -157,21 +159,19 @@ class PlanAgreement:
         counted = (step, step * step, 1, int(abandoned), 0) if step is not None else (0,) * 5
         own = [*agreement_entries(tokens), *counted]
         self._own = len(own)
-        self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
         assert self._own == self.OWN_ENTRIES
-        if buffers_out_of_step is not None and step is not None:
-            self._sums[self._own - 1 : self._own] += buffers_out_of_step  # on the device: no host sync for a GPU's flag
+        flag = buffers_out_of_step if step is not None else None  # on the device: no host sync for a GPU's flag
         self._work: dist.Work | None = None
-        self._arrived = ride is None  # riding: once its bucket has been waited for
-        if ride is not None:
-            ride.seat(self._sums, self._own, self._arrive)
-        else:
-            self._alias = lend(self._sums)
-            self._work = dist.all_reduce(self._alias, group=group, async_op=True)
-
-    def _arrive(self, sums: torch.Tensor) -> None:
-        self._sums.copy_(sums)
-        self._arrived = True
+        self._passage: Passage | None = None  # riding: the ride's ``Passage``, until it is read
+        if ride is not None:  # the sums come back in the bucket's room, read on the host (``settle``)
+            self._sums = torch.zeros(self._own + len(carrying), dtype=torch.int64)
+            self._passage = ride.seat([*own, *carrying], self._own, flag)
+            return
+        self._sums = torch.tensor([*own, *carrying], dtype=torch.int64, device=device)
+        if flag is not None:
+            self._sums[self._own - 1 : self._own] += flag
+        self._alias = lend(self._sums)
+        self._work = dist.all_reduce(self._alias, group=group, async_op=True)
 
     def verdict(self) -> bool | None:
         return agreed(self.tokens, self._read()[:-5], self._ranks)
@@ -184,9 +184,12 @@ class PlanAgreement:
         """The backward's end: wait (the all-reduce went before the last bucket's, so it is done) and drop the
         ``Work``, so that nothing of the iteration stays in flight after backward (Note [A collective holds no
         Python object]: a ``barrier`` the script issues next would otherwise keep it, and with it ``_sums``, for
-        one of gloo's threads to release, perhaps while the interpreter exits). Riding a bucket, nothing to wait
-        for: that bucket was waited for (the end of backward, a drain, a shadow) before anything settles this."""
-        assert self._arrived, "the plan agreement's bucket was never waited for (Note [The agreement rides a bucket])"
+        one of gloo's threads to release, perhaps while the interpreter exits). Riding a bucket: its sums read
+        back from the bucket's room (the bucket is waited for here if nothing has yet: an error in the end of
+        backward before it)."""
+        if self._passage is not None:
+            passage, self._passage = self._passage, None
+            self._sums.copy_(torch.tensor(passage.sums(), dtype=torch.int64))
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -194,7 +197,7 @@ class PlanAgreement:
 
     @property
     def settled(self) -> bool:
-        return self._work is None and self._arrived
+        return self._work is None and (self._passage is None or self._passage.landed)
 
     def _read(self) -> list[int]:
         self.settle()
@@ -303,6 +306,11 @@ class PlanKeeper:
         """Forwards run with gradients enabled (synchronising or under no_sync); ranks must agree on it."""
         self.ride: AgreementRide | None = None
         """The bucket the agreement rides in the plan in force, if any (set by the Reducer with its buckets)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the DDP's collectives run (the agreement's own, where it does not ride)."""
+        return self._device
 
     def install(self, plan: BucketPlan) -> None:
         """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""

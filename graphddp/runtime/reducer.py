@@ -25,8 +25,10 @@ One iteration, on every rank:
    embedding table's rows, or no collective for a bucket no rank has used yet, ``graphddp.runtime.skipping``).
    Just before the last bucket's collective, once every gradient is in, the plan-agreement all-reduce, carrying
    the usage count (which parameters got a gradient, summed over ranks): the iteration's one collective of
-   graphddp's own, on the DDP's own group like every one, done when the last bucket is (``Launcher.before_last``);
-   with a hook that may chain collectives (``ChainedLaunch``), after the last wait. The first hook chooses how
+   graphddp's own, on the DDP's own group like every one, done when the last bucket is (``Launcher.before_last``),
+   or none, riding inside the last bucket's all-reduce where it can (Note [The agreement rides a bucket] in
+   ``graphddp.runtime.agreement_ride``); with a hook that may chain collectives (``ChainedLaunch``), after the
+   last wait. The first hook chooses how
    the backward ends (``backward_ending`` in ``graphddp.runtime.iteration``): ``_finalize`` queued as an
    autograd engine callback.
 4. ``_finalize`` (end of backward): fill in parameters that got no gradient (zeros, or their current ``.grad``)
@@ -121,7 +123,7 @@ class Reducer(TorchReducerSurface):
             raise ValueError(f"[rank {self.rank}] graphddp: {problem}")
         self._slots = BucketSlots(plan, self._names, self._params, self._layout, self.usage.used)
         self.plans.ride = choose_ride(self._slots.buckets, PlanAgreement.OWN_ENTRIES, len(self._names), world_size=self.world_size,
-                                      averaging=not self._hook.custom, skips=self._skip.skips)  # before any buffer
+                                      averaging=not self._hook.custom, skips=self._skip.skips, device=self.plans.device)
         self._countdown.use(self._slots)  # at once: the steady hook must never count an old plan's buckets
         self._slots.move_grads()
         self.plans.install(plan)
