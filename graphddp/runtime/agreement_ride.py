@@ -16,19 +16,23 @@ bucket can carry it, it travels *inside* that bucket's all-reduce:
   (``FlatBucket.carrier``); the gradients' views and the copies in and out stay ``FlatBucket.buffer``, the
   gradients only;
 * **limbs**: each of the agreement's own entries (all >= 0; squares of forward counts reach 2**40) is written as
-  limbs of ``b`` bits, ``entry = sum_k limb_k * 2**(b*k)``, each a float of the bucket's dtype; the all-reduce sums
-  each limb over the ``n`` ranks exactly while ``n * (2**b - 1) < 2**mantissa`` (``limb_bits``: 16 bits up to
-  256 ranks in float32), and each entry's sum is put back together from the summed limbs in int64. A usage entry
-  is 0 or 1 per rank, so it goes as one element. graphddp's averaging all-reduce only sums (the gradients were
-  scaled while copied in), so the room is not scaled;
+  limbs of ``b`` bits, ``entry = sum_k limb_k * 2**(b*k)``, each a float of the bucket's dtype, encoded on the host
+  (nine entries: a few dozen Python operations) and copied into the room at once, the buffers' flag added on the
+  device; the all-reduce sums each limb over the ``n`` ranks exactly while ``n * (2**b - 1) < 2**mantissa``
+  (``limb_bits``: 16 bits up to 256 ranks in float32), and each entry's sum is put back together from the summed
+  limbs on the host, where the agreement was always read. A usage entry is 0 or 1 per rank, so it goes as one
+  element. graphddp's averaging all-reduce only sums (the gradients were scaled while copied in), so the room is
+  not scaled;
 * **which bucket** (``choose_ride``): the last, where every rank always reduces its flat buffer with graphddp's
   averaging all-reduce: two or more whole gradients in its own dtype (never a lone gradient reduced where it
   lies), float32 or float64, no comm hook (a hook may compress, or never see the room), nothing skipped
   (``skip_all_reduce_unused_params``), more than one rank. A function of the plan and the DDP's options: every
   rank makes the same room, and every stand-in of that bucket (a drain's or a joined rank's zeros) comes with it.
-  Elsewhere the agreement stays an all-reduce of its own, as before;
+  The bucket must live where the DDP's collectives run (a CUDA module on gloo carries nothing). Elsewhere the
+  agreement stays an all-reduce of its own, as before;
 * **when**: unchanged: issued as the last bucket launches (``Launcher.before_last``), read once that bucket has been
-  waited for (the end of backward, a drain, a joined rank's shadow; ``PlanAgreement.settle`` asserts it).
+  waited for (the end of backward, a drain, a joined rank's shadow); a read before that (an error in the end of
+  backward before the last wait) waits for the bucket then (``Passage.sums``).
 """
 
 from __future__ import annotations
