@@ -343,18 +343,19 @@ def test_each_segments_backward_compiles_with_no_other_graphs_donated_buffers() 
     assert all(not donated for _, donated in seen), seen
 
 
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8] -> []
+        return self.b(torch.relu(self.a(x))).sum()
+
+
 def test_the_compiled_module_called_outside_the_wrapper_runs_no_in_graph_reduction() -> None:
     """``DDP(torch.compile(model))``: ``ddp.module(x)`` runs the same compiled code as ``ddp(x)``; outside the
     wrapper's forward it must not run the in-graph variant (its backward would all-reduce: on one rank only, a
     hang), as PyTorch's DDP reduces nothing there."""
-
-    class TwoLayers(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8] -> []
-            return self.b(torch.relu(self.a(x))).sum()
 
     ddp = graphddp.DDP(torch.compile(TwoLayers(), backend=graphddp.backend("aot_eager")))
     x = torch.randn(4, 8)
@@ -373,14 +374,6 @@ def test_a_second_ddp_of_the_same_class_never_runs_the_first_ones_in_graph_varia
     """Dynamo reuses a graph across instances of one class (its cache is by code): the second DDP's forward runs
     the graph compiled for the first, whose in-graph variant reduces on the first DDP's group and gate. It must
     run split, through the second DDP's own hooks."""
-
-    class TwoLayers(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8] -> []
-            return self.b(torch.relu(self.a(x))).sum()
 
     backend = graphddp.backend("aot_eager")
     first, second = graphddp.DDP(TwoLayers()), graphddp.DDP(TwoLayers())
