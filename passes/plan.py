@@ -14,9 +14,10 @@ that order into buckets, each up to a byte cap (``BucketCaps``):
   early);
 * the caps ramp up from there and down again at the end (Note [Bucket ramps]), with ``caps.bucket`` in the
   middle: no bucket but the first of each (dtype, device) has a cap above ``caps.bucket``;
-* a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than its cap unless
-  a single parameter alone is (it then gets a bucket of its own); PyTorch's Reducer instead closes a bucket
-  *after* it crossed the cap, which lets buckets overshoot by up to one parameter;
+* with the ramps, a bucket is closed *before* a gradient would push it over its cap, so no bucket is larger than
+  its cap unless a single parameter alone is (it then gets a bucket of its own); without them (PyTorch's layout,
+  ``BucketCaps.closes_over_cap``) a bucket is closed *once* it holds its cap or more, as PyTorch's Reducer closes
+  it, which lets buckets overshoot by up to one parameter;
 * with a cap per bucket (``BucketCaps.sequence``, PyTorch's ``bucket_cap_mb_list``) the k-th bucket of each
   (dtype, device) in ready order is capped at the k-th entry, the last one repeating, and nothing ramps;
 * buckets are numbered by the ready position of their first parameter: bucket 0 becomes ready first;
