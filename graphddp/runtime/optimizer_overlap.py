@@ -72,12 +72,14 @@ class StepPerBucket:
             )
         mine = {id(p) for p in trainable}
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
-        outside = [p for p in stepped if id(p) not in mine]
+        outside = [p for p in stepped if id(p) not in mine and p.requires_grad]  # a frozen one never has a gradient
         if outside:
             raise ValueError(
-                f"graphddp.DDP.step_in_backward: the optimizer holds {len(outside)} parameter(s) this DDP module does "
-                "not synchronise (shape of the first: "
-                f"{tuple(outside[0].shape)}); graphddp would never step them. Give it the module's parameters only."
+                f"graphddp.DDP.step_in_backward: the optimizer holds {len(outside)} trainable parameter(s) this DDP "
+                f"module does not synchronise in its buckets (shape of the first: {tuple(outside[0].shape)}): ignored "
+                "ones (_set_params_and_buffers_to_ignore_for_model), delayed ones (delay_all_reduce_named_params) or "
+                "another module's; graphddp would never step them. Give those an optimizer of their own, stepped after "
+                "backward."
             )
         self.optimizer = optimizer
 

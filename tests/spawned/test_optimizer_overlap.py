@@ -68,3 +68,7 @@ def refuse_lbfgs(rank: int, world: int) -> None:
         ddp.step_in_backward(torch.optim.LBFGS(ddp.parameters()))
     with pytest.raises(ValueError, match="does not synchronise"):
         ddp.step_in_backward(torch.optim.SGD([*ddp.parameters(), nn.Parameter(torch.ones(2))], lr=0.1))
+    # A frozen parameter (never a gradient, never in a bucket) in an optimizer built from model.parameters(): fine.
+    model = build_model("mlp")
+    next(model.parameters()).requires_grad_(False)
+    graphddp.DDP(model).step_in_backward(torch.optim.SGD(model.parameters(), lr=0.1))
