@@ -115,8 +115,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self._delayed_names = named_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | frozenset(self._delayed_names[0])  # kept local, or delayed (as PyTorch)
-        named = trainable_parameters(self._synced_parameters(), self.rank)
-        self.device, self.device_ids = device_of(module, self._synced_parameters(), device_ids, output_device, self.rank)
+        named = trainable_parameters(synced := self._synced_parameters(), self.rank)
+        self.device, self.device_ids = device_of(module, synced, device_ids, output_device, self.rank)
         self._make_reducer(self._first_plan(named, init_sync=init_sync, init_sync_buffers=given.init_sync_buffers))
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True  # PyTorch's name: the next forward broadcasts buffers

@@ -170,15 +170,11 @@ def with_ride(
     return reductions
 
 
-class RidingReduction:
+class RidingReduction(AveragingReduction):
     """The riding bucket's averaging all-reduce over its carrier: its gradients and the agreement's room."""
 
-    gave_up = False
-    """Never tries rows (see ``reductions.RowSparseReduction.gave_up``)."""
-
     def __init__(self, group: dist.ProcessGroup, ride: AgreementRide) -> None:
-        self._allreduce = group.allreduce  # as ``AveragingReduction``: no per-call argument checks
-        self._sum = dist.AllreduceOptions()  # ReduceOp.SUM
+        super().__init__(group)
         self._ride = ride
 
     def start(self, bucket: Any, buffer: torch.Tensor, is_last: bool) -> RiddenInFlight:

@@ -59,15 +59,14 @@ class FlatBucket:
 
     @staticmethod
     def _storage(spec: Bucket, room: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # [numel (+ room)]: the gradients of the bucket's parameters, back to back, in plan order (then the
-        # agreement's room); a view per parameter.
+        # [numel + room]: the gradients of the bucket's parameters, back to back, in plan order, then the
+        # agreement's room; a view per parameter.
         carrier = torch.zeros(spec.numel + room, dtype=spec.dtype, device=spec.device)
-        buffer = carrier[: spec.numel] if room else carrier
         views, offset = [], 0
         for p in spec.params:
-            views.append(buffer[offset : offset + p.numel].view(p.shape))
+            views.append(carrier[offset : offset + p.numel].view(p.shape))
             offset += p.numel
-        return buffer, views
+        return carrier, views
 
     def make_room(self, room: int) -> None:
         """``room`` elements after the gradients (the bucket the agreement rides), before the buffer is made."""
@@ -82,10 +81,10 @@ class FlatBucket:
         for an attribute it did not find)."""
         if name not in ("buffer", "views", "carrier"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        buffer, views = self._storage(self.spec, self.room)
-        self.__dict__.setdefault("buffer", buffer)  # a sparse gradient's bucket may have put its own already
-        self.__dict__.setdefault("views", views)
-        self.__dict__.setdefault("carrier", buffer if not self.room else buffer._base)
+        carrier, views = self._storage(self.spec, self.room)
+        self.__dict__.setdefault("buffer", carrier[: self.numel] if self.room else carrier)  # a sparse gradient's
+        self.__dict__.setdefault("views", views)  # bucket may have put its own buffer already
+        self.__dict__.setdefault("carrier", carrier)
         return self.__dict__[name]
 
     @property

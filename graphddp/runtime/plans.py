@@ -376,7 +376,7 @@ class PlanKeeper:
             buffers_out_of_step=buffers, carrying=carrying, ride=self.ride,
         )  # fmt: skip
         if joined and self.ride is None:  # a shadow has no end of backward to settle at; a joined rank is idle anyway
-            self._agreement.settle()  # (riding: once the shadow has waited for its bucket, ``backward_shadowed``)
+            self._agreement.settle()  # (riding: once the shadow has waited for its bucket, ``backward_ended``)
         return self._agreement
 
     def broadcast_buffers(self, buffers: Sequence[torch.Tensor], src: int, *, counted: bool) -> None:
@@ -396,8 +396,10 @@ class PlanKeeper:
             self._buffers_out_of_step = differs if previous is None else torch.maximum(previous, differs)
 
     def backward_ended(self, in_plan_order: Sequence[int]) -> None:
-        """A synchronised backward ended: the ready order learns from it, and its agreement is settled
-        (``PlanAgreement.settle``; a joined rank's shadow settles its own at once, in ``start_agreement``)."""
+        """A synchronised backward ended, or a joined rank's shadow of one: the ready order learns from it (a rank
+        that joined before any backward of its own offers the plan's order, which serves every rank if it is rank
+        0: the first backward's rebuild is a broadcast on every rank), and its agreement is settled
+        (``PlanAgreement.settle``; a shadow's that rides no bucket at once, in ``start_agreement``)."""
         self.ready_order.backward_ended(in_plan_order)
         if self._agreement is not None:
             self._agreement.settle()
@@ -407,12 +409,6 @@ class PlanKeeper:
         """An agreement all-reduce was issued and not yet waited for (only ever between its issue and the end of
         the backward that issued it)."""
         return self._agreement is not None and not self._agreement.settled
-
-    def backward_shadowed(self, in_plan_order: Sequence[int]) -> None:
-        """A joined rank shadowed a synchronised backward: it ends as the other ranks' did for the ready order (a
-        first backward's rebuild is a broadcast at the next forward, on every rank). A rank that joined before any
-        backward of its own (no batch at all) offers the plan's order, which serves every rank if it is rank 0."""
-        self.backward_ended(in_plan_order)
 
     def backward_abandoned(self, in_plan_order: Sequence[int]) -> None:
         """This rank drained an abandoned backward (Note [Abandoned backward]): its next agreement says so, and it

@@ -307,7 +307,7 @@ class Reducer(TorchReducerSurface):
         self._launcher.shadow()
         shadow.count_usage(self._launcher, self.usage, self.plans, fill=0, joined=True)  # ChainedLaunch: after the waits
         self._skip.reduce_late(self._slots, self.usage.counts(shadow.usage), self._events, joined=True)
-        self.plans.backward_shadowed([i for b in self.buckets for i in b.param_indices])
+        self.plans.backward_ended([i for b in self.buckets for i in b.param_indices])  # as the others' did
 
     # -- introspection ---------------------------------------------------------------------------------------
     @property
