@@ -239,13 +239,14 @@ class BucketCaps:
     def from_mb(
         cls, bucket_cap_mb: float, first_bucket_cap_mb: float, last_bucket_cap_mb: float, *, ramps: bool = True
     ) -> BucketCaps:
-        """Caps given in MiB, as users write them (``bucket_cap_mb=25``); validated here."""
+        """Caps given in MiB, as users write them (``bucket_cap_mb=25``); validated here. 0 is accepted as PyTorch's
+        DDP accepts it: a cap of one byte, so every gradient closes its bucket (a bucket per gradient)."""
         values = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb, "last_bucket_cap_mb": last_bucket_cap_mb}
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers too, as from a config
                 raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
-            if not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a finite number of MiB > 0, got {value!r}")
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of MiB >= 0 (0: a bucket per gradient), got {value!r}")
         bucket, first, last = (max(1, int(v * MiB)) for v in values.values())
         return cls(bucket=bucket, first=first, last=last, ramps=ramps)
 
@@ -257,8 +258,8 @@ class BucketCaps:
         for value in caps_mb:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"bucket_cap_mb_list entries must be numbers of MiB, got {type(value).__name__} {value!r}")
-            if not 0 < value < float("inf"):
-                raise ValueError(f"bucket_cap_mb_list entries must be finite numbers of MiB > 0, got {value!r}")
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"bucket_cap_mb_list entries must be finite numbers of MiB >= 0, got {value!r}")
         sequence = tuple(max(1, int(v * MiB)) for v in caps_mb)
         return cls(bucket=max(sequence), first=sequence[0], last=sequence[-1], ramps=False, sequence=sequence)
 

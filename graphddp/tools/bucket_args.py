@@ -24,7 +24,8 @@ _CAP_HELP = {
 
 
 def cap_mb(text: str) -> float | str:
-    """A cap's value on the command line: a finite number of MiB > 0, or ``auto`` (argparse names the flag of a
+    """A cap's value on the command line: a finite number of MiB >= 0 (0: a bucket per
+    gradient, as PyTorch's DDP), or ``auto`` (argparse names the flag of a
     bad one: ``argument --bucket-cap-mb: ...``, exit status 2)."""
     if text.strip().lower() == AUTO:
         return AUTO
@@ -32,8 +33,8 @@ def cap_mb(text: str) -> float | str:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of MiB or {AUTO}, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):  # NaN fails both
-        raise argparse.ArgumentTypeError(f"must be a finite number of MiB > 0 or {AUTO}, got {text!r}")
+    if not (value >= 0 and math.isfinite(value)):  # NaN fails both
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0 or {AUTO}, got {text!r}")
     return value
 
 

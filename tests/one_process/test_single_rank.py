@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import MLP, Branchy
+from models import IN, MLP, Branchy
 from torch import nn
 from training import Case, batch_for, loss_for
 
@@ -66,9 +66,9 @@ def test_construction_logs_one_info_line_and_the_table_at_debug(caplog: pytest.L
     ("kwargs", "error", "match"),
     [
         ({"module": "not a module"}, TypeError, "wraps an nn.Module"),
-        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number of MiB > 0, got 0"),
-        ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be a finite number of MiB > 0"),
-        ({"last_bucket_cap_mb": float("nan")}, ValueError, "last_bucket_cap_mb must be a finite number of MiB > 0"),
+        ({"bucket_cap_mb": -0.5}, ValueError, "bucket_cap_mb must be a finite number of MiB >= 0 .*, got -0.5"),
+        ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be a finite number of MiB >= 0"),
+        ({"last_bucket_cap_mb": float("nan")}, ValueError, "last_bucket_cap_mb must be a finite number of MiB >= 0"),
         ({"bucket_ramps": "no"}, TypeError, "bucket_ramps must be True or False"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
         ({"device_ids": [0]}, ValueError, "device_ids and output_device must be None for a module on the CPU"),
@@ -330,10 +330,20 @@ def test_bucket_cap_mb_list_caps_each_bucket_in_ready_order_the_last_repeating()
     assert [list(b.names) for b in ddp.bucket_plan.buckets] == [[names[i] for i in b] for b in sorted(pytorchs, key=min)]
 
 
+def test_a_zero_cap_is_a_bucket_per_gradient_as_pytorchs() -> None:
+    model = MLP()
+    ddp = graphddp.DDP(model, bucket_cap_mb=0, first_bucket_cap_mb=0, last_bucket_cap_mb=0, bucket_ramps=False)
+    assert [len(b.names) for b in ddp.bucket_plan.buckets] == [1] * len(list(model.parameters()))
+    listed = graphddp.DDP(MLP(), bucket_cap_mb_list=[0])
+    assert len(listed.bucket_plan.buckets) == len(list(model.parameters()))
+    ddp(torch.randn(4, IN)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "value, error, message",
     [
-        ([1, 0], ValueError, "finite numbers of MiB > 0, got 0"),
+        ([1, -1], ValueError, "finite numbers of MiB >= 0, got -1"),
         ([1, "2"], TypeError, "entries must be numbers of MiB, got str"),
         (4, ValueError, "must be a non-empty list of MiB, got 4"),
     ],

@@ -23,7 +23,7 @@ def rebuilt_buckets(model: nn.Module, **ddp_options: object) -> list[list[int]]:
     return [[int(i) for i in bucket.split()] for bucket in logged["rebuilt_per_bucket_param_indices"].split(", ")]
 
 
-@pytest.mark.parametrize("cap_mb", [0.5, 1.2, None])
+@pytest.mark.parametrize("cap_mb", [0.5, 1.2, None, 0])
 def test_the_model_lays_out_pytorchs_buckets_as_pytorch_does(cap_mb: float | None) -> None:
     # Six 300 x 300 layers (361,200 B each with the bias): ready last layer first. At 0.5 MiB PyTorch closes a
     # bucket once it holds the cap or more (two layers, 0.69 MiB), where graphddp's planner with its ramps keeps
@@ -37,6 +37,8 @@ def test_the_model_lays_out_pytorchs_buckets_as_pytorch_does(cap_mb: float | Non
     specs = [ParamSpec(name, tuple(p.shape), p.dtype, "cpu") for name, p in reversed(list(model.named_parameters()))]
     modelled = [[p.name for p in bucket] for bucket in torch_buckets(specs, bucket_cap_mb=cap_mb)]
     assert modelled == measured
+    if cap_mb == 0:  # PyTorch accepts 0: every gradient closes its bucket
+        assert measured == [[name] for name in reversed(names)]
     first, bucket = (1, 25) if cap_mb is None else (cap_mb, cap_mb)  # torch 2.13: an explicit cap is the first's
     pytorchs_layout = plan_buckets(specs, caps=BucketCaps.from_mb(bucket, first, first, ramps=False))
     assert [list(b.names) for b in pytorchs_layout.buckets] == measured

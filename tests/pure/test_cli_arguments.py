@@ -128,10 +128,9 @@ def test_channels_must_be_a_whole_number_of_groups(value: object, error: type[Ex
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("0", "must be a finite number of MiB > 0 or auto, got '0'"),
-        ("-1", "must be a finite number of MiB > 0 or auto, got '-1'"),
-        ("nan", "must be a finite number of MiB > 0 or auto, got 'nan'"),
-        ("inf", "must be a finite number of MiB > 0 or auto, got 'inf'"),
+        ("-1", "must be a finite number of MiB >= 0 or auto, got '-1'"),
+        ("nan", "must be a finite number of MiB >= 0 or auto, got 'nan'"),
+        ("inf", "must be a finite number of MiB >= 0 or auto, got 'inf'"),
         ("big", "must be a number of MiB or auto, got 'big'"),
     ],
 )

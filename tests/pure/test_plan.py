@@ -102,11 +102,11 @@ def test_bad_input_is_a_clear_error() -> None:
         BucketCaps(last=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="caps must be a BucketCaps"):
         plan_buckets([spec("a", 1)], caps=(25, 1))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="bucket_cap_mb must be a finite number of MiB > 0"):
-        BucketCaps.from_mb(0, 1, 1)
-    with pytest.raises(ValueError, match="first_bucket_cap_mb must be a finite number of MiB > 0"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a finite number of MiB >= 0"):
+        BucketCaps.from_mb(-0.5, 1, 1)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb must be a finite number of MiB >= 0"):
         BucketCaps.from_mb(25, -1, 1)
-    with pytest.raises(ValueError, match="last_bucket_cap_mb must be a finite number of MiB > 0"):
+    with pytest.raises(ValueError, match="last_bucket_cap_mb must be a finite number of MiB >= 0"):
         BucketCaps.from_mb(25, 1, float("nan"))
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
         BucketCaps.from_mb("25", 1, 1)  # type: ignore[arg-type]
