@@ -30,7 +30,10 @@ backward in flight:
   buckets, so none runs); otherwise (other parameters, or parts of tied tables, which name one rank's graph
   nodes) every rank raises the same error naming the first differing bucket (with
   ``find_unused_parameters=True``, where ranks may legitimately capture different branches, it warns and keeps
-  the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other.
+  the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other,
+  except that one which proposed nothing (a rank with no batch at all compiled no graph) abstains: where the
+  training ranks proposed the same, it adopts their proposals, broadcast from the first of them, and every rank
+  adopts the plan (``_joined_ranks_abstain``; one all-gather of the tokens before the gather of the plans).
   The same all-reduce carries each rank's count of training forwards (forwards with gradients enabled), so ranks
   that fell out of step (one skipped a backward, ran one under ``no_sync`` alone, ran out of data without
   ``join``) raise a clear error at their next forward instead of reducing one iteration's gradients with
@@ -119,6 +122,16 @@ class GraphPlans:
     def take(self) -> BucketPlan | None:
         proposed, self.proposed = self.proposed, None
         return proposed
+
+    def snapshot(self) -> tuple[dict[str, BucketPlan], dict[str, str], BucketPlan | None]:
+        """Everything proposed so far (each graph's plan and strategy, the composite), for a rank to ``adopt``."""
+        return dict(self._by_graph), dict(self._strategies), self.proposed
+
+    def adopt(self, snapshot: tuple[dict[str, BucketPlan], dict[str, str], BucketPlan | None]) -> None:
+        """Another rank's proposals become this rank's (a joined rank that compiled nothing, Note [Join]): its
+        graphs, compiled later, are cut by the plans made for them there (``plan_for``) and propose nothing."""
+        by_graph, strategies, proposed = snapshot
+        self._by_graph, self._strategies, self.proposed = dict(by_graph), dict(strategies), proposed
 
 
 def agreement_entries(tokens: tuple[int, ...]) -> list[int]:
@@ -421,20 +434,16 @@ class PlanKeeper:
     def next_plan(self, *, grad_enabled: bool, allows_unused: bool, gone_dense: Sequence[str]) -> BucketPlan | None:
         """The plan to adopt before this forward, or None to keep the current one. Collective when the last
         agreement failed (every rank gathers the plans) and for the ready-order rebuild (a broadcast)."""
+        agreement = self._agreement
         verdict = self._read_agreement()
         if verdict is False:
-            if (plan := self._plans_differ(allows_unused)) is not None:
+            joined = agreement is not None and agreement.step is None
+            if self._joined_ranks_abstain(joined):
+                verdict = True  # this rank now holds the training ranks' proposal
+            elif (plan := self._plans_differ(allows_unused)) is not None:
                 return plan
-        elif verdict:
-            self.agreed_in_graph = self.graph_plans.in_graph_sets()
-            plan = self.graph_plans.take()
-            assert plan is not None
-            self.ready_order.forget()
-            logger.info(
-                "[rank %d] graphddp: adopting the compiled graphs' bucket plan: %d buckets, bytes %s, fingerprint %s",
-                self.rank, len(plan.buckets), [b.nbytes for b in plan.buckets], plan.fingerprint,
-            )
-            return plan
+        if verdict:
+            return self._adopt_graph_plans()
         if self.ready_order.learned is not None and grad_enabled:
             plan = self._rebuild_in_ready_order()
             if plan is not None:
@@ -447,6 +456,43 @@ class PlanKeeper:
             )
             return self.current.without_rows(gone_dense)
         return None
+
+    def _adopt_graph_plans(self) -> BucketPlan:
+        """Every rank proposed the same graph plans (or adopted them, ``_joined_ranks_abstain``): they are in force
+        from this forward."""
+        self.agreed_in_graph = self.graph_plans.in_graph_sets()
+        plan = self.graph_plans.take()
+        assert plan is not None
+        self.ready_order.forget()
+        logger.info(
+            "[rank %d] graphddp: adopting the compiled graphs' bucket plan: %d buckets, bytes %s, fingerprint %s",
+            self.rank, len(plan.buckets), [b.nbytes for b in plan.buckets], plan.fingerprint,
+        )
+        return plan
+
+    def _joined_ranks_abstain(self, joined: bool) -> bool:
+        """The ranks proposed different plans: True when the only difference is that ranks which shadowed that
+        backward inside ``join()`` proposed nothing (a rank with no batch at all never compiled a graph) while the
+        training ranks proposed the same; those ranks then adopt the training ranks' proposals (a broadcast from
+        the first of them) and every rank adopts the plan as agreed. False otherwise (``_plans_differ`` decides).
+        Collective: an all-gather of each rank's tokens (Note [Plan agreement], Note [Join])."""
+        tokens = self.graph_plans.tokens()
+        mine = torch.tensor([*tokens, int(joined and tokens == (0, 0))], dtype=torch.int64, device=self._device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        votes = [v.tolist() for v in everyone]
+        voters = [r for r, v in enumerate(votes) if not v[2]]
+        if len(voters) in (0, self.world_size) or any(votes[r][:2] != votes[voters[0]][:2] for r in voters):
+            return False
+        shared = [self.graph_plans.snapshot() if self.rank == voters[0] else None]
+        dist.broadcast_object_list(shared, group=self._group, group_src=voters[0])
+        if votes[self.rank][2]:
+            self.graph_plans.adopt(shared[0])
+            logger.info(
+                "[rank %d] graphddp: this rank joined without compiling a graph; it adopts the graph plans rank %d "
+                "proposed, as every training rank did (Note [Join])", self.rank, voters[0],
+            )
+        return True
 
     def _read_agreement(self) -> bool | None:
         if self.world_size == 1:

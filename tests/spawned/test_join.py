@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
 from ranks import expect_failure_on_every_rank, run_on_ranks
-from training import CAPS, Case, batch_for
+from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, wrap
 
 import graphddp
 
@@ -52,3 +54,38 @@ def test_join_with_replica_checks_and_uneven_inputs_trains_on(steps_on_rank_0: i
     the counts stay alike on every rank, so the checks after it run at the same forward everywhere. A rank with
     no batch at all (0) joins before any backward of its own."""
     run_on_ranks(join_with_replica_checks, 2, steps_on_rank_0, timeout=60)
+
+
+def compiled_join_then_train(rank: int, world: int, steps_on_rank_0: int) -> list[str]:
+    """Compiled: rank r trains ``steps_on_rank_0 + r`` steps inside ``join()`` (rank 0 none at all with 0: it
+    never compiles a graph before the others' first agreement), then every rank trains two steps more. Against
+    PyTorch's DDP doing the same eagerly; returns the adopted plan's parameters (alike on every rank)."""
+    case = Case(ddp=TINY_CAPS, graphddp=RAMPED, compile="torch.compile", record_events=False)
+    torch._dynamo.reset()
+    states = []
+    for impl in ("graphddp", "torch"):
+        ddp, model = wrap(impl, case if impl == "graphddp" else case.eager(), rank)
+        opt = make_optimizer(model.parameters(), case)
+        steps = [(steps_on_rank_0 + rank, 0), (2, 1)]  # (steps, epoch): the first inside join()
+        for epoch, (count, micro) in enumerate(steps):
+            with ddp.join() if epoch == 0 else contextlib.nullcontext():
+                for step in range(count):
+                    loss_for(model, case, batch_for(case, step, micro, rank), rank).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        states.append(state_of(ddp.module))
+        if impl == "graphddp":
+            plan = [name for b in ddp.bucket_plan.buckets for name in b.names]
+            source = ddp.bucket_plan.source
+    torch.testing.assert_close(states[0], states[1])
+    return [source, *plan]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_compiled_join_with_a_rank_that_has_no_batch_trains_on_as_pytorchs(world: int) -> None:
+    """The training ranks propose their graphs' plan; the rank with no batch proposes nothing (it compiled
+    nothing) and adopts theirs, and after the join it compiles the same graph and cuts it by that plan
+    (Note [Join]). Before, every rank raised "the ranks compiled different bucket plans"."""
+    plans = run_on_ranks(compiled_join_then_train, world, 0, timeout=120)
+    assert all(p == plans[0] for p in plans), plans
+    assert plans[0][0] == "graph", plans[0]  # the graph's plan was adopted, on every rank
