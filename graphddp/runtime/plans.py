@@ -33,7 +33,7 @@ backward in flight:
   the current plan). Ranks never reduce mismatched buckets. A joined rank (``join``) takes part as any other,
   except that one which proposed nothing (a rank with no batch at all compiled no graph) abstains: where the
   training ranks proposed the same, it adopts their proposals, broadcast from the first of them, and every rank
-  adopts the plan (``_joined_ranks_abstain``; one all-gather of the tokens before the gather of the plans).
+  adopts the plan (``joined_ranks_abstain``; one all-gather of the tokens before the gather of the plans).
   The same all-reduce carries each rank's count of training forwards (forwards with gradients enabled), so ranks
   that fell out of step (one skipped a backward, ran one under ``no_sync`` alone, ran out of data without
   ``join``) raise a clear error at their next forward instead of reducing one iteration's gradients with
@@ -231,6 +231,33 @@ class PlanAgreement:
         ``verdict``), else None."""
         counting, abandoned, _ = self._read()[-3:]
         return (abandoned, counting) if 0 < abandoned < counting else None
+
+
+def joined_ranks_abstain(graph_plans: GraphPlans, joined: bool, *, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """The ranks proposed different plans: True when the only difference is that ranks which shadowed that
+    backward inside ``join()`` (``joined``: this rank did) proposed nothing (a rank with no batch at all never
+    compiled a graph) while the training ranks proposed the same; those ranks then adopt the training ranks'
+    proposals into ``graph_plans`` (a broadcast from the first of them) and every rank adopts the plan as agreed.
+    False otherwise (``PlanKeeper._plans_differ`` decides). Collective: an all-gather of each rank's tokens
+    (Note [Plan agreement], Note [Join] in ``graphddp.runtime.join``)."""
+    tokens = graph_plans.tokens()
+    mine = torch.tensor([*tokens, int(joined and tokens == (0, 0))], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    votes = [v.tolist() for v in everyone]
+    voters = [r for r, v in enumerate(votes) if not v[2]]
+    if len(voters) in (0, len(votes)) or any(votes[r][:2] != votes[voters[0]][:2] for r in voters):
+        return False
+    rank = dist.get_rank(group)
+    shared = [graph_plans.snapshot() if rank == voters[0] else None]
+    dist.broadcast_object_list(shared, group=group, group_src=voters[0])
+    if votes[rank][2]:
+        graph_plans.adopt(shared[0])
+        logger.info(
+            "[rank %d] graphddp: this rank joined without compiling a graph; it adopts the graph plans rank %d "
+            "proposed, as every training rank did (Note [Join])", rank, voters[0],
+        )
+    return True
 
 
 class ReadyOrder:
@@ -438,7 +465,7 @@ class PlanKeeper:
         verdict = self._read_agreement()
         if verdict is False:
             joined = agreement is not None and agreement.step is None
-            if self._joined_ranks_abstain(joined):
+            if joined_ranks_abstain(self.graph_plans, joined, group=self._group, device=self._device):
                 verdict = True  # this rank now holds the training ranks' proposal
             elif (plan := self._plans_differ(allows_unused)) is not None:
                 return plan
@@ -458,7 +485,7 @@ class PlanKeeper:
         return None
 
     def _adopt_graph_plans(self) -> BucketPlan:
-        """Every rank proposed the same graph plans (or adopted them, ``_joined_ranks_abstain``): they are in force
+        """Every rank proposed the same graph plans (or adopted them, ``joined_ranks_abstain``): they are in force
         from this forward."""
         self.agreed_in_graph = self.graph_plans.in_graph_sets()
         plan = self.graph_plans.take()
@@ -469,30 +496,6 @@ class PlanKeeper:
             self.rank, len(plan.buckets), [b.nbytes for b in plan.buckets], plan.fingerprint,
         )
         return plan
-
-    def _joined_ranks_abstain(self, joined: bool) -> bool:
-        """The ranks proposed different plans: True when the only difference is that ranks which shadowed that
-        backward inside ``join()`` proposed nothing (a rank with no batch at all never compiled a graph) while the
-        training ranks proposed the same; those ranks then adopt the training ranks' proposals (a broadcast from
-        the first of them) and every rank adopts the plan as agreed. False otherwise (``_plans_differ`` decides).
-        Collective: an all-gather of each rank's tokens (Note [Plan agreement], Note [Join])."""
-        tokens = self.graph_plans.tokens()
-        mine = torch.tensor([*tokens, int(joined and tokens == (0, 0))], dtype=torch.int64, device=self._device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
-        votes = [v.tolist() for v in everyone]
-        voters = [r for r, v in enumerate(votes) if not v[2]]
-        if len(voters) in (0, self.world_size) or any(votes[r][:2] != votes[voters[0]][:2] for r in voters):
-            return False
-        shared = [self.graph_plans.snapshot() if self.rank == voters[0] else None]
-        dist.broadcast_object_list(shared, group=self._group, group_src=voters[0])
-        if votes[self.rank][2]:
-            self.graph_plans.adopt(shared[0])
-            logger.info(
-                "[rank %d] graphddp: this rank joined without compiling a graph; it adopts the graph plans rank %d "
-                "proposed, as every training rank did (Note [Join])", self.rank, voters[0],
-            )
-        return True
 
     def _read_agreement(self) -> bool | None:
         if self.world_size == 1:
