@@ -73,6 +73,12 @@ class CompileTarget(PartSink, Protocol):
         ``graphddp.runtime.plans``)."""
         ...
 
+    def graph_recompiled(self, params: frozenset[str], strategy: str) -> None:
+        """A graph with the parameters of one planned before was compiled again (cut by that plan) to reduce by
+        ``strategy``, on purpose: where the strategy changed, it is proposed anew (Note [Plan agreement] in
+        ``graphddp.runtime.plans``)."""
+        ...
+
     def record_split(self, split: GraphSplit, reduction: ReductionChoice | None = None) -> None:
         """A graph compiled for this target was cut so, and reduces so (``splits``, ``reductions``: tools, tests)."""
         ...

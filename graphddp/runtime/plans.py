@@ -53,7 +53,12 @@ A plan is a function of data every rank agrees on: the graph's structure and the
 rank's batch. And a graph is planned once: a **recompile** of a graph (same parameters; a shorter last batch, a
 shape only one rank saw, dynamic shapes) is cut by the plan made for it before (``plan_for_graph``) and proposes
 nothing, so a rank that recompiles alone keeps the collective order of the others. Where the new graph's natural
-cut would differ, the split follows the agreed plan: buckets still launch in plan order, only perhaps later.
+cut would differ, the split follows the agreed plan: buckets still launch in plan order, only perhaps later. One
+exception: a recompile that reduces otherwise *by choice* (Dynamo's cache reset and the model compiled again with
+another ``reduction``, which every rank's code does alike) proposes the same plans anew with its new strategy
+(``GraphPlans.restrategize``); that forward runs split through the Reducer, and the ranks switch once they agree.
+A recompile that merely cannot build its in-graph variant proposes nothing: the other ranks still run theirs, and
+``InGraphGate`` raises.
 """
 
 from __future__ import annotations
@@ -98,7 +103,27 @@ class GraphPlans:
 
     def plan_for(self, params: frozenset[str]) -> BucketPlan | None:
         """The plan made for an earlier graph with exactly these parameters (a recompile cuts by it)."""
-        return next((plan for plan in self._by_graph.values() if set(plan.param_names) == params), None)
+        graph = self._graph_of(params)
+        return None if graph is None else self._by_graph[graph]
+
+    def strategy_for(self, params: frozenset[str]) -> str | None:
+        """How the earlier graph with exactly these parameters reduces, as last proposed (None: no such graph)."""
+        graph = self._graph_of(params)
+        return None if graph is None else self._strategies[graph]
+
+    def restrategize(self, params: frozenset[str], strategy: str, current: BucketPlan) -> bool:
+        """A recompile of an earlier graph (same parameters: Dynamo's cache reset, the model compiled again with
+        another ``reduction``) reduces by ``strategy``: where that differs from what was proposed for it, every
+        graph is proposed again with it, for the ranks to agree on (Note [Plan agreement]). True if so."""
+        graph = self._graph_of(params)
+        if graph is None or self._strategies[graph] == strategy:
+            return False
+        self._strategies[graph] = strategy
+        self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
+        return True
+
+    def _graph_of(self, params: frozenset[str]) -> str | None:
+        return next((g for g, plan in self._by_graph.items() if set(plan.param_names) == params), None)
 
     @property
     def graphs(self) -> dict[str, BucketPlan]:

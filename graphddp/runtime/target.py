@@ -9,6 +9,7 @@ runtime imports nothing of the compiler.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ from .reductions import CommHook, in_graph_wire, local_average
 from .rows_rule import RowsRule
 from .trace import Events
 from .unused import GradientUsage
+
+logger = logging.getLogger(__name__)
 
 
 class TargetOwner(Protocol):
@@ -137,6 +140,13 @@ class ReducerTarget:
 
     def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
         self._plans.propose(graph, plan, strategy)
+
+    def graph_recompiled(self, params: frozenset[str], strategy: str) -> None:
+        if self._plans.graph_plans.restrategize(params, strategy, self._plans.current):
+            logger.info(
+                "[rank %d] graphddp: a graph compiled again reduces %s now; proposed anew, switched once every rank "
+                "agrees (Note [Plan agreement])", self.rank, strategy.replace("_", "-"),
+            )
 
     def record_split(self, split: GraphSplit, reduction: ReductionChoice | None = None) -> None:
         self.splits.append(split)

@@ -22,8 +22,10 @@ class Hooks:
         self.attached = False
 
 
-def open_gate(agreed: frozenset[frozenset[str]]) -> tuple[InGraphGate, Hooks]:
-    plans = types.SimpleNamespace(agreed_in_graph=agreed, proposing=False)
+def open_gate(agreed: frozenset[frozenset[str]], proposed: str = "in_graph") -> tuple[InGraphGate, Hooks]:
+    """A gate opened for a forward, the graphs ``agreed`` to reduce in-graph, each ``proposed`` so since."""
+    graph_plans = types.SimpleNamespace(strategy_for=lambda params: proposed if params in agreed else None)
+    plans = types.SimpleNamespace(agreed_in_graph=agreed, proposing=False, graph_plans=graph_plans)
     hooks = Hooks()
     gate = InGraphGate(plans, hooks, ["w", "b"], rank=1, world_size=2, device=torch.device("cpu"))
     gate.begin_forward(grad_enabled=True, synchronising=True, needs_hooks=False)
@@ -46,3 +48,12 @@ def test_an_agreed_graph_compiled_again_without_an_in_graph_variant_raises_inste
     gate, hooks = open_gate(frozenset({graph}))
     with pytest.raises(RuntimeError, match=r"\[rank 1\] .* agreed to reduce in-graph was compiled again on this rank"):
         gate.reduces_in_graph(graph, can=False)
+
+
+def test_an_agreed_graph_compiled_again_split_on_purpose_closes_the_gate() -> None:
+    # Dynamo reset and the model compiled again with reduction="split" on every rank: the recompile proposed the
+    # graph anew as split (GraphPlans.restrategize), so every rank's Reducer takes this forward alike.
+    graph = frozenset({"w", "b"})
+    gate, hooks = open_gate(frozenset({graph}), proposed="split")
+    assert not gate.reduces_in_graph(graph, can=False)
+    assert not gate.open and hooks.attached

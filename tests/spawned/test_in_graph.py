@@ -91,6 +91,36 @@ def test_split_when_asked_or_when_a_feature_needs_the_reducer() -> None:
         assert reason.startswith("split (in-graph cannot serve: the inner compiler") and "not AOTAutograd-based" in reason
 
 
+def compiled_again(rank: int, world: int, first: str, then: str) -> list[int]:
+    """Three steps compiled with ``reduction=first``, Dynamo reset, three compiled with ``then``, against PyTorch's
+    DDP step by step; the in-graph runs counted after each three."""
+    ddp, ref = fresh_pair()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
+    runs = []
+    for epoch, reduction in enumerate((first, then)):
+        torch._dynamo.reset()
+        compiled = torch.compile(ddp, backend=graphddp.backend("aot_eager", reduction=reduction))
+        for step in range(3):
+            x, y = batch(step, epoch, rank)
+            for module in (compiled, ref):
+                F.mse_loss(module(x), y).backward()
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+        runs.append(ddp.reducer.compile_target.gate.in_graph_forwards)
+    return runs
+
+
+@pytest.mark.parametrize(("first", "then", "runs"), [("auto", "split", [2, 2]), ("split", "auto", [0, 2])])
+def test_compiled_again_with_another_reduction_switches_on_every_rank(first: str, then: str, runs: list[int]) -> None:
+    """The recompile cuts by the plan made before and proposes it anew with its new strategy; the ranks switch
+    once they agree: in-graph to split (it raised "compiled again without an in-graph variant" before), split to
+    in-graph (it stayed split for good before). The first forward of each graph proposes, so two of three run
+    in-graph."""
+    assert run_on_ranks(compiled_again, 2, first, then) == [runs, runs]
+
+
 def fresh_pair() -> tuple[graphddp.DDP, torch.nn.parallel.DistributedDataParallel]:
     """graphddp's DDP and PyTorch's around the same initial MLP, Dynamo's caches cleared (ranks are pooled)."""
     torch._dynamo.reset()
