@@ -249,7 +249,7 @@ class Iteration:
         (``Launcher.before_last``), the end of backward after the waits where a comm hook chains collectives."""
         if self._advance(Phase.COUNTING_USAGE):
             launcher.flush()
-            self.usage = bookkeeping(plans, usage.entries(fill), joined=joined)
+            self.usage = bookkeeping(plans, usage.entries(fill, joined=joined), joined=joined)
 
     def before_last(self, launcher: Launcher, usage: GradientUsage, plans: PlanKeeper, **how: Any) -> None:
         """Have ``launcher`` issue this iteration's ``count_usage`` (with ``how``) just before its last bucket."""

@@ -302,11 +302,11 @@ class Reducer(TorchReducerSurface):
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one synchronised iteration: the same collectives, every bucket on zeros."""
-        shadow = Iteration([], None)  # a joined rank used nothing: its usage entries are zeros
-        shadow.before_last(self._launcher, self.usage, self.plans, fill=0, joined=True)
+        shadow = Iteration([], None)  # its usage entries: the last backward's, as PyTorch's (GradientUsage.entries)
+        shadow.before_last(self._launcher, self.usage, self.plans, joined=True)
         self._launcher.shadow()
-        shadow.count_usage(self._launcher, self.usage, self.plans, fill=0, joined=True)  # ChainedLaunch: after the waits
-        self._skip.reduce_late(self._slots, self.usage.counts(shadow.usage), self._events, joined=True)
+        shadow.count_usage(self._launcher, self.usage, self.plans, joined=True)  # ChainedLaunch: after the waits
+        self._skip.reduce_late(self._slots, self.usage.shadowed(shadow.usage), self._events, joined=True)
         self.plans.backward_ended([i for b in self.buckets for i in b.param_indices])  # as the others' did
 
     # -- introspection ---------------------------------------------------------------------------------------

@@ -187,19 +187,34 @@ class GradientUsage:
         """Parameters that got no gradient on any rank in any synchronised backward so far (none before the first
         ends): from all-reduced counts, so the same on every rank (``skip_all_reduce_unused_params``)."""
         self._pending_error: str | None = None  # the last backward's missing gradient, raised by the next forward
+        # Per parameter: got a gradient on some rank in the last synchronised backward this rank took part in (its
+        # own, or joined, its shadow of the others'): what a joined rank reports (``entries(joined=True)``).
+        self._last_used = [False] * len(names)
 
     def set_policy(self, policy: UsagePolicy) -> None:
         """Find unused parameters by ``policy`` from now on (``static_graph`` turned on before the first iteration)."""
         self.policy = policy
 
-    def entries(self, fill: int | None = None) -> list[int] | None:
+    def entries(self, fill: int | None = None, *, joined: bool = False) -> list[int] | None:
         """This rank's part in the usage count, which the plan agreement's all-reduce carries (Note [Plan
-        agreement] in ``graphddp.runtime.plans``): per parameter 1 if it got a gradient here, or
-        ``fill`` for every one (0: a joined rank's shadow; 1: an abandoned backward's stand-in, so no rank reports
-        a gradient this one merely dropped). None where the policy needs no count."""
+        agreement] in ``graphddp.runtime.plans``): per parameter 1 if it got a gradient here, or ``fill`` for every
+        one (1: an abandoned backward's stand-in, so no rank reports a gradient this one merely dropped). None where
+        the policy needs no count. ``joined``: a joined rank's shadow reports what was used anywhere in the last
+        backward it took part in, as PyTorch's DDP's joined rank all-reduces its last (all-reduced) usage map: a
+        parameter some rank used then gets a zero gradient on the training ranks, not None (Note [Join] in
+        ``graphddp.runtime.join``)."""
         if self._world_size == 1 or not self.policy.reduces_usage():
             return None
+        if joined:
+            return [int(u) for u in self._last_used]
         return [int(u) for u in self.used] if fill is None else [fill] * len(self._names)
+
+    def shadowed(self, pending: UsageCount | None) -> list[int]:
+        """A joined rank's shadow of a synchronised backward ends: its counts (``counts``), remembered as the last
+        backward's for the next shadow's entries."""
+        counts = self.counts(pending)
+        self._last_used = [c > 0 for c in counts]
+        return counts
 
     def counts(self, pending: UsageCount | None) -> list[int]:
         """Per parameter: on how many ranks it got a gradient this iteration."""
@@ -222,6 +237,7 @@ class GradientUsage:
         on every rank)."""
         self.policy.observe(sorted({*local_unused, *missing}), counts)  # unused: marked up front, or filled at the end
         self.used[:] = [False] * len(self._names)  # in place: the steady hook writes this list (graphddp.runtime.countdown)
+        self._last_used = [c > 0 for c in counts]
         unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
         self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
         self.iterations += 1

@@ -56,6 +56,9 @@ CASES = {
         extra_steps_per_rank=2, join_kwargs=(("divide_by_initial_world_size", False),)
     ),
     "join_batchnorm": tiny(model="bn", extra_steps_per_rank=1),
+    # Rank 1 never uses ``shared``; after rank 0 joins nobody does, yet PyTorch's joined rank reports its last
+    # usage map, so ``shared`` gets zero gradients (not None) and momentum still moves it.
+    "join_find_unused": tiny(model="branchy", ddp=(("find_unused_parameters", True),), extra_steps_per_rank=2),
     # The backward under compiled autograd: the hooks run eagerly and the Reducer finishes at the last launch.
     "compiled_autograd": tiny(compiled_autograd=True),
     # A DDP module copied right after construction trains like the original (no process group pickled).
