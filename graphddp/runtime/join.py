@@ -12,8 +12,9 @@ the ranks still training issue, until all have joined:
    when the training ranks synchronise, a backward that contributes zeros, with the plan agreement where theirs
    goes (``Reducer.shadow_backward``); where unused parameters are counted it reports the parameters used
    anywhere in the last backward it took part in, as PyTorch's joined rank all-reduces its last usage map, so
-   those get zero gradients on the training ranks, not None (``GradientUsage.entries``); compiled, a joined rank that never compiled a graph (no batch at all)
-   proposes no plan there and adopts the one the training ranks agree on (Note [Plan agreement]);
+   those get zero gradients on the training ranks, not None (``GradientUsage.entries``); compiled, a joined
+   rank that never compiled a graph (no batch at all) proposes no plan there and adopts the one the training
+   ranks agree on (Note [Plan agreement]);
 3. once every rank joined, the last joiner's parameters (and buffers) become everyone's.
 
 Gradients are averaged over the initial world size (PyTorch's default) or over the ranks still training
