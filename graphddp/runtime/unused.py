@@ -214,6 +214,9 @@ class GradientUsage:
         backward's for the next shadow's entries."""
         counts = self.counts(pending)
         self._last_used = [c > 0 for c in counts]
+        # The policy learns from it as the training ranks' learns from their backward (``static_graph``: the first
+        # iteration freezes the unused set and stops the count on every rank alike, this one included).
+        self.policy.observe([i for i, c in enumerate(counts) if c == 0], counts)
         return counts
 
     def counts(self, pending: UsageCount | None) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from models import MLP
 from ranks import expect_failure_on_every_rank, run_on_ranks
-from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, wrap
+from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, train, wrap
 
 import graphddp
 
@@ -89,3 +89,29 @@ def test_compiled_join_with_a_rank_that_has_no_batch_trains_on_as_pytorchs(world
     plans = run_on_ranks(compiled_join_then_train, world, 0, timeout=120)
     assert all(p == plans[0] for p in plans), plans
     assert plans[0][0] == "graph", plans[0]  # the graph's plan was adopted, on every rank
+
+
+def static_graph_join(rank: int, world: int, model: str) -> int:
+    """``static_graph=True``, rank r trains ``2 * r`` steps in a join (rank 0 none at all), against PyTorch's DDP
+    without it (with it PyTorch's DDP aborts here: gloo's "collective mismatch"), finding unused parameters in
+    ``branchy``; returns how many parameters the static graph froze as unused on this rank."""
+    import dataclasses
+
+    case = Case(ddp=TINY_CAPS, graphddp=RAMPED, model=model, steps=0, extra_steps_per_rank=2, record_events=False)
+    ours = train("graphddp", dataclasses.replace(case, ddp=(*TINY_CAPS, ("static_graph", True))), rank).ddp
+    searching = (*TINY_CAPS, ("find_unused_parameters", model == "branchy"))
+    theirs = train("torch", dataclasses.replace(case, ddp=searching), rank).ddp
+    torch.testing.assert_close(state_of(ours.module), state_of(theirs.module))
+    return len(ours.reducer.usage.policy.locally_unused(None, {}))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["mlp", "branchy"])
+def test_static_graph_join_with_a_rank_that_has_no_batch(world: int, model: str) -> None:
+    """The joined rank's shadow of the first backward is its first iteration too: its static graph freezes there
+    and stops counting usage as the training ranks' does. Before, it went on sending the usage count, and gloo
+    aborted the training ranks on a collective of the wrong size."""
+    frozen = run_on_ranks(static_graph_join, world, model, timeout=120)
+    # The joined rank froze what no rank used in the iteration it shadowed: branchy's ``dead`` (weight and bias)
+    # and, where rank 1 is the only one training, its ``shared`` too.
+    assert frozen[0] == {"mlp": 0, "branchy": 4 if world == 2 else 2}[model], frozen
