@@ -283,11 +283,12 @@ def _copy_meta(node: fx.Node) -> None:
 
     mode = detect_fake_mode(values)
     args = fx.node.map_arg(node.args, lambda n: n.meta["val"])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta["val"])  # a cast's dtype
     if mode is None:
-        node.meta["val"] = node.target(*args)  # type: ignore[operator]
+        node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
         return
     with mode:
-        node.meta["val"] = node.target(*args)  # type: ignore[operator]
+        node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
 
 
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
@@ -379,6 +380,53 @@ def sink_rows_nodes(graph: fx.Graph) -> int:
     if moved:
         graph.lint()
     return moved
+
+
+# -- one pass over a bucket's gradients --------------------------------------------------------------------------
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+"""A bucket's cast to the wire's dtype, as Inductor's post-grad graph spells it, and as AOTAutograd's does."""
+
+
+def divide_while_gathering(graph: fx.Graph) -> int:
+    """Each bucket's average divided as its gradients are gathered into it, not after: ``div(cat(gs), n)`` becomes
+    ``cat([div(g, n) for g in gs])`` (through the wire's cast too: ``div(convert(cat(gs)))``) where the ``cat`` feeds
+    only that chain and the division only an all-reduce. Inductor writes a ``cat`` of computed inputs straight into
+    the bucket's slices, so each gradient is read once and its quotient written once, where the ``cat`` then the
+    division read and wrote the bucket twice and allocated it twice. The same values, element by element. For a
+    fusing compiler only: run op by op (aot_eager), it would add a tensor per gradient (``reduce_in_place``
+    divides the gathered bucket in place there). Returns how many buckets it rewrote."""
+    rewritten = 0
+    for div in [n for n in graph.nodes if n.op == "call_function" and n.target in _IN_PLACE]:
+        user = _only_user(div)
+        if user is None or _op_name(user) != "_c10d_functional::all_reduce" or not isinstance(div.args[0], fx.Node):
+            continue
+        chain, gathered = [div], div.args[0]
+        if gathered.target in _CASTS and _only_user(gathered) is div:
+            chain, gathered = [gathered, div], gathered.args[0]
+        if gathered.target is not torch.ops.aten.cat.default or _only_user(gathered) is not chain[0] or gathered.kwargs:
+            continue
+        if len(gathered.args) > 1 and gathered.args[1] not in (0, -1) or not isinstance(gathered.args[0], (list, tuple)):
+            continue
+        with graph.inserting_before(gathered):
+            pieces = []
+            for piece in gathered.args[0]:
+                for op in chain:
+                    piece = graph.call_function(op.target, (piece, *op.args[1:]), dict(op.kwargs))
+                    _copy_meta(piece)
+                pieces.append(piece)
+            cat = graph.call_function(torch.ops.aten.cat.default, (pieces, *gathered.args[1:]))
+            _copy_meta(cat)
+        div.replace_all_uses_with(cat)
+        _erase_unused(graph, div)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+    return rewritten
 
 
 # -- no copies a fusing compiler would not make ----------------------------------------------------------------

@@ -22,8 +22,10 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    all-reduce before the input gradient only earlier layers read, as autograd's order would have it after), then
    moves each wait, with its views, to just before the first node that reads the result (``sink_waits``; the
    graph's output, for a gradient), so the compute after the all-reduce overlaps it.
-   Inductor fuses the copy and the division into one kernel per bucket and reinplaces the all-reduce; its
-   peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
+   For Inductor, ``graphddp.passes.divide_while_gathering`` then divides each gradient on its way into the
+   bucket (``cat`` of quotients, not a quotient of the ``cat``), so Inductor writes each quotient straight into
+   the bucket's slice, one pass over the bucket where the gathering and the division took two, and reinplaces
+   the all-reduce; its peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
    op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
    ``graphddp.passes.reduce_in_place`` has the division write into the bucket's gathered copy and the
    all-reduce reduce the division's result. Under both, a big gradient sent in blocks is then written block by
@@ -382,7 +384,8 @@ def _scheduling_pass() -> type:
     from ..passes import reduction as reduction_passes
 
     class ScheduleReductions(CustomGraphPass):
-        """Inductor's post-grad hook running ``arrange_reductions`` (after a pass the user had set)."""
+        """Inductor's post-grad hook running ``arrange_reductions`` (after a pass the user had set), then
+        ``divide_while_gathering``, which only a fusing compiler profits from."""
 
         def __init__(self, before: Any = None) -> None:
             self.before = before
@@ -391,6 +394,7 @@ def _scheduling_pass() -> type:
             if self.before is not None:
                 self.before(graph)
             arrange_reductions(graph)
+            reduction_passes.divide_while_gathering(graph)  # Inductor fuses it: one pass over each bucket
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
             # The pass's source itself: a changed pass (an upgrade of graphddp) must not reuse a graph the old one

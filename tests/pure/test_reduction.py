@@ -24,6 +24,7 @@ from graphddp.passes import (
     ParamSpec,
     choose_reduction,
     compute_pieces_separately,
+    divide_while_gathering,
     find_graph_params,
     launch_collectives_early,
     parts_named_in,
@@ -262,6 +263,42 @@ def _gathered_and_divided(also_read: str | None, divided: torch.dtype = torch.fl
         node.meta["val"] = torch.empty(8, dtype=divided)
     graph.output((waited, nodes[also_read]) if also_read else (waited,))
     return graph, nodes
+
+
+@pytest.mark.parametrize("wire", [None, torch.float16])
+def test_for_a_fusing_compiler_each_gradient_is_divided_as_it_is_gathered(wire: torch.dtype | None) -> None:
+    """``divide_while_gathering``: ``div(cat(gs))`` becomes ``cat(div(g) ...)`` (through the wire's cast), so Inductor
+    writes each quotient straight into the bucket, one pass over it. A block of a big gradient (a view, no
+    ``cat``) is left as it is."""
+    rewritten: list[int] = []
+
+    def schedule(graph: fx.Graph) -> None:
+        schedule_reductions(graph)
+        rewritten.append(divide_while_gathering(graph))
+
+    caps = BucketCaps(bucket=300, first=300, last=300)
+    _, backward, plan, _ = _backward_of_reducing_graph(caps, schedule=schedule, signal=True, wire=wire)
+    reduces = [n for n in backward.graph.nodes if n.target is ALL_REDUCE]
+    gathered = [r.args[0] for r in reduces if r.args[0].target is torch.ops.aten.cat.default]
+    assert rewritten == [len(gathered)] and len(gathered) == len(plan.buckets) >= 3  # a cat per bucket
+    for cat in gathered:
+        for piece in cat.args[0]:  # each piece divided on its own, after its cast to the wire
+            assert piece.target is torch.ops.aten.div.Tensor and piece.args[1] == 2 and piece.meta["val"].dtype == (wire or torch.float32)
+            assert (piece.args[0].target is torch.ops.aten._to_copy.default) == (wire is not None)
+        assert cat.meta["val"].shape[0] == sum(p.meta["val"].numel() for p in cat.args[0])
+    assert not any(n.target is torch.ops.aten.div.Tensor and n.args[0].target is torch.ops.aten.cat.default for n in backward.graph.nodes)
+    others = [r.args[0] for r in reduces if r.args[0] not in gathered]  # the blocks: a division of a view
+    assert others and all(d.target is torch.ops.aten.div.Tensor for d in others)
+
+
+def test_a_gathered_bucket_something_else_reads_is_divided_after_it_as_before() -> None:
+    for also_read in ("cat", "div"):
+        graph, nodes = _gathered_and_divided(also_read)
+        assert divide_while_gathering(graph) == 0 and nodes["div"].args[0] is nodes["cat"]
+    graph, nodes = _gathered_and_divided(None)
+    assert divide_while_gathering(graph) == 1
+    (reduce,) = [n for n in graph.nodes if n.target is ALL_REDUCE]
+    assert reduce.args[0].target is torch.ops.aten.cat.default and [p.target for p in reduce.args[0].args[0]] == [torch.ops.aten.div.Tensor] * 2
 
 
 def test_a_tensor_something_else_reads_is_not_overwritten() -> None:
