@@ -135,8 +135,13 @@ class AgreementRide:
 
     def _decode(self, room: list[float], entries: int) -> list[int]:
         summed = [round(v) for v in room]  # each limb's, each count's exact sum over the ranks
-        own = [sum(summed[e * self._limbs + k] << (self._bits * k) for k in range(self._limbs)) for e in range(self._own)]
-        return [*own, *summed[self._own * self._limbs :][: entries - self._own]]
+        own, limbs = [], self._limbs
+        for e in range(self._own):  # loops, not generators: a generator is a Python call per entry, every step
+            value = 0
+            for k in range(limbs):
+                value += summed[e * limbs + k] << (self._bits * k)
+            own.append(value)
+        return [*own, *summed[self._own * limbs :][: entries - self._own]]
 
 
 def choose_ride(
