@@ -10,12 +10,15 @@ the ranks still training issue, until all have joined:
    due, and tells joined ranks whether this iteration synchronises gradients (``announce_backward_sync``);
 2. a joined rank mirrors that forward (``JoinSupport``'s hook, once per iteration): the buffer broadcast and,
    when the training ranks synchronise, a backward that contributes zeros, with the plan agreement where theirs
-   goes (``Reducer.shadow_backward``); where unused parameters are counted it reports the parameters used
-   anywhere in the last backward it took part in, as PyTorch's joined rank all-reduces its last usage map, so
-   those get zero gradients on the training ranks, not None (``GradientUsage.entries``); compiled, a joined
-   rank that never compiled a graph (no batch at all) proposes no plan there and adopts the one the training
-   ranks agree on (Note [Plan agreement]);
-3. once every rank joined, the last joiner's parameters (and buffers) become everyone's.
+   goes (``Reducer.shadow_backward``); with ``find_unused_parameters`` it reports the parameters used anywhere
+   in the last backward it took part in, as PyTorch's joined rank all-reduces its last usage map, so those get
+   zero gradients on the training ranks, not None (``GradientUsage.entries``), and it learns from the shadow as
+   a training rank from its backward (what no rank used, a static graph); compiled, a joined rank that never
+   compiled a graph (no batch at all) proposes no plan there and adopts the one the training ranks agree on
+   (Note [Plan agreement]);
+3. once every rank joined, the last joiner's parameters (and buffers) become everyone's, and a static graph is
+   learned again at the next synchronised backward on every rank (a rank with no batch froze it from a shadow:
+   what no rank used, not what it leaves unused itself).
 
 Gradients are averaged over the initial world size (PyTorch's default) or over the ranks still training
 (``divide_by_initial_world_size=False``). This layer never imports the DDP: it is given what it needs of it
@@ -26,11 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+if TYPE_CHECKING:
+    from .plans import PlanKeeper
+    from .unused import GradientUsage
 
 
 class ActiveRanks:
@@ -66,6 +73,9 @@ class ActiveRanks:
 
 class ShadowsBackward(Protocol):
     """What a joined rank needs of the Reducer (``graphddp.runtime.reducer.Reducer``)."""
+
+    plans: PlanKeeper
+    usage: GradientUsage
 
     def switch_plan(self, grad_enabled: bool) -> None: ...
 
@@ -143,10 +153,12 @@ class JoinSupport:
 
     def sync_final_model(self, module: ShadowedModule, is_last_joiner: bool) -> None:
         """After all ranks joined, the last joiner's parameters (and buffers) become everyone's, and its count of
-        training forwards (ranks that joined stopped counting: the next agreement would find them out of step)."""
+        training forwards (ranks that joined stopped counting: the next agreement would find them out of step);
+        a static graph is learned again (``GradientUsage.join_ended``)."""
         src = self.common_rank(is_last_joiner)
         module.broadcast_state(src)
         self._reducer.plans.adopt_forward_count(src)
+        self._reducer.usage.join_ended()
 
     def _backward_sync_flag(self, synchronises: bool) -> tuple[torch.Tensor, Any]:
         """The all-reduce behind ``announce_backward_sync`` (joined ranks add nothing): (flag, work)."""

@@ -191,6 +191,8 @@ class Reducer(TorchReducerSurface):
         plan = self.plans.next_plan(grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense)
         if plan is not None:
             self.adopt(plan)
+        elif self._skip.outdated():  # between iterations, joined ranks too: skip what no rank ever used
+            self._launcher = self._make_launcher()
 
     def prepare(self, outputs: Any) -> None:
         """Step 2 of Note [Reducer]: arm the hooks for the backward of this forward."""
@@ -292,8 +294,6 @@ class Reducer(TorchReducerSurface):
             for k, whole in later:
                 self._after_bucket.bucket_final(k, whole, self._params, self._events)
             self.usage.end(iteration.local_unused, counts, missing, self._active.count() if self.world_size > 1 else 1)
-            if self._skip.outdated():
-                self._launcher = self._make_launcher()  # between iterations: skip what no rank ever used
             self.plans.backward_ended([i for b in self.buckets for i in b.param_indices])
         finally:
             self._iteration = None

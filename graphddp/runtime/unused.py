@@ -96,6 +96,9 @@ class ExpectAllUsed:
     def observe(self, local_unused: list[int], global_counts: list[int] | None) -> None:
         pass
 
+    def relearn(self) -> None:
+        """Learn again from the next synchronised backward (after a ``join``); nothing is learned here."""
+
 
 class SearchEveryIteration:
     """``find_unused_parameters=True``: one autograd-graph traversal per forward."""
@@ -118,6 +121,9 @@ class SearchEveryIteration:
 
     def observe(self, local_unused: list[int], global_counts: list[int] | None) -> None:
         pass
+
+    def relearn(self) -> None:
+        """Learn again from the next synchronised backward (after a ``join``); nothing is learned here."""
 
 
 class StaticGraph(SearchEveryIteration):
@@ -146,6 +152,11 @@ class StaticGraph(SearchEveryIteration):
         if self._frozen is None:
             self._frozen = list(local_unused)
             self.known_counts = global_counts
+
+    def relearn(self) -> None:
+        """The next synchronised backward is a first iteration again: counted, and frozen from (after a ``join``,
+        where a rank with no batch froze what no rank used, not what it leaves unused itself)."""
+        self._frozen, self.known_counts = None, None
 
 
 UsagePolicy = ExpectAllUsed | SearchEveryIteration | StaticGraph
@@ -199,25 +210,42 @@ class GradientUsage:
         """This rank's part in the usage count, which the plan agreement's all-reduce carries (Note [Plan
         agreement] in ``graphddp.runtime.plans``): per parameter 1 if it got a gradient here, or ``fill`` for every
         one (1: an abandoned backward's stand-in, so no rank reports a gradient this one merely dropped). None where
-        the policy needs no count. ``joined``: a joined rank's shadow reports what was used anywhere in the last
-        backward it took part in, as PyTorch's DDP's joined rank all-reduces its last (all-reduced) usage map: a
-        parameter some rank used then gets a zero gradient on the training ranks, not None (Note [Join] in
+        the policy needs no count. ``joined``: a joined rank's shadow; searching for unused parameters
+        (``find_unused_parameters``) it reports what was used anywhere in the last backward it took part in, as
+        PyTorch's DDP's joined rank all-reduces its last (all-reduced) usage map: a parameter some rank used then
+        gets a zero gradient on the training ranks, not None; otherwise nothing (PyTorch's sends no map there, and
+        a gradient missing on a training rank must still be found missing) (Note [Join] in
         ``graphddp.runtime.join``)."""
         if self._world_size == 1 or not self.policy.reduces_usage():
             return None
-        if joined:
-            return [int(u) for u in self._last_used]
+        if joined:  # PyTorch's joined rank sends its usage map only where it searches for unused parameters
+            sticky = self.policy.searches_each_iteration
+            return [int(u and sticky) for u in self._last_used]
         return [int(u) for u in self.used] if fill is None else [fill] * len(self._names)
 
     def shadowed(self, pending: UsageCount | None) -> list[int]:
-        """A joined rank's shadow of a synchronised backward ends: its counts (``counts``), remembered as the last
-        backward's for the next shadow's entries."""
+        """A joined rank's shadow of a synchronised backward ends: its counts (``counts``), learned from as the
+        training ranks learn from their backward (``end``): the next shadow's entries, the parameters no rank has
+        used (``skip_all_reduce_unused_params``: the same buckets skipped on every rank), and the usage policy
+        (``static_graph``: the first iteration freezes what no rank used and stops the count on every rank alike,
+        this one included, until the join ends: ``join_ended``)."""
         counts = self.counts(pending)
-        self._last_used = [c > 0 for c in counts]
-        # The policy learns from it as the training ranks' learns from their backward (``static_graph``: the first
-        # iteration freezes the unused set and stops the count on every rank alike, this one included).
-        self.policy.observe([i for i, c in enumerate(counts) if c == 0], counts)
+        self._learn(counts, [i for i, c in enumerate(counts) if c == 0])
         return counts
+
+    def join_ended(self) -> None:
+        """Every rank left a ``join``: a static graph frozen from a shadow (a rank with no batch, which never ran the
+        first iteration itself) is learned again at the next synchronised backward, on every rank alike."""
+        self.policy.relearn()
+
+    def _learn(self, counts: list[int], unused_here: list[int]) -> None:
+        """A synchronised backward's usage, summed over the ranks (``counts``) and on this rank."""
+        self.policy.observe(unused_here, counts)
+        self._last_used = [c > 0 for c in counts]
+        unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
+        self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
+        self.iterations += 1
+        self.unused_sets.add(unused_everywhere)
 
     def counts(self, pending: UsageCount | None) -> list[int]:
         """Per parameter: on how many ranks it got a gradient this iteration."""
@@ -238,13 +266,8 @@ class GradientUsage:
         """End of a synchronised backward: tell the policy, forget this rank's usage, and keep the error for the
         next forward (``raise_pending``) if a parameter missed its gradient where the policy forbids it (the same
         on every rank)."""
-        self.policy.observe(sorted({*local_unused, *missing}), counts)  # unused: marked up front, or filled at the end
+        self._learn(counts, sorted({*local_unused, *missing}))  # unused: marked up front, or filled at the end
         self.used[:] = [False] * len(self._names)  # in place: the steady hook writes this list (graphddp.runtime.countdown)
-        self._last_used = [c > 0 for c in counts]
-        unused_everywhere = frozenset(i for i, c in enumerate(counts) if c == 0)
-        self.never_used = unused_everywhere if self.iterations == 0 else self.never_used & unused_everywhere
-        self.iterations += 1
-        self.unused_sets.add(unused_everywhere)
         error = self._missing_error(counts, missing, expected)
         if error is not None:
             logger.warning("%s", error)

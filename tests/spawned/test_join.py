@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
 from ranks import expect_failure_on_every_rank, run_on_ranks
-from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, train, wrap
+from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, wrap
 
 import graphddp
 
@@ -91,18 +92,28 @@ def test_compiled_join_with_a_rank_that_has_no_batch_trains_on_as_pytorchs(world
     assert plans[0][0] == "graph", plans[0]  # the graph's plan was adopted, on every rank
 
 
-def static_graph_join(rank: int, world: int, model: str) -> int:
-    """``static_graph=True``, rank r trains ``2 * r`` steps in a join (rank 0 none at all), against PyTorch's DDP
-    without it (with it PyTorch's DDP aborts here: gloo's "collective mismatch"), finding unused parameters in
-    ``branchy``; returns how many parameters the static graph froze as unused on this rank."""
-    import dataclasses
-
-    case = Case(ddp=TINY_CAPS, graphddp=RAMPED, model=model, steps=0, extra_steps_per_rank=2, record_events=False)
-    ours = train("graphddp", dataclasses.replace(case, ddp=(*TINY_CAPS, ("static_graph", True))), rank).ddp
+def zero_batch_join(rank: int, world: int, model: str, ours: tuple) -> int:
+    """graphddp with the options ``ours``: rank r trains ``2 * r`` steps in a join (rank 0 none at all), then every
+    rank two steps more, against PyTorch's DDP finding unused parameters in ``branchy`` (with ``static_graph``
+    PyTorch's DDP aborts here: gloo's "collective mismatch"); returns how many parameters the usage policy
+    marks unused up front on this rank in the end (the static graph's frozen set)."""
+    case = Case(ddp=TINY_CAPS, graphddp=RAMPED, model=model, record_events=False)
     searching = (*TINY_CAPS, ("find_unused_parameters", model == "branchy"))
-    theirs = train("torch", dataclasses.replace(case, ddp=searching), rank).ddp
-    torch.testing.assert_close(state_of(ours.module), state_of(theirs.module))
-    return len(ours.reducer.usage.policy.locally_unused(None, {}))
+    states, frozen = [], 0
+    for impl, options in (("graphddp", (*TINY_CAPS, *ours)), ("torch", searching)):
+        ddp, model_ = wrap(impl, dataclasses.replace(case, ddp=options), rank)
+        opt = make_optimizer(model_.parameters(), case)
+        for epoch, count in enumerate((2 * rank, 2)):
+            with ddp.join() if epoch == 0 else contextlib.nullcontext():
+                for step in range(count):
+                    loss_for(model_, case, batch_for(case, step, epoch, rank), rank).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        states.append(state_of(ddp.module))
+        if impl == "graphddp":
+            frozen = len(ddp.reducer.usage.policy.locally_unused(None, {}))
+    torch.testing.assert_close(states[0], states[1])
+    return frozen
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
@@ -111,7 +122,18 @@ def test_static_graph_join_with_a_rank_that_has_no_batch(world: int, model: str)
     """The joined rank's shadow of the first backward is its first iteration too: its static graph freezes there
     and stops counting usage as the training ranks' does. Before, it went on sending the usage count, and gloo
     aborted the training ranks on a collective of the wrong size."""
-    frozen = run_on_ranks(static_graph_join, world, model, timeout=120)
-    # The joined rank froze what no rank used in the iteration it shadowed: branchy's ``dead`` (weight and bias)
-    # and, where rank 1 is the only one training, its ``shared`` too.
-    assert frozen[0] == {"mlp": 0, "branchy": 4 if world == 2 else 2}[model], frozen
+    frozen = run_on_ranks(zero_batch_join, world, model, (("static_graph", True),), timeout=120)
+    # In the join rank 0 froze what no rank used in the iteration it shadowed (with 2 ranks branchy's ``shared``
+    # too, which only rank 0 itself uses); after it every rank learned its own: ``dead`` (weight and bias), and
+    # ``shared`` on rank 1, which never uses it. Frozen from the shadow, rank 0's first step after the join raised.
+    expected = [0] * world if model == "mlp" else [4 if r == 1 else 2 for r in range(world)]
+    assert frozen == expected
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_skipping_never_used_buckets_with_a_rank_that_has_no_batch(world: int) -> None:
+    """``skip_all_reduce_unused_params``: the joined rank learns what no rank ever used from its shadows, so it
+    skips the same buckets the training ranks skip (branchy's ``dead``); else its shadow all-reduced a bucket
+    they no longer send."""
+    skip = (("find_unused_parameters", True), ("skip_all_reduce_unused_params", True))
+    run_on_ranks(zero_batch_join, world, "branchy", skip, timeout=120)
