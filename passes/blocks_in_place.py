@@ -37,7 +37,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from .reduction import is_wait, schedule_reductions, transposed_input
+from .reduction import divide_while_gathering, is_wait, schedule_reductions, transposed_input
 
 BLOCK_OP = "graphddp::reduce_block_"
 """A block written into its gradient, divided and all-reduced there: ``(gradient, rows, by, offset, divisor,
@@ -158,10 +158,13 @@ def write_blocks_in_place(graph: fx.Graph) -> int:
     return written
 
 
-def arrange_reductions(graph: fx.Graph) -> bool:
+def arrange_reductions(graph: fx.Graph, *, fusing: bool = False) -> bool:
     """The passes graphddp runs on an in-graph backward, in their one order, wherever it compiles or shows one
     (Inductor's post-grad pass, the aot_eager runner, the debug dump): ``schedule_reductions``, then
     ``write_blocks_in_place``, whose ops write a buffer and so are barriers the scheduling passes could not move
-    (Note [Blocks written in place]). Returns whether the graph changed."""
+    (Note [Blocks written in place]), then, for a ``fusing`` compiler (Inductor), ``divide_while_gathering``.
+    Returns whether the graph changed."""
     moved = schedule_reductions(graph)
-    return write_blocks_in_place(graph) > 0 or any(moved)
+    written = write_blocks_in_place(graph)
+    divided = divide_while_gathering(graph) if fusing else 0
+    return written > 0 or divided > 0 or any(moved)

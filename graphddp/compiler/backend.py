@@ -177,12 +177,11 @@ class GraphDDPBackend:
             target.record_split(prepared.split, choice)
         graph_key = f"graph{next(_graph_ids)}"
         if target is not None and not prepared.reused_plan:
-            target.propose_graph_plan(graph_key, prepared.plan, choice.strategy)
-        elif target is not None and (choice.strategy == "in_graph" or self.reduction == "split"):
-            # A recompile that reduces otherwise by choice (Dynamo reset, compiled again with another reduction,
-            # every rank alike) is proposed anew; one that only cannot build its in-graph variant is not: the
-            # other ranks would still run theirs (InGraphGate refuses it).
-            target.graph_recompiled(frozenset(p.spec.name for p in prepared.params), choice.strategy)
+            target.propose_graph_plan(graph_key, prepared.plan, choice.strategy, requested=self.reduction)
+        elif target is not None:  # proposed anew where the reduction asked for changed (Dynamo reset, compiled
+            # again with another reduction: every rank alike); not where only its choice did (InGraphGate refuses a
+            # recompile on one rank that cannot build the in-graph variant the other ranks run)
+            target.graph_recompiled(frozenset(p.spec.name for p in prepared.params), choice.strategy, requested=self.reduction)
         split = prepared.split
         trace_artifact(f"graphddp_split_{graph_key}", lambda: _describe_split(prepared))
         extended = [s.index for s in split.segments if s.extended]

@@ -68,15 +68,15 @@ class CompileTarget(PartSink, Protocol):
         """The plan already made for a graph with exactly these parameters: a recompile is cut by it."""
         ...
 
-    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
-        """A new graph's plan and how it reduces, adopted once every rank agrees (Note [Plan agreement] in
-        ``graphddp.runtime.plans``)."""
+    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split", *, requested: str = "auto") -> None:
+        """A new graph's plan and how it reduces (its backend ``requested`` a reduction, and chose ``strategy``),
+        adopted once every rank agrees (Note [Plan agreement] in ``graphddp.runtime.plans``)."""
         ...
 
-    def graph_recompiled(self, params: frozenset[str], strategy: str) -> None:
+    def graph_recompiled(self, params: frozenset[str], strategy: str, *, requested: str) -> None:
         """A graph with the parameters of one planned before was compiled again (cut by that plan) to reduce by
-        ``strategy``, on purpose: where the strategy changed, it is proposed anew (Note [Plan agreement] in
-        ``graphddp.runtime.plans``)."""
+        ``strategy``, its backend ``requested`` a reduction: where the request and the strategy changed, it is
+        proposed anew (Note [Plan agreement] in ``graphddp.runtime.plans``)."""
         ...
 
     def record_split(self, split: GraphSplit, reduction: ReductionChoice | None = None) -> None:

@@ -384,8 +384,8 @@ def _scheduling_pass() -> type:
     from ..passes import reduction as reduction_passes
 
     class ScheduleReductions(CustomGraphPass):
-        """Inductor's post-grad hook running ``arrange_reductions`` (after a pass the user had set), then
-        ``divide_while_gathering``, which only a fusing compiler profits from."""
+        """Inductor's post-grad hook running ``arrange_reductions`` for a fusing compiler (after a pass the user
+        had set)."""
 
         def __init__(self, before: Any = None) -> None:
             self.before = before
@@ -393,8 +393,7 @@ def _scheduling_pass() -> type:
         def __call__(self, graph: fx.Graph) -> None:
             if self.before is not None:
                 self.before(graph)
-            arrange_reductions(graph)
-            reduction_passes.divide_while_gathering(graph)  # Inductor fuses it: one pass over each bucket
+            arrange_reductions(graph, fusing=True)
 
         def uuid(self) -> Any:  # part of Inductor's FX-graph cache key
             # The pass's source itself: a changed pass (an upgrade of graphddp) must not reuse a graph the old one

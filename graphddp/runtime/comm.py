@@ -112,6 +112,19 @@ def all_gather_bytes(data: bytes, *, group: dist.ProcessGroup) -> list[bytes]:
     return [bytes(p[: int(n.item())].cpu().tolist()) for p, n in zip(payloads, lengths)]
 
 
+def broadcast_bytes(data: bytes, *, src: int, group: dist.ProcessGroup) -> bytes:
+    """``src``'s ``data`` on every rank (what the others pass is ignored): two tensor collectives (length, then
+    payload), as ``all_gather_bytes``, instead of ``broadcast_object_list``."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, group=group, group_src=src)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank(group) == src and data:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(payload, group=group, group_src=src)
+    return bytes(payload.cpu().tolist())
+
+
 def _describe_mismatch(all_rows: list[list[str]], rank: int) -> str:
     found = first_difference_across(all_rows, "<missing>")
     assert found is not None, "digests differ but the rows are equal"

@@ -55,7 +55,8 @@ shape only one rank saw, dynamic shapes) is cut by the plan made for it before (
 nothing, so a rank that recompiles alone keeps the collective order of the others. Where the new graph's natural
 cut would differ, the split follows the agreed plan: buckets still launch in plan order, only perhaps later. One
 exception: a recompile that reduces otherwise *by choice* (Dynamo's cache reset and the model compiled again with
-another ``reduction``, which every rank's code does alike) proposes the same plans anew with its new strategy
+another ``reduction`` asked of the backend, which every rank's code does alike) proposes the same plans anew with
+its new strategy
 (``GraphPlans.restrategize``); that forward runs split through the Reducer, and the ranks switch once they agree.
 A recompile that merely cannot build its in-graph variant proposes nothing: the other ranks still run theirs, and
 ``InGraphGate`` raises.
@@ -76,7 +77,7 @@ from tabulate import tabulate
 from ..passes import BucketPlan, ParamSpec, compose_plans, first_difference_across, plan_buckets
 from .agreement_ride import AgreementRide, Passage
 from .auto_caps import AutoCaps
-from .comm import all_gather_bytes, broadcast_coalesced
+from .comm import all_gather_bytes, broadcast_bytes, broadcast_coalesced
 from .launch_context import given_back, lend
 from .profiling import trace_artifact
 
@@ -90,13 +91,17 @@ class GraphPlans:
         self._specs = list(specs_in_registration_order)
         self._by_graph: dict[str, BucketPlan] = {}  # in the order forward first ran them
         self._strategies: dict[str, str] = {}  # how each graph reduces: "split" or "in_graph"
+        self._requests: dict[str, str] = {}  # the reduction its backend was asked for: "auto", "split", "in_graph"
         self.proposed: BucketPlan | None = None
 
-    def propose(self, graph: str, plan: BucketPlan, current: BucketPlan, strategy: str = "split") -> None:
+    def propose(
+        self, graph: str, plan: BucketPlan, current: BucketPlan, strategy: str = "split", *, requested: str = "auto"
+    ) -> None:
         """Record ``plan`` for ``graph``, compiled now for the first time (graphs are first compiled in the order
-        forward runs them), reduced by ``strategy`` (Note [In-graph reduction])."""
+        forward runs them), reduced by ``strategy`` (Note [In-graph reduction]) as its backend was ``requested``."""
         self._by_graph[graph] = plan
         self._strategies[graph] = strategy
+        self._requests[graph] = requested
         # Proposed even when it equals the plan in force: adopting it (agreed by every rank) is what stops the
         # ready-order rebuild, which would otherwise re-cut the buckets away from the graph's split.
         self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
@@ -111,12 +116,17 @@ class GraphPlans:
         graph = self._graph_of(params)
         return None if graph is None else self._strategies[graph]
 
-    def restrategize(self, params: frozenset[str], strategy: str, current: BucketPlan) -> bool:
-        """A recompile of an earlier graph (same parameters: Dynamo's cache reset, the model compiled again with
-        another ``reduction``) reduces by ``strategy``: where that differs from what was proposed for it, every
-        graph is proposed again with it, for the ranks to agree on (Note [Plan agreement]). True if so."""
+    def restrategize(self, params: frozenset[str], strategy: str, current: BucketPlan, *, requested: str) -> bool:
+        """A recompile of an earlier graph (same parameters) whose backend was ``requested`` another reduction
+        than that graph's (Dynamo's cache reset, the model compiled again with another ``reduction``: every rank's
+        code alike) reduces by ``strategy``: where that differs from what was proposed for it, every graph is
+        proposed again with it, for the ranks to agree on (Note [Plan agreement]). True if so. A recompile asked
+        the same (a shape one rank saw) changes nothing: its choice may be this rank's alone."""
         graph = self._graph_of(params)
-        if graph is None or self._strategies[graph] == strategy:
+        if graph is None or self._requests[graph] == requested:
+            return False
+        self._requests[graph] = requested
+        if self._strategies[graph] == strategy:
             return False
         self._strategies[graph] = strategy
         self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
@@ -148,15 +158,17 @@ class GraphPlans:
         proposed, self.proposed = self.proposed, None
         return proposed
 
-    def snapshot(self) -> tuple[dict[str, BucketPlan], dict[str, str], BucketPlan | None]:
-        """Everything proposed so far (each graph's plan and strategy, the composite), for a rank to ``adopt``."""
-        return dict(self._by_graph), dict(self._strategies), self.proposed
+    def snapshot(self) -> tuple[dict[str, BucketPlan], dict[str, str], dict[str, str], BucketPlan | None]:
+        """Everything proposed so far (each graph's plan, strategy and request, the composite), for a rank to
+        ``adopt``."""
+        return dict(self._by_graph), dict(self._strategies), dict(self._requests), self.proposed
 
-    def adopt(self, snapshot: tuple[dict[str, BucketPlan], dict[str, str], BucketPlan | None]) -> None:
+    def adopt(self, snapshot: tuple[dict[str, BucketPlan], dict[str, str], dict[str, str], BucketPlan | None]) -> None:
         """Another rank's proposals become this rank's (a joined rank that compiled nothing, Note [Join]): its
         graphs, compiled later, are cut by the plans made for them there (``plan_for``) and propose nothing."""
-        by_graph, strategies, proposed = snapshot
-        self._by_graph, self._strategies, self.proposed = dict(by_graph), dict(strategies), proposed
+        by_graph, strategies, requests, proposed = snapshot
+        self._by_graph, self._strategies, self._requests = dict(by_graph), dict(strategies), dict(requests)
+        self.proposed = proposed
 
 
 def agreement_entries(tokens: tuple[int, ...]) -> list[int]:
@@ -213,6 +225,11 @@ class PlanAgreement:
 
     def verdict(self) -> bool | None:
         return agreed(self.tokens, self._read()[:-5], self._ranks)
+
+    @property
+    def joined(self) -> bool:
+        """Issued by a joined rank's shadow (``join``), which counts no training forward."""
+        return self.step is None
 
     def carried(self) -> tuple[torch.Tensor, PlanAgreement]:
         """The summed ``carrying`` entries (valid once ``settle`` returned) and this agreement, to settle."""
@@ -274,10 +291,10 @@ def joined_ranks_abstain(graph_plans: GraphPlans, joined: bool, *, group: dist.P
     if len(voters) in (0, len(votes)) or any(votes[r][:2] != votes[voters[0]][:2] for r in voters):
         return False
     rank = dist.get_rank(group)
-    shared = [graph_plans.snapshot() if rank == voters[0] else None]
-    dist.broadcast_object_list(shared, group=group, group_src=voters[0])
+    mine = pickle.dumps(graph_plans.snapshot()) if rank == voters[0] else b""
+    shared = broadcast_bytes(mine, src=voters[0], group=group)
     if votes[rank][2]:
-        graph_plans.adopt(shared[0])
+        graph_plans.adopt(pickle.loads(shared))
         logger.info(
             "[rank %d] graphddp: this rank joined without compiling a graph; it adopts the graph plans rank %d "
             "proposed, as every training rank did (Note [Join])", rank, voters[0],
@@ -415,8 +432,8 @@ class PlanKeeper:
             )
 
     # -- compiled graphs -----------------------------------------------------------------------------------------
-    def propose(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
-        self.graph_plans.propose(graph, plan, self.current, strategy)
+    def propose(self, graph: str, plan: BucketPlan, strategy: str = "split", *, requested: str = "auto") -> None:
+        self.graph_plans.propose(graph, plan, self.current, strategy, requested=requested)
 
     @property
     def proposing(self) -> bool:
@@ -489,7 +506,7 @@ class PlanKeeper:
         agreement = self._agreement
         verdict = self._read_agreement()
         if verdict is False:
-            joined = agreement is not None and agreement.step is None
+            joined = agreement is not None and agreement.joined
             if joined_ranks_abstain(self.graph_plans, joined, group=self._group, device=self._device):
                 verdict = True  # this rank now holds the training ranks' proposal
             elif (plan := self._plans_differ(allows_unused)) is not None:

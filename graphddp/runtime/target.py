@@ -138,11 +138,11 @@ class ReducerTarget:
     def plan_for_graph(self, params: frozenset[str]) -> BucketPlan | None:
         return self._plans.plan_for_graph(params)
 
-    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split") -> None:
-        self._plans.propose(graph, plan, strategy)
+    def propose_graph_plan(self, graph: str, plan: BucketPlan, strategy: str = "split", *, requested: str = "auto") -> None:
+        self._plans.propose(graph, plan, strategy, requested=requested)
 
-    def graph_recompiled(self, params: frozenset[str], strategy: str) -> None:
-        if self._plans.graph_plans.restrategize(params, strategy, self._plans.current):
+    def graph_recompiled(self, params: frozenset[str], strategy: str, *, requested: str) -> None:
+        if self._plans.graph_plans.restrategize(params, strategy, self._plans.current, requested=requested):
             logger.info(
                 "[rank %d] graphddp: a graph compiled again reduces %s now; proposed anew, switched once every rank "
                 "agrees (Note [Plan agreement])", self.rank, strategy.replace("_", "-"),
