@@ -57,6 +57,18 @@ def test_join_with_replica_checks_and_uneven_inputs_trains_on(steps_on_rank_0: i
     run_on_ranks(join_with_replica_checks, 2, steps_on_rank_0, timeout=60)
 
 
+def join_then_two_more(ddp: torch.nn.Module, model: torch.nn.Module, case: Case, rank: int, steps_in_join: int) -> None:
+    """``steps_in_join`` steps of ``model`` (``ddp``, or ``ddp`` compiled) inside ``ddp.join()``, then two more
+    after it, with ``case``'s optimizer and batches (epoch 0, then 1)."""
+    opt = make_optimizer(model.parameters(), case)
+    for epoch, count in enumerate((steps_in_join, 2)):
+        with ddp.join() if epoch == 0 else contextlib.nullcontext():
+            for step in range(count):
+                loss_for(model, case, batch_for(case, step, epoch, rank), rank).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+
 def compiled_join_then_train(rank: int, world: int, steps_on_rank_0: int) -> list[str]:
     """Compiled: rank r trains ``steps_on_rank_0 + r`` steps inside ``join()`` (rank 0 none at all with 0: it
     never compiles a graph before the others' first agreement), then every rank trains two steps more. Against
@@ -66,14 +78,7 @@ def compiled_join_then_train(rank: int, world: int, steps_on_rank_0: int) -> lis
     states = []
     for impl in ("graphddp", "torch"):
         ddp, model = wrap(impl, case if impl == "graphddp" else case.eager(), rank)
-        opt = make_optimizer(model.parameters(), case)
-        steps = [(steps_on_rank_0 + rank, 0), (2, 1)]  # (steps, epoch): the first inside join()
-        for epoch, (count, micro) in enumerate(steps):
-            with ddp.join() if epoch == 0 else contextlib.nullcontext():
-                for step in range(count):
-                    loss_for(model, case, batch_for(case, step, micro, rank), rank).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+        join_then_two_more(ddp, model, case, rank, steps_on_rank_0 + rank)
         states.append(state_of(ddp.module))
         if impl == "graphddp":
             plan = [name for b in ddp.bucket_plan.buckets for name in b.names]
@@ -102,13 +107,7 @@ def zero_batch_join(rank: int, world: int, model: str, ours: tuple) -> int:
     states, frozen = [], 0
     for impl, options in (("graphddp", (*TINY_CAPS, *ours)), ("torch", searching)):
         ddp, model_ = wrap(impl, dataclasses.replace(case, ddp=options), rank)
-        opt = make_optimizer(model_.parameters(), case)
-        for epoch, count in enumerate((2 * rank, 2)):
-            with ddp.join() if epoch == 0 else contextlib.nullcontext():
-                for step in range(count):
-                    loss_for(model_, case, batch_for(case, step, epoch, rank), rank).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+        join_then_two_more(ddp, model_, case, rank, 2 * rank)
         states.append(state_of(ddp.module))
         if impl == "graphddp":
             frozen = len(ddp.reducer.usage.policy.locally_unused(None, {}))

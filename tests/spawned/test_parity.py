@@ -41,7 +41,7 @@ CASES = {
     "mixed_dtypes": tiny(model="mixed"),
     "ready_order_differs": tiny(model="unordered"),
     "pytorch_layout": tiny(graphddp=(("first_bucket_cap_mb", 0.001), ("bucket_ramps", False))),
-    # PyTorch's per-bucket caps, given to both (graphddp closes a bucket before its cap, PyTorch after).
+    # PyTorch's per-bucket caps, given to both (each closes a bucket once it holds its cap or more).
     "bucket_cap_mb_list": tiny(ddp=(("bucket_cap_mb_list", (0.001, 0.002, 0.004)),)),
     # Hooks (bf16_compress_hook refuses to run without NCCL, so it is checked on CUDA: tests/cuda_check.py).
     # PowerSGD compresses per bucket, so both implementations must cut the same buckets. PyTorch's DDP hangs
