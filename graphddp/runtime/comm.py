@@ -94,12 +94,17 @@ def verify_same_params(specs: Sequence[ParamSpec], *, group: dist.ProcessGroup, 
     raise ModelMismatchError(_describe_mismatch(all_rows, dist.get_rank(group)))
 
 
+def _bytes_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group`` takes the tensors that carry bytes: the current CUDA device on NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def all_gather_bytes(data: bytes, *, group: dist.ProcessGroup) -> list[bytes]:
     """Every rank's ``data``, in rank order: two tensor collectives (lengths, then padded payloads).
 
     Used instead of ``all_gather_object``, which needs numpy and pickles.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = _bytes_device(group)
     world = dist.get_world_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
@@ -115,7 +120,7 @@ def all_gather_bytes(data: bytes, *, group: dist.ProcessGroup) -> list[bytes]:
 def broadcast_bytes(data: bytes, *, src: int, group: dist.ProcessGroup) -> bytes:
     """``src``'s ``data`` on every rank (what the others pass is ignored): two tensor collectives (length, then
     payload), as ``all_gather_bytes``, instead of ``broadcast_object_list``."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = _bytes_device(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, group=group, group_src=src)
     payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
