@@ -25,8 +25,8 @@ the graph instead, bucketed by the same ``BucketPlan`` the split would use (one 
    For Inductor, ``graphddp.passes.divide_while_gathering`` then divides each gradient on its way into the
    bucket (``cat`` of quotients, not a quotient of the ``cat``), so Inductor writes each quotient straight into
    the bucket's slice, one pass over the bucket where the gathering and the division took two, and reinplaces
-   the all-reduce; its peak-memory reordering, which would hoist the waits again, is off for these graphs. aot_eager runs the graph
-   op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
+   the all-reduce; its peak-memory reordering, which would hoist the waits again, is off for these graphs.
+   aot_eager runs the graph op by op, where a functional all-reduce clones its input and the division writes a tensor of its own:
    ``graphddp.passes.reduce_in_place`` has the division write into the bucket's gathered copy and the
    all-reduce reduce the division's result. Under both, a big gradient sent in blocks is then written block by
    block into the gradient itself, each block divided and all-reduced there (``write_blocks_in_place``, Note

@@ -184,8 +184,8 @@ class InGraphGate:
             self._ran.add(params)
             self.in_graph_forwards += 1
             return True
-        switched = self._plans.graph_plans.strategy_for(params) == "split"  # compiled again split on purpose
-        if params in self._plans.agreed_in_graph and not switched:  # every other rank runs its in-graph variant
+        agreed = params in self._plans.agreed_in_graph  # every other rank runs its in-graph variant ...
+        if agreed and self._plans.graph_plans.strategy_for(params) != "split":  # ... unless compiled again split on purpose
             raise RuntimeError(
                 f"[rank {self._rank}] graphddp.DDP: a graph that every rank agreed to reduce in-graph was compiled "
                 "again on this rank without an in-graph variant (graphddp.compiler.backend's log line says why); the "

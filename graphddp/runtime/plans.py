@@ -56,10 +56,9 @@ nothing, so a rank that recompiles alone keeps the collective order of the other
 cut would differ, the split follows the agreed plan: buckets still launch in plan order, only perhaps later. One
 exception: a recompile that reduces otherwise *by choice* (Dynamo's cache reset and the model compiled again with
 another ``reduction`` asked of the backend, which every rank's code does alike) proposes the same plans anew with
-its new strategy
-(``GraphPlans.restrategize``); that forward runs split through the Reducer, and the ranks switch once they agree.
-A recompile that merely cannot build its in-graph variant proposes nothing: the other ranks still run theirs, and
-``InGraphGate`` raises.
+its new strategy (``GraphPlans.restrategize``); that forward runs split through the Reducer, and the ranks switch
+once they agree. A recompile that merely cannot build its in-graph variant proposes nothing: the other ranks
+still run theirs, and ``InGraphGate`` raises.
 """
 
 from __future__ import annotations

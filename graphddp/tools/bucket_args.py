@@ -24,9 +24,8 @@ _CAP_HELP = {
 
 
 def cap_mb(text: str) -> float | str:
-    """A cap's value on the command line: a finite number of MiB >= 0 (0: a bucket per
-    gradient, as PyTorch's DDP), or ``auto`` (argparse names the flag of a
-    bad one: ``argument --bucket-cap-mb: ...``, exit status 2)."""
+    """A cap's value on the command line: a finite number of MiB >= 0 (0: a one-byte cap, as PyTorch's DDP takes
+    it), or ``auto`` (argparse names the flag of a bad one: ``argument --bucket-cap-mb: ...``, exit status 2)."""
     if text.strip().lower() == AUTO:
         return AUTO
     try:
