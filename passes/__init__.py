@@ -61,6 +61,7 @@ from .reduction import (
     sink_waits,
 )
 from .row_sparse import (
+    PART_CPU_FACTOR,
     ROW_SPARSE_MAX_DENSITY,
     RowSparseParam,
     RowsVerdict,
@@ -71,6 +72,7 @@ from .row_sparse import (
     rows_apply,
     rows_pay,
     sparse_gradient_params,
+    tied_tables,
 )
 from .split import GraphSplit, Segment, Tap, assign_segments, split_at_buckets, tensor_bytes
 from .taps import place_taps, tap_parts
@@ -78,6 +80,7 @@ from .taps import place_taps, tap_parts
 __all__ = [
     "ALGORITHMS",
     "REDUCTIONS",
+    "PART_CPU_FACTOR",
     "ROW_SPARSE_MAX_DENSITY",
     "ReductionChoice",
     "Bucket",
@@ -110,6 +113,7 @@ __all__ = [
     "choose_reduction",
     "compose_plans",
     "embedding_tables",
+    "tied_tables",
     "estimated_step_inputs",
     "find_graph_params",
     "fit_link",

@@ -30,12 +30,15 @@ all-reduce, against the mask's (one byte per row) and the rows' at the worst cas
 backward holds for the dense table too. A tied table's parts (below) are not free either: dense, the output
 layer's contribution is summed into the table's gradient and travels once; as rows, each part is a table-sized
 all-reduce of its own, early in backward, where its link time can hide behind the compute that follows but gloo's
-CPU per byte cannot (on a CPU rank it slows that compute), so the rows are charged each part's CPU. That charge
-is not the whole cost: at 5 Gbit/s the bench GPT's tied table (16.8 MB) measured dense as fast as rows or faster
-in every matrix run that had both (sessions 21-29), where the rule, even charged, says rows by a few ms; sending
-beside a backward costs it about twice the CPU per byte the calibration measures (session 23, not explained),
-and a part's link time is not charged where the link binds. Gloo's CPU per byte is known where automatic caps
-measured it (0 otherwise, and on GPUs).
+CPU per byte cannot (on a CPU rank it slows that compute), so the rows are charged each part's CPU, at
+``PART_CPU_FACTOR`` (2) times the calibrated CPU per byte: sent beside a backward, gloo's bytes cost the compute
+about twice what the calibration measures beside a matmul loop (session 23: ~1.5 against 0.69 ns/B). Charged at
+1x, the rule said rows by 9 ms at 5 Gbit/s for the bench GPT's tied table (16.8 MB), where dense was as fast or
+faster in every matrix run that had both (sessions 21-34, by up to ~110 ms a step); at 2x it says dense there
+(-3 ms at 0.70 ns/B) and rows at 1 Gbit/s (+49 ms), where rows won in most runs. A part's link time is not
+charged where the link binds. Gloo's CPU per byte is measured at construction where a CPU group's ``"auto"``
+decides on a tied table (``tied_tables``) or automatic caps measured it already; 0 otherwise (an untied table,
+whose verdict it only moves towards rows, and GPUs).
 The tables go rows when ``saved`` is positive (eagerly each table for itself;
 compiled all the tables of a graph together). Compiled, rows no longer keep a graph on the split: in-graph, an
 opaque node reduces them (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); until
@@ -99,6 +102,10 @@ from .split import GraphSplit
 ROW_SPARSE_MAX_DENSITY = 0.5
 """A row-sparse bucket is reduced as rows when at most this share of its rows is touched on some rank."""
 
+PART_CPU_FACTOR = 2.0
+"""What a tied table's part, sent beside the backward, costs the compute, in multiples of the CPU per byte the
+calibration measures beside a matmul loop (the Note, "When rows pay")."""
+
 def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
     """Is row-sparse reduction (and, compiled, splitting tied tables into parts) used at all?
 
@@ -143,7 +150,7 @@ def rows_pay(
         saved += reduce_s(rows * row_bytes) - reduce_s(rows) - reduce_s(worst)
         # Dense, a part's contribution travels inside the table's gradient; as rows, each part is a table-sized
         # all-reduce of its own, sent while backward computes: its link time may hide there, its CPU cannot.
-        saved -= sent_dense * cpu_seconds_per_byte * rows * row_bytes
+        saved -= sent_dense * PART_CPU_FACTOR * cpu_seconds_per_byte * rows * row_bytes
     return RowsVerdict(bool(tables) and saved > 0, saved)
 
 
@@ -221,20 +228,32 @@ def embedding_tables(module: nn.Module) -> frozenset[str]:
     looked-up rows (Note [Row-sparse gradients]). A tied table (also an output layer's weight) is left out: its
     gradient is dense unless the compile backend splits the other use off. (A module-level question, asked
     eagerly, where there is no graph: which tables to try as rows.)"""
+    return frozenset(name for name, owners in _dense_tables(module).items() if owners == 1)
+
+
+def tied_tables(module: nn.Module) -> frozenset[str]:
+    """Trainable weights of ``nn.Embedding`` modules that another module shares (an output layer tied to the
+    token table): compiled, their rows plan sends that module's contribution as a part of its own, which
+    ``rows_pay`` charges gloo's CPU (the Note, "When rows pay")."""
+    return frozenset(name for name, owners in _dense_tables(module).items() if owners > 1)
+
+
+def _dense_tables(module: nn.Module) -> dict[str, int]:
+    """Each trainable 2-D weight of a dense ``nn.Embedding`` without ``max_norm``, by name: how many modules
+    register it."""
     owners: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         owners[id(p)] = owners.get(id(p), 0) + 1
     names = {id(p): n for n, p in module.named_parameters()}
-    return frozenset(
-        names[id(m.weight)]
+    return {
+        names[id(m.weight)]: owners[id(m.weight)]
         for m in module.modules()
         if isinstance(m, nn.Embedding)
         and not m.sparse
         and m.max_norm is None
         and m.weight.requires_grad
         and m.weight.dim() == 2
-        and owners[id(m.weight)] == 1
-    )
+    }
 
 
 def sparse_gradient_params(module: nn.Module) -> frozenset[str]:

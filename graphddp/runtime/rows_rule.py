@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..passes import GraphParam, LinkModel, RowsVerdict, row_sparse_params, rows_pay
+from ..passes import GraphParam, LinkModel, RowsVerdict, row_sparse_params, rows_pay, tied_tables
 from .auto_caps import AutoCaps
-from .calibration import link_of
+from .calibration import cpu_cost_of_communication, link_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class RowsRule:
     """The link measured at construction (``"auto"``, only where rows apply to an ``nn.Embedding``); None: rows
     wherever they apply, as ``True``."""
     cpu_seconds_per_byte: float = 0.0
-    """gloo's CPU per byte, where automatic caps measured it; 0 otherwise."""
+    """gloo's CPU per byte, where automatic caps measured it or a tied table's parts are charged it (CPU groups);
+    0 otherwise."""
     world: int = 1
     """Ranks of the DDP's group: the link's all-reduces are predicted for them."""
     rank: int = 0
@@ -51,7 +52,11 @@ class RowsRule:
         if auto_caps is not None:  # measured already, gloo's CPU per byte too
             link, cpu = auto_caps.link, auto_caps.cpu_seconds_per_byte
         else:
-            link, cpu = link_of(group, device=device), 0.0
+            link = link_of(group, device=device)
+            # A tied table's parts are charged gloo's CPU (the Note, "When rows pay"): measured for them only
+            # (about 0.5 s), from the module's structure, which every rank shares.
+            charged = device.type == "cpu" and bool(tied_tables(module))
+            cpu = cpu_cost_of_communication(group, link=link) if charged else 0.0
         return cls(enabled=enabled, link=link, cpu_seconds_per_byte=cpu, world=world, rank=rank)
 
     @property

@@ -10,7 +10,17 @@ from models import tokens as draw_tokens
 
 from graphddp.compiler.capture import capture_graphs, parameter_names
 from graphddp.compiler.graph_pipeline import prepare_graph
-from graphddp.passes import BucketCaps, ComputeRates, LinkModel, choose_reduction, plan_blockers, rows_pay
+from graphddp.passes import (
+    PART_CPU_FACTOR,
+    BucketCaps,
+    ComputeRates,
+    LinkModel,
+    choose_reduction,
+    embedding_tables,
+    plan_blockers,
+    rows_pay,
+    tied_tables,
+)
 from graphddp.runtime.rows_rule import RowsRule
 
 LOOPBACK = LinkModel(latency_s=1e-3, seconds_per_byte=0.7e-9)
@@ -48,10 +58,41 @@ def test_a_tied_tables_parts_are_charged_their_cpu() -> None:
     rows, row_bytes = BENCH_GPT_TABLE
     untied = rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, cpu_seconds_per_byte=1e-9)
     tied = rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, cpu_seconds_per_byte=1e-9, parts=[1])
-    assert tied.saved_s == pytest.approx(untied.saved_s - 1e-9 * rows * row_bytes)
+    assert tied.saved_s == pytest.approx(untied.saved_s - PART_CPU_FACTOR * 1e-9 * rows * row_bytes)
     assert rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, parts=[2]) == rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2)
     with pytest.raises(ValueError, match="parts must give each"):
         rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2, parts=[1, 1])
+
+
+MATRIX_GPT_TABLE = (8192, 512 * 4)
+"""``bench.matrix``'s gpt: its tied token table, 8192 rows of 512 float32 (16.8 MB)."""
+
+
+@pytest.mark.parametrize(("latency_s", "seconds_per_byte", "cpu_seconds_per_byte", "rows"), [
+    (0.27e-3, 1.82e-9, 0.70e-9, False),  # 5 Gbit/s as session 33's matrix calibrated it
+    (0.81e-3, 1.63e-9, 0.79e-9, False),  # 5 Gbit/s, session 34
+    (0.65e-3, 8.10e-9, 1.84e-9, True),  # 1 Gbit/s, session 33
+    (0.65e-3, 8.10e-9, 0.70e-9, True),
+])  # fmt: skip
+def test_the_matrix_gpts_tied_table_goes_dense_at_5_gbits_and_as_rows_at_1(
+    latency_s: float, seconds_per_byte: float, cpu_seconds_per_byte: float, rows: bool
+) -> None:
+    # Every matrix run that had both since session 21 measured the tied table dense as fast as rows or faster at 5
+    # Gbit/s (by up to ~110 ms a step); at 1 Gbit/s rows won in most. Charged its part's CPU once, the rule said
+    # rows at 5 Gbit/s by ~9 ms; charged PART_CPU_FACTOR times, as sending beside a backward costs, it says dense.
+    link = LinkModel(latency_s=latency_s, seconds_per_byte=seconds_per_byte)
+    verdict = rows_pay([MATRIX_GPT_TABLE], link=link, world=2, cpu_seconds_per_byte=cpu_seconds_per_byte, parts=[1])
+    assert verdict.rows == rows, verdict.describe()
+    untied = rows_pay([MATRIX_GPT_TABLE], link=link, world=2, cpu_seconds_per_byte=cpu_seconds_per_byte, parts=[0])
+    assert untied.rows  # without a part the same table pays as rows at either rate
+
+
+def test_tied_and_untied_tables_are_told_apart_by_the_modules_that_share_them() -> None:
+    model = tied_gpt()
+    assert tied_tables(model) == {"wte.weight"} and "wte.weight" not in embedding_tables(model)
+    assert embedding_tables(model) and not tied_tables(model) & embedding_tables(model)  # the position table
+    untied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    assert tied_tables(untied) == frozenset() and embedding_tables(untied) == {"0.weight"}
 
 
 def test_a_compiled_graphs_tied_table_is_charged_its_part() -> None:

@@ -4,7 +4,8 @@ rows on a slow one: compiled, the tied GPT's 512-row table (the graph reduces in
 the compiled backward]); eagerly, where a tied table is never tried, the 16-row position table. Training matches
 PyTorch's DDP. Over loopback, measured for real, the verdict is a close call (a table's dense bytes against the
 mask's round trip and half the rows: on one VM the 64 KiB table went dense, on another rows), so there the test
-holds each mode's plan to ``rows_pay`` on the link the ranks measured, for the tables that mode decides on."""
+holds each mode's plan to ``rows_pay`` on the link and gloo CPU per byte the ranks measured, for the tables that
+mode decides on (compiled, the tied table's part charged that CPU)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ AUTO = (("sparse_embedding_grads", "auto"),)
 
 @contextlib.contextmanager
 def measured_as(link: LinkModel | None) -> Iterator[None]:
-    """Replace the link measurement (rank processes are reused: restored after); None: measure for real."""
+    """Replace the link measurement, and gloo's CPU per byte (charged to a tied table's part) with 0 (rank processes
+    are reused: restored after); None: measure both for real."""
     if link is None:
         yield
         return
-    saved = graphddp.runtime.rows_rule.link_of
-    graphddp.runtime.rows_rule.link_of = lambda group, device=None: link
+    rule = graphddp.runtime.rows_rule
+    saved = rule.link_of, rule.cpu_cost_of_communication
+    rule.link_of = lambda group, device=None: link
+    rule.cpu_cost_of_communication = lambda group, link=None: 0.0
     try:
         yield
     finally:
-        graphddp.runtime.rows_rule.link_of = saved
+        rule.link_of, rule.cpu_cost_of_communication = saved
 
 
 def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None) -> dict:
@@ -45,7 +49,10 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
     with measured_as(link):
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
-    measured = graphddp.runtime.calibration.link_of(run.ddp.process_group) if link is None else link  # cached at construction
+    group = run.ddp.process_group
+    measured = graphddp.runtime.calibration.link_of(group) if link is None else link  # cached at construction
+    # The tied table's part is charged gloo's CPU, measured at construction (cached too) for the tied wte.
+    cpu = graphddp.runtime.calibration.cpu_cost_of_communication(group) if link is None else 0.0
     module = run.ddp.module
     # The tables the DDP decides on: eagerly each untied nn.Embedding for itself (the tied wte never goes rows
     # there, the 2 KiB position table may); compiled, the graph's tables together (wte: wpe is looked up with
@@ -54,7 +61,11 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
         tables = [[p] for n, p in module.named_parameters() if n in embedding_tables(module)]
     else:
         tables = [[module.wte.weight]]
-    verdicts = [rows_pay([(t.shape[0], t.shape[1] * t.element_size()) for t in group], link=measured, world=world).rows for group in tables]
+    parts = [0] if compile is None else [1]  # compiled, the tied wte's output layer is a part of its own
+    verdicts = [
+        rows_pay([(t.shape[0], t.shape[1] * t.element_size()) for t in group], link=measured, world=world, cpu_seconds_per_byte=cpu, parts=parts * len(group)).rows
+        for group in tables
+    ]
     return {
         "pays": any(verdicts),
         "state": state_of(run.ddp.module),
