@@ -165,9 +165,9 @@ class RowsAllReduce(torch.autograd.Function):
         if some is None:  # no gradient at all: the same graph on every rank, so no rank sends
             return (None, None, None, None, None, None, None)
         rows = lookups.contiguous() if lookups is not None else some.new_zeros(ctx.shape)  # [rows, C]
-        averaged = torch.ops.graphddp.reduce_rows(rows, ctx.group_name, ctx.divisor, ctx.streak)
-        if parts is not None:  # averaged by the parts' buckets: all-reduce is linear, so this is the sum's average
-            averaged = averaged + parts
+        # The parts, averaged by their buckets, are the base the rows are added to: all-reduce is linear, so this is
+        # the sum's average.
+        averaged = torch.ops.graphddp.reduce_rows(rows, ctx.group_name, ctx.divisor, ctx.streak, parts)
         signal_grad = None
         if ctx.signals:  # the plan's first bucket: its all-reduce carries the abandon signal (here, one of its own)
             signal_grad = _sum_flags(ctx)

@@ -4,18 +4,19 @@ Note [Rows in the compiled backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Which rows travel is known only at run time: the union, over the ranks, of the rows each rank's batch touched
 (Note [Row-sparse gradients] in ``graphddp/passes/row_sparse.py``). No functional collective can trace that, but
-an opaque op can run it: ``graphddp::reduce_rows(grad, group_name, divisor, streak)`` takes a table's gradient (the
-lookups' contribution, ``[rows, C]``), max-reduces the byte mask of the rows it touches, and all-reduces the touched
-rows only, packed, divided by ``divisor`` first as the in-graph buckets are; or the whole table, when the union
-is over ``ROW_SPARSE_MAX_DENSITY`` of the rows (``goes_as_rows``, the Reducer's rule). It returns the averaged
-table, zero outside the rows. Both collectives are issued and waited inside the op, on the bucket's channel.
+an opaque op can run it: ``graphddp::reduce_rows(grad, group_name, divisor, streak, base)`` takes a table's
+gradient (the lookups' contribution, ``[rows, C]``), max-reduces the byte mask of the rows it touches, and
+all-reduces the touched rows only, packed, divided by ``divisor`` first as the in-graph buckets are; or the whole
+table, when the union is over ``ROW_SPARSE_MAX_DENSITY`` of the rows (``goes_as_rows``, the Reducer's rule). It
+returns the averaged table added to ``base`` (a tied table's parts' average; zero outside the rows without one). Both collectives are issued and waited inside the op, on the bucket's channel.
 
 * **Same order on every rank**: the op is a node of the compiled backward, which every rank compiled from the
   same graph, so it issues its two collectives at the same place among the functional all-reduces everywhere; a
   process group runs its collectives in the order they were issued, so the mask waits behind the buckets still
   on the link. A table used first in forward is the last bucket: nothing is left to compute behind that wait.
 * **Tied tables**: the in-graph ``RowsAllReduce`` (``graphddp/compiler/in_graph.py``) also carries the parts (the
-  output layer's contribution, reduced early in a bucket of its own) and adds their average to the rows': the
+  output layer's contribution, reduced early in a bucket of its own) and hands their average to the op as
+  ``base``, which the rows are added into (one table-sized tensor a step, not zeros and then a sum): the
   parameter's gradient leaves the graph whole and averaged, as from the Reducer.
 * **Giving up**: as the Reducer's ``RowSparseReduction``, a table that goes dense ``DENSE_STREAK_LIMIT`` times in a
   row is reduced dense from then on, without its mask (``DenseStreak``, fed the all-reduced outcome, so every rank
@@ -72,15 +73,16 @@ def gave_up(key: int) -> bool:
 
 
 @torch.library.custom_op(ROWS_OP, mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
+def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int, base: torch.Tensor | None = None) -> torch.Tensor:
     """``grad`` (``[rows, ...]``) averaged over the group ``group_name``, sent as the rows some rank touched (see
-    the Note); a new tensor of ``grad``'s shape, zero in the rows no rank touched. ``streak``: the table's
-    ``streak_key``, or -1 for none (always try rows)."""
+    the Note), added to ``base`` (a tied table's parts, averaged already; zeros without one): a new contiguous
+    tensor of ``grad``'s shape. ``streak``: the table's ``streak_key``, or -1 for none (always try rows)."""
     group = _resolve_process_group(group_name)
     table = grad.reshape(grad.shape[0], -1).contiguous()  # [rows, C]; contiguous, as the fake op promises
+    base = base.reshape(table.shape) if base is not None else None
     counted = _streaks.get(streak)
     if counted is not None and counted[0].gave_up:
-        return _dense(table, group, divisor).reshape(grad.shape)
+        return _dense(table, group, divisor, base).reshape(grad.shape)
     mask = touched_rows_mask(table)  # [rows]
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
     rows = mask.nonzero().squeeze(1)  # [U], the same on every rank
@@ -93,23 +95,24 @@ def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int) 
                 "reduced dense from now on (Note [Rows in the compiled backward])", dist.get_rank(group), counted[1], DENSE_STREAK_LIMIT,
             )
     if not sparse:
-        return _dense(table, group, divisor).reshape(grad.shape)
-    averaged = torch.zeros_like(table)
+        return _dense(table, group, divisor, base).reshape(grad.shape)
+    # The rows go straight into the parts' average: one table-sized tensor a step, not zeros and then a sum.
+    averaged = base.clone(memory_format=torch.contiguous_format) if base is not None else torch.zeros_like(table)
     if rows.numel():  # no rank touched a row: nothing to send (every rank knows it)
         packed = table.index_select(0, rows).div_(divisor)  # [U, C]
         dist.all_reduce(packed, group=group)
-        averaged.index_copy_(0, rows, packed)
+        averaged.index_add_(0, rows, packed)
     return averaged.reshape(grad.shape)
 
 
-def _dense(table: torch.Tensor, group: dist.ProcessGroup, divisor: int) -> torch.Tensor:
+def _dense(table: torch.Tensor, group: dist.ProcessGroup, divisor: int, base: torch.Tensor | None) -> torch.Tensor:
     dense = table.div(divisor)
     dist.all_reduce(dense, group=group)
-    return dense
+    return dense if base is None else dense.add_(base)
 
 
 @reduce_rows.register_fake
-def _(grad: torch.Tensor, group_name: str, divisor: int, streak: int) -> torch.Tensor:
+def _(grad: torch.Tensor, group_name: str, divisor: int, streak: int, base: torch.Tensor | None = None) -> torch.Tensor:
     return grad.new_empty(grad.shape)  # contiguous, as the op returns it
 
 

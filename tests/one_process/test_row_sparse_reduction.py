@@ -45,6 +45,27 @@ def test_the_in_graph_rows_op_returns_a_contiguous_table_as_its_fake_says() -> N
     torch.testing.assert_close(averaged, grad.t())
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_in_graph_rows_op_adds_the_rows_into_the_parts_average() -> None:
+    # A tied table's parts, averaged by their buckets, are the op's base: rows and dense alike, the result is the
+    # base plus the lookups' average, a new contiguous tensor (the base is left as it was).
+    import torch.distributed as dist
+
+    from graphddp.runtime import in_graph_rows  # noqa: F401  (registers graphddp::reduce_rows)
+
+    group = dist.group.WORLD.group_name
+    lookups = torch.zeros(8, 3)
+    lookups[[1, 6]] = torch.tensor([[2.0, -4.0, 6.0], [8.0, 0.0, 2.0]])  # 2 of 8 rows: sent as rows
+    base = torch.arange(24.0).reshape(3, 8).t()  # transposed: a base need not be contiguous
+    kept = base.clone()
+    averaged = torch.ops.graphddp.reduce_rows(lookups, group, 2, -1, base)
+    assert averaged.is_contiguous() and torch.equal(base, kept)
+    torch.testing.assert_close(averaged, kept + lookups / 2)
+    dense = torch.ones(8, 3)  # every row touched: sent dense, the base added all the same
+    torch.testing.assert_close(torch.ops.graphddp.reduce_rows(dense, group, 2, -1, base), kept + 0.5)
+    torch.testing.assert_close(torch.ops.graphddp.reduce_rows(lookups, group, 2, -1), lookups / 2)  # no base: zeros
+
+
 def test_a_row_is_touched_where_any_element_is_nonzero_or_nan() -> None:
     """``touched_rows_mask``: a row of only negative values, a NaN or an infinity is touched; a row of zeros,
     ``-0.0`` among them, is not (its max and its min are both 0)."""
