@@ -106,6 +106,7 @@ PART_CPU_FACTOR = 2.0
 """What a tied table's part, sent beside the backward, costs the compute, in multiples of the CPU per byte the
 calibration measures beside a matmul loop (the Note, "When rows pay")."""
 
+
 def rows_apply(*, enabled: bool, world_size: int, device: str, custom_comm_hook: bool) -> bool:
     """Is row-sparse reduction (and, compiled, splitting tied tables into parts) used at all?
 

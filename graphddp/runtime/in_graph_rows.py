@@ -8,7 +8,8 @@ an opaque op can run it: ``graphddp::reduce_rows(grad, group_name, divisor, stre
 gradient (the lookups' contribution, ``[rows, C]``), max-reduces the byte mask of the rows it touches, and
 all-reduces the touched rows only, packed, divided by ``divisor`` first as the in-graph buckets are; or the whole
 table, when the union is over ``ROW_SPARSE_MAX_DENSITY`` of the rows (``goes_as_rows``, the Reducer's rule). It
-returns the averaged table added to ``base`` (a tied table's parts' average; zero outside the rows without one). Both collectives are issued and waited inside the op, on the bucket's channel.
+returns the averaged table added to ``base`` (a tied table's parts' average; zero outside the rows without one).
+Both collectives are issued and waited inside the op, on the bucket's channel.
 
 * **Same order on every rank**: the op is a node of the compiled backward, which every rank compiled from the
   same graph, so it issues its two collectives at the same place among the functional all-reduces everywhere; a
