@@ -359,8 +359,8 @@ def _downstream(roots: Sequence[fx.Node]) -> set[fx.Node]:
 
 
 def sink_rows_nodes(graph: fx.Graph) -> int:
-    """Each table's rows node (``ROWS_OP``), with what is computed from it (the table's gradient: the parts' averages
-    added), as late as the graph allows: before the output, or before the first node after it that mutates or has
+    """Each table's rows node (``ROWS_OP``; a tied table's parts' average is its ``base`` input), with what is
+    computed from it (the table's gradient, stepped where an optimizer steps in backward), as late as the graph allows: before the output, or before the first node after it that mutates or has
     another side effect. It blocks until the buckets ahead of it on the link are done; where autograd traced it
     (right after a table's lookups: in the middle of backward, for a table used after the first layer) it would
     hold the rest of the backward's compute behind the link. Returns how many moved."""

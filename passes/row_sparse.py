@@ -37,8 +37,9 @@ about twice what the calibration measures beside a matmul loop (session 23: ~1.5
 faster in every matrix run that had both (sessions 21-34, by up to ~110 ms a step); at 2x it says dense there
 (-3 ms at 0.70 ns/B) and rows at 1 Gbit/s (+49 ms), where rows won in most runs. A part's link time is not
 charged where the link binds. Gloo's CPU per byte is measured at construction where a CPU group's ``"auto"``
-decides on a tied table (``tied_tables``) or automatic caps measured it already; 0 otherwise (an untied table,
-whose verdict it only moves towards rows, and GPUs).
+decides for a module with a tied table (``tied_tables``), or automatic caps measured it already; where measured,
+every table's verdict counts it (on an untied table it only moves the verdict towards rows). 0 where nothing
+measured it (a module without a tied table, fixed caps) and on GPUs.
 The tables go rows when ``saved`` is positive (eagerly each table for itself;
 compiled all the tables of a graph together). Compiled, rows no longer keep a graph on the split: in-graph, an
 opaque node reduces them (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); until

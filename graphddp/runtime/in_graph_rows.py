@@ -78,6 +78,7 @@ def reduce_rows(grad: torch.Tensor, group_name: str, divisor: int, streak: int, 
     """``grad`` (``[rows, ...]``) averaged over the group ``group_name``, sent as the rows some rank touched (see
     the Note), added to ``base`` (a tied table's parts, averaged already; zeros without one): a new contiguous
     tensor of ``grad``'s shape. ``streak``: the table's ``streak_key``, or -1 for none (always try rows)."""
+    _check_base(grad, base)
     group = _resolve_process_group(group_name)
     table = grad.reshape(grad.shape[0], -1).contiguous()  # [rows, C]; contiguous, as the fake op promises
     base = base.reshape(table.shape) if base is not None else None
@@ -112,8 +113,18 @@ def _dense(table: torch.Tensor, group: dist.ProcessGroup, divisor: int, base: to
     return dense if base is None else dense.add_(base)
 
 
+def _check_base(grad: torch.Tensor, base: torch.Tensor | None) -> None:
+    """The result has ``grad``'s shape and dtype (the fake op says so): a base must have them too."""
+    if base is not None:
+        torch._check(
+            base.shape == grad.shape and base.dtype == grad.dtype,
+            lambda: f"graphddp::reduce_rows: base {tuple(base.shape)} {base.dtype} must match grad {tuple(grad.shape)} {grad.dtype}",
+        )
+
+
 @reduce_rows.register_fake
 def _(grad: torch.Tensor, group_name: str, divisor: int, streak: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    _check_base(grad, base)
     return grad.new_empty(grad.shape)  # contiguous, as the op returns it
 
 

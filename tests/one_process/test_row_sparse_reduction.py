@@ -64,6 +64,8 @@ def test_the_in_graph_rows_op_adds_the_rows_into_the_parts_average() -> None:
     dense = torch.ones(8, 3)  # every row touched: sent dense, the base added all the same
     torch.testing.assert_close(torch.ops.graphddp.reduce_rows(dense, group, 2, -1, base), kept + 0.5)
     torch.testing.assert_close(torch.ops.graphddp.reduce_rows(lookups, group, 2, -1), lookups / 2)  # no base: zeros
+    with pytest.raises(RuntimeError, match="base .* must match grad"):
+        torch.ops.graphddp.reduce_rows(lookups, group, 2, -1, base.double())
 
 
 def test_a_row_is_touched_where_any_element_is_nonzero_or_nan() -> None:

@@ -28,31 +28,31 @@ AUTO = (("sparse_embedding_grads", "auto"),)
 
 
 @contextlib.contextmanager
-def measured_as(link: LinkModel | None) -> Iterator[None]:
-    """Replace the link measurement, and gloo's CPU per byte (charged to a tied table's part) with 0 (rank processes
-    are reused: restored after); None: measure both for real."""
+def measured_as(link: LinkModel | None, cpu: float = 0.0) -> Iterator[None]:
+    """Replace the link measurement, and gloo's CPU per byte (charged to a tied table's part) with ``cpu`` (rank
+    processes are reused: restored after); None: measure both for real."""
     if link is None:
         yield
         return
     rule = graphddp.runtime.rows_rule
     saved = rule.link_of, rule.cpu_cost_of_communication
     rule.link_of = lambda group, device=None: link
-    rule.cpu_cost_of_communication = lambda group, link=None: 0.0
+    rule.cpu_cost_of_communication = lambda group, link=None: cpu
     try:
         yield
     finally:
         rule.link_of, rule.cpu_cost_of_communication = saved
 
 
-def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None) -> dict:
+def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None, cpu: float = 0.0) -> dict:
     case = Case(model="gpt", steps=3, graphddp=AUTO, compile=compile, record_events=False)
-    with measured_as(link):
+    with measured_as(link, cpu):
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
     group = run.ddp.process_group
     measured = graphddp.runtime.calibration.link_of(group) if link is None else link  # cached at construction
     # The tied table's part is charged gloo's CPU, measured at construction (cached too) for the tied wte.
-    cpu = graphddp.runtime.calibration.cpu_cost_of_communication(group) if link is None else 0.0
+    cpu = graphddp.runtime.calibration.cpu_cost_of_communication(group) if link is None else cpu
     module = run.ddp.module
     # The tables the DDP decides on: eagerly each untied nn.Embedding for itself (the tied wte never goes rows
     # there, the 2 KiB position table may); compiled, the graph's tables together (wte: wpe is looked up with
@@ -91,7 +91,17 @@ def train_torch(rank: int, world: int) -> dict:
     pytest.param(3, "torch.compile", None, None, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_every_rank_decides_alike_and_trains_as_pytorchs_ddp(world: int, compile: str | None, link: LinkModel | None, rows: bool | None) -> None:
-    ours = run_on_ranks(train_auto, world, compile, link)
+    check_decisions(world, compile, link, rows)
+
+
+def test_gloos_cpu_measured_for_the_tied_table_turns_its_verdict() -> None:
+    # At 1 Gbit/s the tied 64 KiB table saves ~0.16 ms as rows; 5 ns/B of gloo CPU, charged twice to its part
+    # (PART_CPU_FACTOR), costs ~0.66 ms: the measurement must reach the compiled graph's verdict.
+    check_decisions(2, "torch.compile", MIDDLE, False, cpu=5e-9)
+
+
+def check_decisions(world: int, compile: str | None, link: LinkModel | None, rows: bool | None, cpu: float = 0.0) -> None:
+    ours = run_on_ranks(train_auto, world, compile, link, cpu)
     theirs = run_on_ranks(train_torch, world)
     assert len({r["fingerprint"] for r in ours}) == 1, ours
     assert len({r["pays"] for r in ours}) == 1, "ranks measured different links"
