@@ -19,10 +19,21 @@ So ``torch.compile(model)`` (Inductor), ``backend="aot_eager"``, a callable back
 any ``mode=``/``options=``, all split at graphddp's buckets, and a backend that is already graphddp's is used as it
 is. ``optimize_ddp=False`` turns the split off, as it does for PyTorch's DDP. A torch without these hooks gets one
 warning naming ``graphddp.compile``.
+
+**One recompile region per DDP.** Dynamo caches compiled frames by code object, and a second module of the same
+class passes the first one's guards (its parameters are graph inputs), under the same user backend: without more,
+a second graphddp.DDP would run the graphs compiled for the first, whose plan, in-graph variant and gradient taps
+belong to the first DDP (it fell back to the split and its hooks). Dynamo splits its cache into regions
+(``torch.compile(..., isolate_recompiles=True)``: a thread-local region id, each lookup in the current region and
+then, read-only, in the default one), so ``activate`` puts each graphddp.DDP's forward in a region of its own and
+``deactivate`` restores the one before: the frames its forward runs are compiled for it. Where the wrapped module
+is compiled itself (``DDP(torch.compile(model))``), that module's own wrapper sets its region inside the DDP's,
+as it always does; a torch without regions keeps the old sharing (``torch._dynamo.reset()`` between the two).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -39,6 +50,13 @@ _installed: bool | None = None
 _split_backends: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _graphddp_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Every module ``activate`` made the active DDP: graphddp's DDPs (this layer never imports the DDP class)."""
+
+try:  # Dynamo's recompile regions (the Note, "One recompile region per DDP"); a torch without them shares one cache
+    from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id as _set_region
+except ImportError:
+    _set_region = None
+_regions: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_region_ids = itertools.count(1 << 40)  # far from the ids torch.compile(isolate_recompiles=True) draws, from 0
 
 
 def user_backend(compile_fn: Any) -> Any:
@@ -121,12 +139,24 @@ class _GraphDDPSplit:
 # Called from graphddp.DDP.forward, whose callees Dynamo traces: kept out of the graph.
 @torch.compiler.disable
 def activate(ddp: nn.Module) -> Any:
-    """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]); returns the one
-    before it, for ``deactivate`` (nested DDPs: the innermost is active)."""
+    """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]) and its recompile
+    region the current one; returns what was before, for ``deactivate`` (nested DDPs: the innermost is active)."""
     _graphddp_modules.add(ddp)
-    return set_active_ddp_module(ddp)
+    region = _set_region(region_of(ddp)) if _set_region is not None else None
+    return set_active_ddp_module(ddp), region
 
 
 @torch.compiler.disable
 def deactivate(previous: Any) -> None:
-    set_active_ddp_module(previous)
+    module, region = previous
+    set_active_ddp_module(module)
+    if region is not None:
+        _set_region(region)
+
+
+def region_of(ddp: nn.Module) -> int:
+    """``ddp``'s recompile region (the Note, "One recompile region per DDP"): drawn once, kept while it lives."""
+    region = _regions.get(ddp)
+    if region is None:
+        region = _regions[ddp] = next(_region_ids)
+    return region
