@@ -29,6 +29,9 @@ then, read-only, in the default one), so ``activate`` puts each graphddp.DDP's f
 ``deactivate`` restores the one before: the frames its forward runs are compiled for it. Where the wrapped module
 is compiled itself (``DDP(torch.compile(model))``), that module's own wrapper sets its region inside the DDP's,
 as it always does; a torch without regions keeps the old sharing (``torch._dynamo.reset()`` between the two).
+The price: a DDP's compiled frames stay cached after it is freed, and Dynamo compiles one code object at most
+``accumulated_recompile_limit`` times (256) over all regions, then runs it eagerly: a process that builds that many
+compiled DDPs of one class calls ``torch._dynamo.reset()`` between them (the bench and the tests do).
 """
 
 from __future__ import annotations
