@@ -27,8 +27,10 @@ belong to the first DDP (it fell back to the split and its hooks). Dynamo splits
 (``torch.compile(..., isolate_recompiles=True)``: a thread-local region id, each lookup in the current region and
 then, read-only, in the default one), so ``activate`` puts each graphddp.DDP's forward in a region of its own and
 ``deactivate`` restores the one before: the frames its forward runs are compiled for it. Where the wrapped module
-is compiled itself (``DDP(torch.compile(model))``), that module's own wrapper sets its region inside the DDP's,
-as it always does; a torch without regions keeps the old sharing (``torch._dynamo.reset()`` between the two).
+is compiled itself (``DDP(torch.compile(model))``, ``model.compile()``, a compiled submodule), its own wrapper sets
+its region inside the DDP's as it runs: a wrapper in Dynamo's default region is moved into the DDP's when the
+region is drawn (its first forward), one compiled with ``isolate_recompiles=True`` keeps its own. A torch without
+regions keeps the old sharing (``torch._dynamo.reset()`` between the two).
 The price: a DDP's compiled frames stay cached after it is freed, and Dynamo compiles one code object at most
 ``accumulated_recompile_limit`` times (256) over all regions, then runs it eagerly: a process that builds that many
 compiled DDPs of one class calls ``torch._dynamo.reset()`` between them (the bench and the tests do).
@@ -145,7 +147,7 @@ def activate(ddp: nn.Module) -> Any:
     """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]) and its recompile
     region the current one; returns what was before, for ``deactivate`` (nested DDPs: the innermost is active)."""
     _graphddp_modules.add(ddp)
-    region = _set_region(region_of(ddp)) if _set_region is not None else None
+    region = _set_region(_region_of(ddp)) if _set_region is not None else None
     return set_active_ddp_module(ddp), region
 
 
@@ -157,9 +159,47 @@ def deactivate(previous: Any) -> None:
         _set_region(region)
 
 
-def region_of(ddp: nn.Module) -> int:
-    """``ddp``'s recompile region (the Note, "One recompile region per DDP"): drawn once, kept while it lives."""
+def _region_of(ddp: nn.Module) -> int:
+    """``ddp``'s recompile region (the Note, "One recompile region per DDP"): drawn once, kept while it lives; the
+    compiled modules inside it that share Dynamo's default region are moved into it when it is drawn."""
     region = _regions.get(ddp)
     if region is None:
         region = _regions[ddp] = next(_region_ids)
+        wrapped = getattr(ddp, "module", None)
+        if isinstance(wrapped, nn.Module):
+            _claim_compiled_modules(wrapped, region)
     return region
+
+
+def _claim_compiled_modules(module: nn.Module, region: int) -> None:
+    """Move the compile wrappers in ``module`` (itself or any submodule: ``torch.compile(model)``,
+    ``model.compile()``) that run their frames in Dynamo's default region into ``region``. Each wrapper sets its
+    own region as it runs, inside the DDP's, so without this two DDPs over compiled modules of one class would
+    share one cache again. One compiled with ``isolate_recompiles=True`` keeps its own region."""
+    for m in module.modules():
+        for context in _dynamo_contexts(m):
+            if getattr(context, "_isolate_recompiles_id", None) == _DEFAULT_REGION:
+                context._isolate_recompiles_id = region  # read by the wrapper at each call
+
+
+_DEFAULT_REGION = -1
+"""The region id of a ``torch.compile`` without ``isolate_recompiles``."""
+
+
+def _dynamo_contexts(module: nn.Module) -> list[Any]:
+    """The Dynamo contexts that compile ``module``'s calls: an ``OptimizedModule``'s (``torch.compile(model)``), or
+    the one ``model.compile()`` closed its wrapper over; none on a torch that has neither."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
+    except ImportError:
+        return []
+    found = [module.dynamo_ctx] if isinstance(module, OptimizedModule) else []
+    wrapper = getattr(module, "_compiled_call_impl", None)
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(content, _TorchDynamoContext):
+            found.append(content)
+    return found

@@ -389,3 +389,21 @@ def test_a_second_ddp_of_the_same_class_never_runs_the_first_ones_in_graph_varia
     assert first.reducer.compile_target.gate.in_graph_forwards == runs
     for ours, reference in zip(second.module.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, reference.grad)
+
+
+def test_a_wrapped_compiled_module_moves_into_the_ddps_recompile_region_unless_isolated_by_its_user() -> None:
+    """Note [Split without asking], "One recompile region per DDP": the compile wrapper of a module wrapped by the
+    DDP (``DDP(torch.compile(model))``, or a compiled submodule) sets its region as it runs, inside the DDP's; one
+    in Dynamo's default region is moved into the DDP's, one the user isolated keeps its own."""
+
+    shared = TwoLayers()
+    shared.a = torch.compile(shared.a, backend="aot_eager")  # a compiled submodule, default region
+    isolated = torch.compile(TwoLayers(), backend="aot_eager", isolate_recompiles=True)
+    own = isolated.dynamo_ctx._isolate_recompiles_id
+    ddps = [graphddp.DDP(torch.compile(TwoLayers(), backend="aot_eager")), graphddp.DDP(shared), graphddp.DDP(isolated)]
+    x = torch.randn(4, 8)
+    for ddp in ddps:
+        ddp(x).backward()
+    regions = [ddps[0].module.dynamo_ctx._isolate_recompiles_id, shared.a.dynamo_ctx._isolate_recompiles_id]
+    assert -1 not in regions and len(set(regions)) == 2, regions  # each moved, into its own DDP's region
+    assert isolated.dynamo_ctx._isolate_recompiles_id == own
