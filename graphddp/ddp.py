@@ -153,7 +153,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._precision.cast_buffers(self.module, self.parameters_to_ignore)
         self._auto_caps = self._calibrate_auto_caps()
         device = collective_device(self.process_group, self.device)
-        self._rows = RowsRule.measure(rows, self.module, self.process_group, device, applies=reduces_rows, auto_caps=self._auto_caps)
+        self._rows = RowsRule.measure(
+            rows, self.module, self.process_group, device, applies=reduces_rows, auto_caps=self._auto_caps, ignored=self.parameters_to_ignore
+        )
         shapes = {n: (p.shape, self._precision.reduce_dtype_of(p)) for n, p in named if n in row_sparse}
         row_sparse = self._rows.eager_tables(shapes)  # spec() reads it from here on: the tables that pay as rows
         plan = plan_buckets([spec(n, p) for n, p in reversed(named)], caps=self.options.caps, source="registration")

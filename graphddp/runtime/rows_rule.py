@@ -42,12 +42,13 @@ class RowsRule:
     @classmethod
     def measure(
         cls, enabled: bool | str, module: nn.Module, group: dist.ProcessGroup, device: torch.device, *, applies: bool,
-        auto_caps: AutoCaps | None,
+        auto_caps: AutoCaps | None, ignored: frozenset[str] = frozenset(),
     ) -> RowsRule:
         """The rule for ``module``'s DDP. Collective where ``"auto"`` must measure the link (rows ``applies`` and the
-        module has a table): every rank decides that from the same options and module structure."""
+        module has a table the DDP reduces: not among the ``ignored`` parameters): every rank decides that from the
+        same options and module structure."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if isinstance(enabled, bool) or not applies or not _has_embedding(module):  # True, False: nothing to measure
+        if isinstance(enabled, bool) or not applies or not _has_embedding(module, ignored):  # nothing to measure
             return cls(enabled=enabled, world=world, rank=rank)
         if auto_caps is not None:  # measured already, gloo's CPU per byte too
             link, cpu = auto_caps.link, auto_caps.cpu_seconds_per_byte
@@ -55,7 +56,7 @@ class RowsRule:
             link = link_of(group, device=device)
             # A tied table's parts are charged gloo's CPU (the Note, "When rows pay"): measured for them only
             # (about 0.5 s), from the module's structure, which every rank shares.
-            charged = device.type == "cpu" and bool(tied_tables(module))
+            charged = device.type == "cpu" and bool(tied_tables(module) - ignored)
             cpu = cpu_cost_of_communication(group, link=link) if charged else 0.0
         return cls(enabled=enabled, link=link, cpu_seconds_per_byte=cpu, world=world, rank=rank)
 
@@ -103,6 +104,11 @@ def _shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
     return int(shape[0]), int(shape[1]) * dtype.itemsize
 
 
-def _has_embedding(module: nn.Module) -> bool:
-    """A dense ``nn.Embedding`` that trains, tied or not: a table some plan may reduce as rows."""
-    return any(isinstance(m, nn.Embedding) and not m.sparse and m.weight.requires_grad for m in module.modules())
+def _has_embedding(module: nn.Module, ignored: frozenset[str]) -> bool:
+    """A dense ``nn.Embedding`` that trains, tied or not, and that the DDP reduces (its weight not ``ignored``): a
+    table some plan may reduce as rows."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return any(
+        isinstance(m, nn.Embedding) and not m.sparse and m.weight.requires_grad and names.get(id(m.weight)) not in ignored
+        for m in module.modules()
+    )
