@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--size", default="small", help="size of a built-in workload: tiny, small or bench")
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
     inspect.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="also predict the step on this link, e.g. 2gbit or 10gbit:20us (Note [Step cost model]); compute is estimated from the graph at this machine's rates")
+    inspect.add_argument("--comm-cpu", type=float, default=0.0, metavar="MS_PER_MB", help="compute each MB sent costs a rank, as a CPU run logs it ('communication costs X ms of compute per MB'): charged on --link to a tied table's part, automatic caps and the predictions (default 0: not charged)")
     inspect.add_argument("--reduction", choices=REDUCTIONS, default="auto", help="how a compiled run reduces each graph: in-graph where it can (auto), split, in_graph (Note [In-graph reduction])")
     inspect.add_argument("--format", choices=("table", "json"), default="table")
     inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")
@@ -140,6 +141,7 @@ def _inspect(args: argparse.Namespace) -> int:
             dump=args.dump,
             link=args.link,
             reduction=args.reduction,
+            comm_cpu_ms_per_mb=args.comm_cpu,
         )
     except (InspectError, ValueError, TypeError) as e:
         if args.verbose:

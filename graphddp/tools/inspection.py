@@ -92,15 +92,20 @@ def parse_link(text: str) -> LinkModel:
     return LinkModel.of_rate(rate, latency_s=latency)
 
 
-def graph_step_inputs(gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates, *, channels: int = 1) -> StepInputs:
+def graph_step_inputs(
+    gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates, *, channels: int = 1, cpu_seconds_per_byte: float = 0.0
+) -> StepInputs:
     """The step cost model's inputs for one graph: compute estimated from the graph at this machine's rates
-    (Note [Step cost model]); the optimizer is not in them."""
+    (Note [Step cost model]), each byte sent costing the compute ``cpu_seconds_per_byte``; the optimizer is not
+    in them."""
     node_seconds = forward_seconds(gm, rates)
-    inputs = estimated_step_inputs(split, node_seconds)
+    inputs = estimated_step_inputs(split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
     return dataclasses.replace(inputs, forward_s=sum(node_seconds.values()), channels=channels)
 
 
-def in_graph_step_inputs(gm: fx.GraphModule, prepared: PreparedGraph, rates: ComputeRates) -> tuple[StepInputs, PiecesLayout]:
+def in_graph_step_inputs(
+    gm: fx.GraphModule, prepared: PreparedGraph, rates: ComputeRates, *, cpu_seconds_per_byte: float = 0.0
+) -> tuple[StepInputs, PiecesLayout]:
     """``graph_step_inputs`` for a graph reduced in-graph: its big gradients sent in blocks as their matmuls
     compute them (``graphddp.passes.step_inputs_in_pieces``, Note [Gradient pieces]). A weight gradient's matmul
     costs what the forward's matmul with the weight costs (the same flops); copying its first block in
@@ -114,7 +119,7 @@ def in_graph_step_inputs(gm: fx.GraphModule, prepared: PreparedGraph, rates: Com
             big = bucket.params[bucket.pieces[0]]  # a tied table's part: its own matmul, not the lookup
             nodes = [big.part] if big.part else [u.node for u in uses[big.name] if u.differentiable]
             matmuls[big.key] = sum(node_seconds.get(n, 0.0) for n in nodes)
-    inputs = graph_step_inputs(gm, prepared.split, rates)
+    inputs = graph_step_inputs(gm, prepared.split, rates, cpu_seconds_per_byte=cpu_seconds_per_byte)
     return step_inputs_in_pieces(inputs, prepared.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
 
 
@@ -209,7 +214,12 @@ def inspect_target(
     link: str | None = None,
     reduction: str = "auto",
     channels: int | str = 1,
+    comm_cpu_ms_per_mb: float = 0.0,
 ) -> Inspection:
+    """The plan and split of ``target`` as a run with these options makes them (the CLI's flags, by name).
+    ``comm_cpu_ms_per_mb``: the compute each MB sent costs a rank, as a CPU run measures and logs it ("communication
+    costs X ms of compute per MB"); charged, on ``link``, to a tied table's part (the rows verdict), to automatic
+    caps and to the predictions. 0: not charged (without ranks nothing measures it)."""
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps, bucket_cap_mb_list=bucket_cap_mb_list, sparse_embedding_grads=sparse_embedding_grads,
@@ -221,6 +231,7 @@ def inspect_target(
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     link_model = parse_link(link) if link is not None else None
+    cpu = _comm_cpu_seconds_per_byte(comm_cpu_ms_per_mb, link_model)
     # As graphddp.DDP decides: one rank communicates nothing, so its automatic caps keep the stand-ins.
     search = options.caps_search if world_size > 1 else None
     fixed_channels = options.channels if isinstance(options.channels, int) else None  # None: "auto", per graph
@@ -245,14 +256,14 @@ def inspect_target(
     rows_on = rows_apply(enabled=sparse_embedding_grads is not False, world_size=world_size, device="cpu", custom_comm_hook=False)
     rates = measure_compute_rates() if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
-    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size)
+    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size, cpu_seconds_per_byte=cpu if measured else 0.0)
 
     def row_sparse(params: list[GraphParam]) -> bool:
         return rows_on and rows.for_graph(params)
 
     auto = None  # with "auto": each graph's caps chosen for it, as in a compiled run
     if search is not None and link_model is not None and rates is not None:
-        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size)
+        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size, cpu_seconds_per_byte=cpu)
     graph_caps = auto.for_graph if auto is not None else caps
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
@@ -265,9 +276,9 @@ def inspect_target(
         if link_model is not None and rates is not None:
             layout = None
             if strategy.strategy == "in_graph" and world_size > 1 and any(b.pieces for b in prepared.plan.buckets):
-                inputs, layout = in_graph_step_inputs(captured.gm, prepared, rates)
+                inputs, layout = in_graph_step_inputs(captured.gm, prepared, rates, cpu_seconds_per_byte=cpu)
             else:
-                inputs = graph_step_inputs(captured.gm, prepared.split, rates)
+                inputs = graph_step_inputs(captured.gm, prepared.split, rates, cpu_seconds_per_byte=cpu)
             channels_choice = choose_channels(inputs, link_model, world_size)
             on = dataclasses.replace(inputs, channels=fixed_channels or channels_choice[0])
             prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments, layout)
@@ -288,25 +299,41 @@ def inspect_target(
 class GraphCapsChooser:
     """``"auto"`` caps for each captured graph, chosen as ``graphddp.runtime.auto_caps.AutoCaps.for_graph`` chooses
     them in a compiled run (Note [Automatic caps]), with the link and world size given instead of calibrated on a
-    process group. Communication's cost in CPU compute is not measured without ranks: it counts as nothing."""
+    process group. Communication's cost in CPU compute is not measured without ranks: the one given
+    (``--comm-cpu``), or nothing."""
 
-    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int) -> None:
+    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, cpu_seconds_per_byte: float = 0.0) -> None:
         self.search = search
         self.link = link
         self.rates = rates
         self.world = world
+        self.cpu_seconds_per_byte = cpu_seconds_per_byte
         self._choices: dict[int, CapsChoice] = {}  # id of the graph -> its choice
 
     def for_graph(self, gm: fx.GraphModule, params: list[GraphParam], row_sparse: bool) -> BucketCaps:
         """``prepare_graph``'s ``caps``: the choice for ``gm`` (its tables as rows or not), remembered for the report."""
         choice = choose_graph_caps(
-            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=row_sparse
-        )
+            gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=row_sparse,
+            cpu_seconds_per_byte=self.cpu_seconds_per_byte,
+        )  # fmt: skip
         self._choices[id(gm)] = choice
         return choice.caps
 
     def choice_for(self, gm: fx.GraphModule) -> CapsChoice | None:
         return self._choices.get(id(gm))
+
+
+def _comm_cpu_seconds_per_byte(ms_per_mb: float, link: LinkModel | None) -> float:
+    """``--comm-cpu`` checked: ms of compute per MB sent, as seconds per byte (the same number, 1e-9 apart)."""
+    if isinstance(ms_per_mb, bool) or not isinstance(ms_per_mb, (int, float)):
+        raise TypeError(f"--comm-cpu must be a number of ms per MB, got {type(ms_per_mb).__name__} {ms_per_mb!r}")
+    if not 0 <= ms_per_mb < float("inf"):
+        raise ValueError(f"--comm-cpu must be a finite number of ms per MB >= 0, got {ms_per_mb}")
+    if ms_per_mb and link is None:
+        raise InspectError(
+            "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"
+        )
+    return ms_per_mb * 1e-9  # 1 ms per MB (1e6 B) is 1 ns per byte
 
 
 def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module, tuple]:

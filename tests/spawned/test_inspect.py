@@ -297,3 +297,40 @@ def test_inspect_says_how_each_graph_reduces(capsys) -> None:
     with pytest.raises(SystemExit):  # argparse's choices name the three
         main(["inspect", "mlp", "--size", "tiny", "--reduction", "ingraph"])
     assert "invalid choice: 'ingraph'" in capsys.readouterr().err
+
+
+def test_the_cpu_communication_costs_is_charged_as_a_run_charges_it(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--comm-cpu``: the compute each MB sent costs, as a CPU run measures and logs it. On the link given, it is
+    charged to the tied table's part as the run's ``RowsRule`` charges it (its verdict turns at 100 Mbit/s for the
+    tiny GPT's 64 x 32 table), and to the predicted step."""
+    from graphddp.tools.inspection import inspect_target
+
+    monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)
+    table = build_workload("gpt", size="tiny", seed=0).model.wte.weight
+    for ms_per_mb in (0.0, 50.0):
+        run = RowsRule(enabled="auto", link=parse_link("100mbit"), world=2, cpu_seconds_per_byte=ms_per_mb * 1e-9)
+        rows = run.verdict([(table.shape[0], table.shape[1] * table.element_size())], parts=[1]).rows
+        inspection = inspect_target("gpt", size="tiny", world_size=2, link="100mbit", comm_cpu_ms_per_mb=ms_per_mb)
+        assert bool(inspection.plan.parts) == rows == (ms_per_mb == 0.0), (ms_per_mb, rows)
+    dense = {  # the same plan both ways (several buckets, a fast link: what a bucket sent beside compute costs it binds)
+        ms: inspect_target(
+            "gpt", size="tiny", world_size=2, link="100gbit", sparse_embedding_grads=False, comm_cpu_ms_per_mb=ms,
+            bucket_cap_mb=0.004, first_bucket_cap_mb=0.002, last_bucket_cap_mb=0.002,
+        )
+        for ms in (0.0, 50.0)
+    }
+    assert len(dense[0.0].plan.buckets) > 1
+    assert dense[0.0].plan.fingerprint == dense[50.0].plan.fingerprint
+    assert dense[50.0].graphs[0].prediction.step_s > dense[0.0].graphs[0].prediction.step_s
+    charged = inspect_target("gpt", size="tiny", world_size=2, link="100mbit", comm_cpu_ms_per_mb=50.0).plan.fingerprint
+    assert inspect_json(capsys, "gpt", "--size", "tiny", "--link", "100mbit", "--comm-cpu", "50")["fingerprint"] == charged
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--comm-cpu", "1"), "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
+    (("--comm-cpu", "-1", "--link", "1gbit"), "--comm-cpu must be a finite number of ms per MB >= 0, got -1.0"),
+    (("--comm-cpu", "inf", "--link", "1gbit"), "--comm-cpu must be a finite number of ms per MB >= 0, got inf"),
+])  # fmt: skip
+def test_a_bad_comm_cpu_is_one_line_and_exit_2(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "mlp", "--size", "tiny", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"graphddp inspect: {message}"
