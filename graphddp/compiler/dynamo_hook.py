@@ -28,8 +28,10 @@ belong to the first DDP (it fell back to the split and its hooks). Dynamo splits
 then, read-only, in the default one), so ``activate`` puts each graphddp.DDP's forward in a region of its own and
 ``deactivate`` restores the one before: the frames its forward runs are compiled for it. Where the wrapped module
 is compiled itself (``DDP(torch.compile(model))``, ``model.compile()``, a compiled submodule), its own wrapper sets
-its region inside the DDP's as it runs: a wrapper in Dynamo's default region is moved into the DDP's when the
-region is drawn (its first forward), one compiled with ``isolate_recompiles=True`` keeps its own. A torch without
+its region inside the DDP's as it runs: so each forward lends the DDP the wrappers found in its module at its first
+forward (those in Dynamo's default region; one compiled with ``isolate_recompiles=True`` keeps its own), and gives
+them back after it. A compiled module wrapped by a second DDP, or shared by two, runs each DDP's own graphs, and
+called bare, graphs of its own; a module compiled after the DDP's first forward is not lent. A torch without
 regions keeps the old sharing (``torch._dynamo.reset()`` between the two).
 The price: a DDP's compiled frames stay cached after it is freed, and Dynamo compiles one code object at most
 ``accumulated_recompile_limit`` times (256) over all regions, then runs it eagerly: a process that builds that many
@@ -60,8 +62,9 @@ try:  # Dynamo's recompile regions (the Note, "One recompile region per DDP"); a
     from torch._C._dynamo.eval_frame import set_eval_frame_isolate_recompiles_id as _set_region
 except ImportError:
     _set_region = None
-_regions: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-_region_ids = itertools.count(1 << 40)  # far from the ids torch.compile(isolate_recompiles=True) draws, from 0
+_regions: weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple[weakref.ref, ...]]] = weakref.WeakKeyDictionary()
+_FIRST_REGION = 1 << 40  # far from the ids torch.compile(isolate_recompiles=True) draws, from 0
+_region_ids = itertools.count(_FIRST_REGION)
 
 
 def user_backend(compile_fn: Any) -> Any:
@@ -145,41 +148,55 @@ class _GraphDDPSplit:
 @torch.compiler.disable
 def activate(ddp: nn.Module) -> Any:
     """Make ``ddp`` the active DDP module for Dynamo (step 1 of Note [Split without asking]) and its recompile
-    region the current one; returns what was before, for ``deactivate`` (nested DDPs: the innermost is active)."""
+    region the current one, lending it the compile wrappers inside its module; returns what was before, for
+    ``deactivate`` (nested DDPs: the innermost is active)."""
     _graphddp_modules.add(ddp)
-    region = _set_region(_region_of(ddp)) if _set_region is not None else None
-    return set_active_ddp_module(ddp), region
+    if _set_region is None:
+        return set_active_ddp_module(ddp), None, ()
+    region, held = _region_of(ddp)
+    contexts = [context for context in (ref() for ref in held) if context is not None]
+    lent = tuple((context, context._isolate_recompiles_id) for context in contexts)
+    for context in contexts:
+        context._isolate_recompiles_id = region  # read by the wrapper at each call
+    return set_active_ddp_module(ddp), _set_region(region), lent
 
 
 @torch.compiler.disable
 def deactivate(previous: Any) -> None:
-    module, region = previous
+    module, region, lent = previous
     set_active_ddp_module(module)
+    for context, before in reversed(lent):
+        context._isolate_recompiles_id = before
     if region is not None:
         _set_region(region)
 
 
-def _region_of(ddp: nn.Module) -> int:
-    """``ddp``'s recompile region (the Note, "One recompile region per DDP"): drawn once, kept while it lives; the
-    compiled modules inside it that share Dynamo's default region are moved into it when it is drawn."""
-    region = _regions.get(ddp)
-    if region is None:
-        region = _regions[ddp] = next(_region_ids)
+def _region_of(ddp: nn.Module) -> tuple[int, tuple[weakref.ref, ...]]:
+    """``ddp``'s recompile region (the Note, "One recompile region per DDP") and the compile wrappers inside its
+    module that its forwards lend it: both found once, kept while it lives."""
+    found = _regions.get(ddp)
+    if found is None:
         wrapped = getattr(ddp, "module", None)
-        if isinstance(wrapped, nn.Module):
-            _claim_compiled_modules(wrapped, region)
-    return region
+        found = _regions[ddp] = (next(_region_ids), _lendable_contexts(wrapped) if isinstance(wrapped, nn.Module) else ())
+    return found
 
 
-def _claim_compiled_modules(module: nn.Module, region: int) -> None:
-    """Move the compile wrappers in ``module`` (itself or any submodule: ``torch.compile(model)``,
-    ``model.compile()``) that run their frames in Dynamo's default region into ``region``. Each wrapper sets its
-    own region as it runs, inside the DDP's, so without this two DDPs over compiled modules of one class would
-    share one cache again. One compiled with ``isolate_recompiles=True`` keeps its own region."""
+def _lendable_contexts(module: nn.Module) -> tuple[weakref.ref, ...]:
+    """The compile wrappers in ``module`` (itself or any submodule: ``torch.compile(model)``, ``model.compile()``)
+    that run their frames in Dynamo's default region, or in a graphddp.DDP's that holds them now (an outer DDP's
+    forward). Each wrapper sets its own region as it runs, inside the DDP's, so without the loan two DDPs over
+    compiled modules of one class would share one cache again. One compiled with ``isolate_recompiles=True`` keeps
+    its own region."""
+    contexts: dict[int, Any] = {}
     for m in module.modules():
         for context in _dynamo_contexts(m):
-            if getattr(context, "_isolate_recompiles_id", None) == _DEFAULT_REGION:
-                context._isolate_recompiles_id = region  # read by the wrapper at each call
+            if getattr(context, "_isolate_recompiles_id", None) == _DEFAULT_REGION or _is_ddp_region(context):
+                contexts[id(context)] = context
+    return tuple(weakref.ref(context) for context in contexts.values())  # held weakly: they live with the module
+
+
+def _is_ddp_region(context: Any) -> bool:
+    return getattr(context, "_isolate_recompiles_id", -1) >= _FIRST_REGION
 
 
 _DEFAULT_REGION = -1

@@ -391,19 +391,48 @@ def test_a_second_ddp_of_the_same_class_never_runs_the_first_ones_in_graph_varia
         torch.testing.assert_close(ours.grad, reference.grad)
 
 
-def test_a_wrapped_compiled_module_moves_into_the_ddps_recompile_region_unless_isolated_by_its_user() -> None:
+def test_a_wrapped_compiled_module_runs_in_the_ddps_recompile_region_unless_isolated_by_its_user() -> None:
     """Note [Split without asking], "One recompile region per DDP": the compile wrapper of a module wrapped by the
     DDP (``DDP(torch.compile(model))``, or a compiled submodule) sets its region as it runs, inside the DDP's; one
-    in Dynamo's default region is moved into the DDP's, one the user isolated keeps its own."""
+    in Dynamo's default region is lent the DDP's for its forward and given back after, one the user isolated keeps
+    its own."""
 
-    shared = TwoLayers()
+    seen: dict[str, int] = {}
+
+    def region_seen(name: str, module: torch.nn.Module) -> None:  # the region the wrapper sets while it runs
+        module.register_forward_pre_hook(lambda m, args: seen.__setitem__(name, torch._C._dynamo.eval_frame.get_eval_frame_isolate_recompiles_id()))
+
+    whole, shared, isolated = TwoLayers(), TwoLayers(), TwoLayers()
+    region_seen("whole", whole)
+    region_seen("submodule", shared.a)
+    region_seen("isolated", isolated)
     shared.a = torch.compile(shared.a, backend="aot_eager")  # a compiled submodule, default region
-    isolated = torch.compile(TwoLayers(), backend="aot_eager", isolate_recompiles=True)
+    isolated = torch.compile(isolated, backend="aot_eager", isolate_recompiles=True)
     own = isolated.dynamo_ctx._isolate_recompiles_id
-    ddps = [graphddp.DDP(torch.compile(TwoLayers(), backend="aot_eager")), graphddp.DDP(shared), graphddp.DDP(isolated)]
+    ddps = [graphddp.DDP(torch.compile(whole, backend="aot_eager")), graphddp.DDP(shared), graphddp.DDP(isolated)]
     x = torch.randn(4, 8)
     for ddp in ddps:
         ddp(x).backward()
-    regions = [ddps[0].module.dynamo_ctx._isolate_recompiles_id, shared.a.dynamo_ctx._isolate_recompiles_id]
-    assert -1 not in regions and len(set(regions)) == 2, regions  # each moved, into its own DDP's region
-    assert isolated.dynamo_ctx._isolate_recompiles_id == own
+    assert seen["whole"] != seen["submodule"] and -1 not in (seen["whole"], seen["submodule"]), seen  # one per DDP
+    assert seen["isolated"] == own
+    assert ddps[0].module.dynamo_ctx._isolate_recompiles_id == shared.a.dynamo_ctx._isolate_recompiles_id == -1  # given back
+
+
+def test_a_compiled_module_wrapped_by_a_second_ddp_runs_that_ddps_graphs() -> None:
+    """The same compiled module wrapped again, without ``torch._dynamo.reset()``: the second DDP's forward compiles
+    graphs of its own (its gate counts its in-graph forwards), and the first DDP's still run the first one's."""
+
+    compiled = torch.compile(TwoLayers(), backend=graphddp.backend("aot_eager"))
+    first = graphddp.DDP(compiled)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        first(x).backward()
+    runs = first.reducer.compile_target.gate.in_graph_forwards
+    assert runs > 0
+    second = graphddp.DDP(compiled)
+    for _ in range(3):
+        second(x).backward()
+    assert second.reducer.compile_target.gate.in_graph_forwards > 0
+    assert first.reducer.compile_target.gate.in_graph_forwards == runs
+    first(x).backward()
+    assert first.reducer.compile_target.gate.in_graph_forwards == runs + 1
