@@ -28,6 +28,7 @@ from .cost import (
     predict_step,
     project_scaling,
     rate_bits_per_second,
+    ring_bytes_sent,
 )
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
@@ -130,6 +131,7 @@ __all__ = [
     "PiecesLayout",
     "step_inputs_in_pieces",
     "predict_step",
+    "ring_bytes_sent",
     "project_scaling",
     "rate_bits_per_second",
     "ready_groups",

@@ -221,15 +221,20 @@ class Prediction:
     """The nodes whose durations add up to the step time: which of compute and link binds where."""
 
 
+def ring_bytes_sent(nbytes: float, world: int) -> float:
+    """Bytes each of ``world`` ranks sends in a ring all-reduce of ``nbytes``: ``2 (w - 1) / w · n`` (0 alone).
+    What gloo's CPU per byte is measured against and charged on (``StepInputs.cpu_seconds_per_byte``)."""
+    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
 def predict_step(inputs: StepInputs, link: LinkModel, world: int) -> Prediction:
     """The step's DAG (Note [Step cost model]) and its longest path."""
     import networkx as nx
 
     graph = nx.DiGraph()
     segments, steps = list(inputs.segment_backward_s), _tail_work(inputs)
-    on_wire = 2 * (world - 1) / world if world > 1 else 0.0  # bytes each rank sends per bucket byte
     for k, segment in enumerate(inputs.completed_by):  # the CPU cost of sending bucket k: on what computes meanwhile
-        cpu = inputs.cpu_seconds_per_byte * on_wire * inputs.bucket_bytes[k]
+        cpu = inputs.cpu_seconds_per_byte * ring_bytes_sent(inputs.bucket_bytes[k], world)
         if segment + 1 < len(segments):  # the next segment
             segments[segment + 1] += cpu
         elif k and steps and steps[k - 1]:  # sent after backward's compute: beside the work of the bucket

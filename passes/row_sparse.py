@@ -26,7 +26,8 @@ Rows are not free: they add a collective (the mask) per table, a round trip that
 table is 134 ms at 1 Gbit/s. So, on the link measured at construction (the same on every rank,
 ``graphddp.runtime.calibration``), the rows save ``dense - rows`` seconds a step per table: the table's
 all-reduce, against the mask's (one byte per row) and the rows' at the worst case still reduced as rows
-(``ROW_SPARSE_MAX_DENSITY`` of them), both with gloo's CPU per byte; that rows are all exposed at the end of
+(``ROW_SPARSE_MAX_DENSITY`` of them), both with gloo's CPU per byte (on the bytes each rank sends, ``2 (w - 1) /
+w`` of the payload, as it is measured: ``ring_bytes_sent``); that rows are all exposed at the end of
 backward holds for the dense table too. A tied table's parts (below) are not free either: dense, the output
 layer's contribution is summed into the table's gradient and travels once; as rows, each part is a table-sized
 all-reduce of its own, early in backward, where its link time can hide behind the compute that follows but gloo's
@@ -39,7 +40,8 @@ faster in every matrix run that had both (sessions 21-34, by up to ~110 ms a ste
 charged where the link binds. Gloo's CPU per byte is measured at construction where a CPU group's ``"auto"``
 decides for a module with a tied table (``tied_tables``), or automatic caps measured it already; where measured,
 every table's verdict counts it (on an untied table it only moves the verdict towards rows). 0 where nothing
-measured it (a module without a tied table, fixed caps) and on GPUs.
+measured it (a module without a tied table, fixed caps) and on GPUs: ``graphddp.runtime.rows_rule.charges_gloo_cpu``
+decides, for a run and for ``graphddp inspect --comm-cpu`` alike.
 The tables go rows when ``saved`` is positive (eagerly each table for itself;
 compiled all the tables of a graph together). Compiled, rows no longer keep a graph on the split: in-graph, an
 opaque node reduces them (Note [Rows in the compiled backward] in ``graphddp/runtime/in_graph_rows.py``); until
@@ -95,7 +97,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .cost import LinkModel
+from .cost import LinkModel, ring_bytes_sent
 from .graph_params import GraphParam, GraphUse
 from .plan import BucketPlan
 from .split import GraphSplit
@@ -144,7 +146,7 @@ def rows_pay(
         raise ValueError(f"rows_pay: parts must give each of the {len(tables)} tables a count >= 0, got {list(parts)}")
 
     def reduce_s(nbytes: int) -> float:
-        return link.allreduce_s(nbytes, world) + cpu_seconds_per_byte * nbytes
+        return link.allreduce_s(nbytes, world) + cpu_seconds_per_byte * ring_bytes_sent(nbytes, world)
 
     saved = 0.0
     for (rows, row_bytes), sent_dense in zip(tables, parts or [0] * len(tables)):
@@ -152,7 +154,7 @@ def rows_pay(
         saved += reduce_s(rows * row_bytes) - reduce_s(rows) - reduce_s(worst)
         # Dense, a part's contribution travels inside the table's gradient; as rows, each part is a table-sized
         # all-reduce of its own, sent while backward computes: its link time may hide there, its CPU cannot.
-        saved -= sent_dense * PART_CPU_FACTOR * cpu_seconds_per_byte * rows * row_bytes
+        saved -= sent_dense * PART_CPU_FACTOR * cpu_seconds_per_byte * ring_bytes_sent(rows * row_bytes, world)
     return RowsVerdict(bool(tables) and saved > 0, saved)
 
 

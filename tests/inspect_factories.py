@@ -48,3 +48,20 @@ def wide_tied_gpt():
     model = GPT(GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32))
     g = torch.Generator().manual_seed(0)
     return model, (torch.randint(0, 512, (4, 16), generator=g), torch.randint(0, 512, (4, 16), generator=g))
+
+
+class UntiedBag(nn.Module):
+    """An untied embedding table (512 x 16) looked up 32 times a batch, and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(512, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1)).sum()
+
+
+def untied_bag():
+    torch.manual_seed(0)
+    return UntiedBag(), (torch.randint(0, 512, (4, 8), generator=torch.Generator().manual_seed(0)),)

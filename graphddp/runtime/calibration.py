@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..passes import ComputeRates, LinkModel, fit_link
+from ..passes import ComputeRates, LinkModel, fit_link, ring_bytes_sent
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +199,7 @@ def cpu_cost_of_communication(
         beside.append(compute())
         for w in works:
             w.wait()
-    on_wire = sent * 2 * (world - 1) / world  # what each rank sends in a ring all-reduce of `sent` bytes
-    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / on_wire], dtype=torch.float64)
+    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / ring_bytes_sent(sent, world)], dtype=torch.float64)
     dist.broadcast(cost, group=group, group_src=0)
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
     _cpu_costs.setdefault(group, {})[(window_s, repeats)] = float(cost)

@@ -54,9 +54,7 @@ class RowsRule:
             link, cpu = auto_caps.link, auto_caps.cpu_seconds_per_byte
         else:
             link = link_of(group, device=device)
-            # A tied table's parts are charged gloo's CPU (the Note, "When rows pay"): measured for them only
-            # (about 0.5 s), from the module's structure, which every rank shares.
-            charged = device.type == "cpu" and bool(tied_tables(module) - ignored)
+            charged = charges_gloo_cpu(module, ignored, cpu_group=device.type == "cpu")
             cpu = cpu_cost_of_communication(group, link=link) if charged else 0.0
         return cls(enabled=enabled, link=link, cpu_seconds_per_byte=cpu, world=world, rank=rank)
 
@@ -97,6 +95,14 @@ class RowsRule:
             return True
         logger.info("[rank %d] graphddp: a compiled graph's embedding tables %s reduced %s", self.rank, sorted(t.name for t in tables), verdict.describe())
         return verdict.rows
+
+
+def charges_gloo_cpu(module: nn.Module, ignored: frozenset[str], *, cpu_group: bool) -> bool:
+    """Without automatic caps (which measure gloo's CPU per byte for every choice and hand it on), is that CPU
+    measured and charged in the rows verdicts? Only for a tied table's parts on a CPU group (the Note, "When rows
+    pay"): about 0.5 s, decided from the module's structure, which every rank shares. ``graphddp inspect`` asks
+    the same."""
+    return cpu_group and bool(tied_tables(module) - ignored)
 
 
 def _shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:

@@ -58,7 +58,7 @@ from ..passes import (
 )
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from ..runtime.calibration import measure_compute_rates
-from ..runtime.rows_rule import RowsRule
+from ..runtime.rows_rule import RowsRule, charges_gloo_cpu
 from .workloads import SIZES, WORKLOADS, build_workload
 
 
@@ -256,7 +256,9 @@ def inspect_target(
     rows_on = rows_apply(enabled=sparse_embedding_grads is not False, world_size=world_size, device="cpu", custom_comm_hook=False)
     rates = measure_compute_rates() if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
-    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size, cpu_seconds_per_byte=cpu if measured else 0.0)
+    # gloo's CPU where a CPU run charges it: measured by automatic caps, else for a tied table's part only.
+    charged = measured is not None and (search is not None or charges_gloo_cpu(model, frozenset(), cpu_group=True))
+    rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size, cpu_seconds_per_byte=cpu if charged else 0.0)
 
     def row_sparse(params: list[GraphParam]) -> bool:
         return rows_on and rows.for_graph(params)
@@ -279,7 +281,7 @@ def inspect_target(
                 inputs, layout = in_graph_step_inputs(captured.gm, prepared, rates, cpu_seconds_per_byte=cpu)
             else:
                 inputs = graph_step_inputs(captured.gm, prepared.split, rates, cpu_seconds_per_byte=cpu)
-            channels_choice = choose_channels(inputs, link_model, world_size)
+            channels_choice = choose_channels(dataclasses.replace(inputs, cpu_seconds_per_byte=0.0), link_model, world_size)  # as a run picks
             on = dataclasses.replace(inputs, channels=fixed_channels or channels_choice[0])
             prediction = _numbered_as_the_split(predict_step(on, link_model, world_size), prepared.split.num_segments, layout)
         choice = auto.choice_for(captured.gm) if auto is not None else None

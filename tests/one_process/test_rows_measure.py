@@ -41,3 +41,20 @@ def test_only_the_tables_the_ddp_reduces_are_measured_for(monkeypatch: pytest.Mo
     )
     assert measured == expected
     assert (rule.link, rule.cpu_seconds_per_byte) == ((LINK, 1e-9) if "cpu" in expected else (LINK, 0.0) if expected else (None, 0.0))
+
+
+def test_the_ddp_hands_its_ignored_parameters_to_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphddp
+
+    given: dict[str, object] = {}
+    measure = RowsRule.measure.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: type, *args: object, **kwargs: object) -> RowsRule:
+        given.update(kwargs)
+        return measure(cls, *args, **kwargs)
+
+    monkeypatch.setattr(RowsRule, "measure", classmethod(recording))
+    model = tied_gpt()
+    model._ddp_params_and_buffers_to_ignore = ["wpe.weight"]
+    graphddp.DDP(model)
+    assert given["ignored"] == frozenset({"wpe.weight"})

@@ -173,3 +173,16 @@ def test_a_recompile_is_cut_by_its_plan_and_asks_nothing() -> None:
 def test_the_verdict_says_what_rows_save() -> None:
     assert rows_pay([BENCH_GPT_TABLE], link=ONE_GBIT, world=2).describe().startswith("as rows: rows would save 66.")
     assert rows_pay([BENCH_OVERHEAD_TABLE], link=LOOPBACK, world=2).describe().startswith("dense: rows would save -")
+
+
+def test_gloos_cpu_is_charged_on_the_bytes_each_rank_sends_as_the_step_model_charges_it() -> None:
+    # The CPU per byte is measured against what a rank sends in a ring all-reduce, 2 (w - 1) / w of the payload
+    # (graphddp.runtime.calibration, passes.cost.ring_bytes_sent): the verdict's CPU term grows by 4/3 from 2 to 3
+    # ranks, as predict_step's does, for the table and for its part.
+    table = [BENCH_GPT_TABLE]
+
+    def cpu_term(world: int) -> float:
+        charged = rows_pay(table, link=ONE_GBIT, world=world, cpu_seconds_per_byte=1e-9, parts=[1])
+        return charged.saved_s - rows_pay(table, link=ONE_GBIT, world=world, parts=[1]).saved_s
+
+    assert cpu_term(2) < 0 and cpu_term(3) == pytest.approx(cpu_term(2) * 4 / 3)

@@ -326,6 +326,20 @@ def test_the_cpu_communication_costs_is_charged_as_a_run_charges_it(capsys: pyte
     assert inspect_json(capsys, "gpt", "--size", "tiny", "--link", "100mbit", "--comm-cpu", "50")["fingerprint"] == charged
 
 
+def test_the_cpu_communication_costs_is_not_charged_to_an_untied_table_under_fixed_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run measures gloo's CPU for the rows verdict only for a tied table's part (or with automatic caps, which
+    measure it anyway): an untied table's verdict is the link's alone. Charged, 50 ms/MB would turn this 512 x 16
+    table from dense to rows at 10 Gbit/s (its dense bytes cost more CPU than its rows)."""
+    from graphddp.tools.inspection import inspect_target
+
+    monkeypatch.syspath_prepend(TESTS)
+    monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)
+    target = "inspect_factories:untied_bag"
+    plans = [inspect_target(target, world_size=2, link="10gbit", comm_cpu_ms_per_mb=ms).plan for ms in (0.0, 50.0)]
+    assert [any(b.row_sparse for b in plan.buckets) for plan in plans] == [False, False]
+    assert plans[0].fingerprint == plans[1].fingerprint
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--comm-cpu", "1"), "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
     (("--comm-cpu", "-1", "--link", "1gbit"), "--comm-cpu must be a finite number of ms per MB >= 0, got -1.0"),
