@@ -360,10 +360,11 @@ def _downstream(roots: Sequence[fx.Node]) -> set[fx.Node]:
 
 def sink_rows_nodes(graph: fx.Graph) -> int:
     """Each table's rows node (``ROWS_OP``; a tied table's parts' average is its ``base`` input), with what is
-    computed from it (the table's gradient, stepped where an optimizer steps in backward), as late as the graph allows: before the output, or before the first node after it that mutates or has
-    another side effect. It blocks until the buckets ahead of it on the link are done; where autograd traced it
-    (right after a table's lookups: in the middle of backward, for a table used after the first layer) it would
-    hold the rest of the backward's compute behind the link. Returns how many moved."""
+    computed from it (the table's gradient, stepped where an optimizer steps in backward), as late as the graph
+    allows: before the output, or before the first node after it that mutates or has another side effect. It
+    blocks until the buckets ahead of it on the link are done; where autograd traced it (right after a table's
+    lookups: in the middle of backward, for a table used after the first layer) it would hold the rest of the
+    backward's compute behind the link. Returns how many moved."""
     moved = 0
     for rows in [n for n in graph.nodes if _op_name(n) == ROWS_OP]:
         chain = _downstream([rows])  # closed under users: only the output uses it from outside
