@@ -34,14 +34,20 @@ link idle through the whole matmul that makes it. Reduced in-graph (Note [In-gra
 is sent in ``Bucket.pieces``: blocks of whole rows of at most about the cap each, each its own all-reduce (the
 bucket's small gradients, a bias, with the first). The blocks follow the ramps (Note [Bucket ramps]):
 
-* at the tail and in the middle, every block is about the bucket's own cap (``Bucket.cap_bytes``): small at the
-  tail, where the last block is exposed (the bench MLP's 64 MiB weights go in 16 and 32 blocks);
 * in the first bucket and the head ramp's (``Bucket.blocks_grow_to``), the first block is the bucket's cap and
   each next one twice as large, up to the middle cap, the last what is left: the first still leaves early, and
   while each block travels the next, twice as large, is computed, as the buckets of the ramp are. Cut at the
   first cap alone, the bench GPT's 16 MiB head part went in 16 all-reduces of 1 MiB at the head of backward,
   each costing two ranks that share a CPU a worker's wake-up where a fast link did not need them
   (``docs/benchmarks.md``, session 22); it now goes in 5 (1, 2, 4, 8 and 1 MiB).
+* in the tail ramp's buckets (``Bucket.blocks_shrink_from``), the same blocks in reverse: the last block is the
+  bucket's cap, the one before twice that, up to the middle cap, the first what is left. What is exposed after
+  backward is the last block, as small as the bucket's cap, and the link is fed from the first block on: a block
+  travels while the next, half its size, is computed. Cut in blocks of the tail's caps (4, 2 and 1 MiB), the
+  bench MLP's weights took 65 all-reduces a step, which cost ~5 % of the step where the link did not bind (each
+  a wake-up of both ranks' gloo workers, and each block a smaller, slower matmul; ``docs/benchmarks.md``,
+  sessions 35 and 36); halving, they take 17.
+* in the middle (and without ramps), every block is about the bucket's own cap (``Bucket.cap_bytes``).
 
 Each block costs the link's latency once more. ``graphddp.passes.compute_pieces_separately`` then computes each
 block by its own matmul (a row block of a weight gradient ``dY^T X`` is ``dY[:, rows]^T X``), so
@@ -295,7 +301,14 @@ class Bucket:
     blocks_grow_to: int | None = None
     """Set on the first bucket and the head ramp's (Note [Bucket ramps]): the blocks its big gradient is sent in,
     reduced in-graph (Note [Gradient pieces]), double from ``cap_bytes`` up to this many bytes, as the buckets
-    after it would. None: every block about ``cap_bytes``."""
+    after it would. None: every block about ``cap_bytes``, or as ``blocks_shrink_from`` says."""
+    blocks_shrink_from: int | None = None
+    """Set on the tail ramp's buckets (Note [Bucket ramps]): the blocks its big gradient is sent in, reduced
+    in-graph (Note [Gradient pieces]), halve from this many bytes down to ``cap_bytes`` at the gradient's end, as
+    the buckets of the tail do (the head's blocks, reversed). None: as ``blocks_grow_to`` says."""
+
+    def __post_init__(self) -> None:
+        assert self.blocks_grow_to is None or self.blocks_shrink_from is None, "a bucket's blocks grow or shrink, not both"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -324,8 +337,8 @@ class Bucket:
         ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap and whose
         gradient is one matmul's (``ParamSpec.one_matmul``), the rows of
         each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
-        equal as rows allow, or blocks that grow up to ``blocks_grow_to``; the bucket's other (small) gradients
-        travel with the first block."""
+        equal as rows allow, or blocks that grow up to ``blocks_grow_to``, or shrink from ``blocks_shrink_from``;
+        the bucket's other (small) gradients travel with the first block."""
         big = [
             k for k, p in enumerate(self.params)
             if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
@@ -336,6 +349,8 @@ class Bucket:
         p = self.params[big[0]]
         if self.blocks_grow_to is not None:
             return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
+        if self.blocks_shrink_from is not None:
+            return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_shrink_from)[::-1]
         count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
         rows, extra = divmod(p.shape[0], count)
         return big[0], tuple(rows + (1 if k < extra else 0) for k in range(count))
@@ -531,19 +546,21 @@ def plan_bucket_groups(
     # Bucket 0 is the one whose first gradient is ready first (see the Note).
     position = {key: i for i, key in enumerate(keys)}
     cut.sort(key=lambda item: position[item[0][0].key])
-    buckets = tuple(Bucket(k, tuple(params), cap, grows) for k, (params, cap, grows) in enumerate(cut))
+    buckets = tuple(Bucket(k, tuple(params), cap, grows, shrinks) for k, (params, cap, grows, shrinks) in enumerate(cut))
     return BucketPlan(buckets, caps, source)
 
 
-Cut = tuple[list[ParamSpec], int, int | None]
-"""One bucket as ``_cut_lane`` cuts it: its parameters, its cap, and ``Bucket.blocks_grow_to``."""
+Cut = tuple[list[ParamSpec], int, int | None, int | None]
+"""One bucket as ``_cut_lane`` cuts it: its parameters, its cap, ``Bucket.blocks_grow_to`` and
+``Bucket.blocks_shrink_from``."""
 
 
 def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
     """One lane's buckets in ready order (Note [Bucket ramps]): the first bucket, then the tail filled from the
     end, then the head ramp and the middle on what is left in between; or, with a cap per bucket
     (``caps.sequence``), bucket after bucket in ready order. The first bucket and the head ramp's let a big
-    gradient's blocks grow as the ramp does (``Bucket.blocks_grow_to``)."""
+    gradient's blocks grow as the ramp does (``Bucket.blocks_grow_to``), the tail's shrink as it does
+    (``Bucket.blocks_shrink_from``)."""
     over = caps.closes_over_cap
     if caps.sequence:
         cut: list[Cut] = []
@@ -551,17 +568,17 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
             if not items:
                 return cut
             n = _fitting(items, cap, over=over)
-            cut.append((_flat(items[:n]), cap, None))
+            cut.append((_flat(items[:n]), cap, None, None))
             items = items[n:]
     grows = caps.bucket if caps.ramps and caps.first < caps.bucket else None
     n = _fitting(items, caps.first, over=over)
-    first, rest = (_flat(items[:n]), caps.first, grows), items[n:]
+    first, rest = (_flat(items[:n]), caps.first, grows, None), items[n:]
     tail: list[Cut] = []
     for cap in caps.ramp(caps.last):  # the last bucket first
         if not rest:
             break
         n = _fitting(rest[::-1], cap)
-        tail.insert(0, (_flat(rest[len(rest) - n :]), cap, None))
+        tail.insert(0, (_flat(rest[len(rest) - n :]), cap, None, caps.bucket))
         rest = rest[: len(rest) - n]
     head: list[Cut] = []
     ramp = list(caps.ramp(2 * caps.first))
@@ -569,7 +586,7 @@ def _cut_lane(items: list[list[ParamSpec]], caps: BucketCaps) -> list[Cut]:
         if not rest:
             break
         n = _fitting(rest, cap, over=over)
-        head.append((_flat(rest[:n]), cap, caps.bucket if len(head) < len(ramp) else None))
+        head.append((_flat(rest[:n]), cap, caps.bucket if len(head) < len(ramp) else None, None))
         rest = rest[n:]
     return [first, *head, *tail]
 

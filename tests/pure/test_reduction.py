@@ -530,8 +530,9 @@ def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
 
 def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_ramp() -> None:
     """Note [Gradient pieces]: in the first bucket and the head ramp's, a big gradient's blocks start at the
-    bucket's cap and double up to the middle cap, as the buckets after them would; at the tail, in the middle and
-    without ramps every block is about the bucket's cap."""
+    bucket's cap and double up to the middle cap, as the buckets after them would; at the tail they halve down to
+    the bucket's cap, as the tail's buckets do; in the middle and without ramps every block is about the bucket's
+    cap."""
     big = dataclasses.replace(ParamSpec.of("w", torch.zeros(160, 100)), one_matmul=True)  # 400 bytes a row
     small = [ParamSpec.of(f"p{i}", torch.zeros(100)) for i in range(40)]  # 400 bytes each
     caps = BucketCaps(bucket=16_000, first=2_000, last=2_000)
@@ -548,11 +549,19 @@ def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_
     assert (head.names, head.cap_bytes) == (("w",), 4_000)
     assert head.pieces == (0, (10, 20, 40, 40, 40, 10))
 
-    tail = plan_buckets([*small[:5], big], caps=caps).buckets[-1]  # the last bucket: blocks of its cap
-    assert (tail.cap_bytes, tail.blocks_grow_to, tail.pieces) == (2_000, None, (0, (5,) * 32))
+    # The last bucket: the head's blocks reversed, so only its cap's worth is left to send after backward.
+    tail = plan_buckets([*small[:5], big], caps=caps).buckets[-1]
+    assert (tail.cap_bytes, tail.blocks_grow_to, tail.blocks_shrink_from) == (2_000, None, 16_000)
+    assert tail.pieces == (0, (5, 40, 40, 40, 20, 10, 5))  # what is left, 16 000 bytes, then 8 000, 4 000, 2 000
+    assert tail.piece_bytes == (2_000, 16_000, 16_000, 16_000, 8_000, 4_000, 2_000)
+    assert tail.assembled_bytes == 2_000
+    more = [ParamSpec.of(f"q{i}", torch.zeros(100)) for i in range(30)]  # head ramp and tail full: big in the middle
+    middle = plan_buckets([*small[:35], big, *small[35:], *more], caps=caps).buckets[3]
+    assert (middle.names, middle.cap_bytes, middle.blocks_grow_to, middle.blocks_shrink_from) == (("w",), 16_000, None, None)
+    assert middle.pieces == (0, (40, 40, 40, 40))  # blocks of the middle cap
     flat = plan_buckets([big, *small[:35]], caps=dataclasses.replace(caps, ramps=False)).buckets[0]
-    assert (flat.blocks_grow_to, flat.pieces) == (None, (0, (5,) * 32))
-    for bucket in (first, head, tail, flat):
+    assert (flat.blocks_grow_to, flat.blocks_shrink_from, flat.pieces) == (None, None, (0, (5,) * 32))
+    for bucket in (first, head, tail, middle, flat):
         assert sum(bucket.piece_bytes) == bucket.nbytes
 
 

@@ -40,9 +40,12 @@ LAYOUTS = {
     "even": (Wide, CAPS, [64] * 4),
     # A 2 KiB first cap growing to the 8 KiB middle cap: blocks of 2, 4, 8 KiB, then the 2 KiB left (64-byte rows).
     "growing": (BigFirst, {"bucket_cap_mb": 8 / 1024, "first_bucket_cap_mb": 2 / 1024, "last_bucket_cap_mb": 1 / 1024}, [32, 64, 128, 32]),
+    # The tail ramp from a 1 KiB last cap: ``a`` in the last bucket, the big weight in the 2 KiB one before it, in
+    # the growing blocks reversed: the 2 KiB left, then 8, 4, 2 KiB.
+    "shrinking": (Wide, {"bucket_cap_mb": 8 / 1024, "first_bucket_cap_mb": 4 / 1024, "last_bucket_cap_mb": 1 / 1024}, [32, 128, 64, 32]),
 }
-"""The model, graphddp's caps and the rows of the big weight's blocks: every block at the bucket's cap, or blocks
-that grow (``Bucket.blocks_grow_to``)."""
+"""The model, graphddp's caps and the rows of the big weight's blocks: every block at the bucket's cap, blocks
+that grow (``Bucket.blocks_grow_to``) or that shrink (``Bucket.blocks_shrink_from``)."""
 
 
 def train_in_pieces(rank: int, world: int, inner: str, layout: str) -> dict[str, int]:
