@@ -31,8 +31,8 @@ Note [Gradient pieces]
 A parameter larger than its bucket's cap fills a bucket of its own (with its bias, in a graph plan), and the
 bucket's all-reduce can start only once the whole gradient is computed: an MLP's 64 MiB weight gradient keeps the
 link idle through the whole matmul that makes it. Reduced in-graph (Note [In-graph reduction]), such a gradient
-is sent in ``Bucket.pieces``: blocks of whole rows of at most about the cap each, each its own all-reduce (the
-bucket's small gradients, a bias, with the first). The blocks follow the ramps (Note [Bucket ramps]):
+is sent in ``Bucket.pieces``: blocks of whole rows, each its own all-reduce (the bucket's small gradients, a
+bias, with the first), the first about the bucket's cap. The blocks follow the ramps (Note [Bucket ramps]):
 
 * in the first bucket and the head ramp's (``Bucket.blocks_grow_to``), the first block is the bucket's cap and
   each next one twice as large, up to the middle cap, the last what is left: the first still leaves early, and
@@ -40,13 +40,15 @@ bucket's small gradients, a bias, with the first). The blocks follow the ramps (
   first cap alone, the bench GPT's 16 MiB head part went in 16 all-reduces of 1 MiB at the head of backward,
   each costing two ranks that share a CPU a worker's wake-up where a fast link did not need them
   (``docs/benchmarks.md``, session 22); it now goes in 5 (1, 2, 4, 8 and 1 MiB).
-* in the tail ramp's buckets (``Bucket.blocks_shrink_from``), the same blocks in reverse: the last block is the
-  bucket's cap, the one before twice that, up to the middle cap, the first what is left. What is exposed after
-  backward is the last block, as small as the bucket's cap, and the link is fed from the first block on: a block
-  travels while the next, half its size, is computed. Cut in blocks of the tail's caps (4, 2 and 1 MiB), the
-  bench MLP's weights took 65 all-reduces a step, which cost ~5 % of the step where the link did not bind (each
-  a wake-up of both ranks' gloo workers, and each block a smaller, slower matmul; ``docs/benchmarks.md``,
-  sessions 35 and 36); halving, they take 17.
+* in the tail ramp's buckets (``Bucket.blocks_shrink_from``), the first block is the bucket's cap, and the rest
+  are the head's blocks in reverse: what is left of the doubling, then blocks halving from the middle cap down
+  to the bucket's cap at the gradient's end. What is exposed after backward is the last block, as small as the
+  bucket's cap, and from the largest block on a block travels while the next, half its size, is computed. Where
+  that would take as many blocks as cutting at the cap (a gradient under about 4 caps), the blocks are the cap's.
+  Cut in blocks of the tail's caps (4, 2 and 1 MiB), the bench MLP's weights took 65 all-reduces a step, which
+  cost ~5 % of the step where the link did not bind (each a wake-up of both ranks' gloo workers, and each block a
+  smaller, slower matmul; ``docs/benchmarks.md``, sessions 35 and 36); halving, they take 19 (4-7-25-16-8-4,
+  2-7-25-16-8-4-2 and 1-8-4-2-1 MiB).
 * in the middle (and without ramps), every block is about the bucket's own cap (``Bucket.cap_bytes``).
 
 Each block costs the link's latency once more. ``graphddp.passes.compute_pieces_separately`` then computes each
@@ -337,8 +339,8 @@ class Bucket:
         ``params`` of a dense parameter of two or more dimensions that alone is larger than the cap and whose
         gradient is one matmul's (``ParamSpec.one_matmul``), the rows of
         each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
-        equal as rows allow, or blocks that grow up to ``blocks_grow_to``, or shrink from ``blocks_shrink_from``;
-        the bucket's other (small) gradients travel with the first block."""
+        equal as rows allow, or blocks that grow up to ``blocks_grow_to``, or fewer that shrink from
+        ``blocks_shrink_from``; the bucket's other (small) gradients travel with the first block."""
         big = [
             k for k, p in enumerate(self.params)
             if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
@@ -349,11 +351,14 @@ class Bucket:
         p = self.params[big[0]]
         if self.blocks_grow_to is not None:
             return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
-        if self.blocks_shrink_from is not None:
-            return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_shrink_from)[::-1]
         count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
         rows, extra = divmod(p.shape[0], count)
-        return big[0], tuple(rows + (1 if k < extra else 0) for k in range(count))
+        equal = tuple(rows + (1 if k < extra else 0) for k in range(count))
+        if self.blocks_shrink_from is not None:
+            shrinking = _shrinking_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_shrink_from)
+            if len(shrinking) < len(equal):
+                return big[0], shrinking
+        return big[0], equal
 
     @property
     def piece_bytes(self) -> tuple[int, ...]:
@@ -394,13 +399,23 @@ class Bucket:
 
 def _growing_blocks(rows: int, row_bytes: int, first: int, largest: int) -> tuple[int, ...]:
     """Rows of each block of a gradient of ``rows`` rows cut under the head ramp: about ``first`` bytes, then
-    twice as many each time up to ``largest``, the last block what is left (Note [Gradient pieces])."""
+    twice as many each time up to ``largest``, the last block what is left (Note [Gradient pieces]). Rows of
+    ``row_bytes`` each."""
     blocks: list[int] = []
     cap = first
     while rows > sum(blocks):
         blocks.append(min(rows - sum(blocks), max(1, cap // row_bytes)))
         cap = min(2 * cap, largest)
     return tuple(blocks)
+
+
+def _shrinking_blocks(rows: int, row_bytes: int, last: int, largest: int) -> tuple[int, ...]:
+    """Rows of each block cut under the tail ramp: about ``last`` bytes first (the block sent with the bucket's
+    small gradients, and copied into the gradient at the end: kept small), then the rest as ``_growing_blocks``
+    cuts it, in reverse: what is left, then halving from ``largest`` down to about ``last`` bytes at the end
+    (Note [Gradient pieces])."""
+    first = min(rows - 1, max(1, last // row_bytes))
+    return (first, *_growing_blocks(rows - first, row_bytes, last, largest)[::-1])
 
 
 @dataclasses.dataclass(frozen=True)

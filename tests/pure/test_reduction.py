@@ -530,9 +530,9 @@ def test_a_parameter_over_its_cap_is_cut_into_blocks_of_rows() -> None:
 
 def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_ramp() -> None:
     """Note [Gradient pieces]: in the first bucket and the head ramp's, a big gradient's blocks start at the
-    bucket's cap and double up to the middle cap, as the buckets after them would; at the tail they halve down to
-    the bucket's cap, as the tail's buckets do; in the middle and without ramps every block is about the bucket's
-    cap."""
+    bucket's cap and double up to the middle cap, as the buckets after them would; at the tail, after a first
+    block of the cap, they halve down to the bucket's cap, as the tail's buckets do; in the middle and without
+    ramps every block is about the bucket's cap."""
     big = dataclasses.replace(ParamSpec.of("w", torch.zeros(160, 100)), one_matmul=True)  # 400 bytes a row
     small = [ParamSpec.of(f"p{i}", torch.zeros(100)) for i in range(40)]  # 400 bytes each
     caps = BucketCaps(bucket=16_000, first=2_000, last=2_000)
@@ -541,7 +541,7 @@ def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_
     assert (first.cap_bytes, first.blocks_grow_to) == (2_000, 16_000)
     assert first.pieces == (0, (5, 10, 20, 40, 40, 40, 5))  # 2 000, 4 000, 8 000, then 16 000 bytes, the rest last
     assert first.piece_bytes == (2_000, 4_000, 8_000, 16_000, 16_000, 16_000, 2_000)
-    assert first.assembled_bytes == 2_000  # only the smallest block is copied in
+    assert first.assembled_bytes == 2_000  # only the first block is copied in
 
     # Five small gradients fill the first bucket, 35 the tail (2 000, 4 000, 8 000 bytes from the end): the big
     # one is the head ramp's first bucket, capped at 4 000 bytes.
@@ -549,19 +549,30 @@ def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_
     assert (head.names, head.cap_bytes) == (("w",), 4_000)
     assert head.pieces == (0, (10, 20, 40, 40, 40, 10))
 
-    # The last bucket: the head's blocks reversed, so only its cap's worth is left to send after backward.
+    # The last bucket: a block of its cap, then the head's blocks reversed, so only its cap's worth is left to
+    # send after backward.
     tail = plan_buckets([*small[:5], big], caps=caps).buckets[-1]
     assert (tail.cap_bytes, tail.blocks_grow_to, tail.blocks_shrink_from) == (2_000, None, 16_000)
-    assert tail.pieces == (0, (5, 40, 40, 40, 20, 10, 5))  # what is left, 16 000 bytes, then 8 000, 4 000, 2 000
+    assert tail.pieces == (0, (5, 40, 40, 40, 20, 10, 5))  # 2 000, 16 000 bytes three times, 8 000, 4 000, 2 000
     assert tail.piece_bytes == (2_000, 16_000, 16_000, 16_000, 8_000, 4_000, 2_000)
     assert tail.assembled_bytes == 2_000
+    # With a bias in the bucket (a graph plan) and rows left over from the doubling: the cap's block first, with
+    # the bias (the one block copied in at the end), then what is left (10 rows), then halving to the cap.
+    wide = dataclasses.replace(ParamSpec.of("w", torch.zeros(170, 100)), one_matmul=True)
+    groups = [*([s] for s in small[:5]), [wide, ParamSpec.of("b", torch.zeros(170))]]
+    grouped = plan_bucket_groups(groups, caps=caps).buckets[-1]
+    assert grouped.blocks_shrink_from == 16_000 and grouped.pieces == (0, (5, 10, 40, 40, 40, 20, 10, 5))
+    assert (grouped.piece_bytes[0], grouped.assembled_bytes) == (2_000 + 680, 2_000)
+    # Just over the cap, halving (10 rows, then 1) takes as many blocks as the cap's: blocks of the cap.
+    near = dataclasses.replace(ParamSpec.of("w", torch.zeros(11, 50)), one_matmul=True)  # 2 200 bytes
+    assert plan_buckets([*small[:5], near], caps=caps).buckets[-1].pieces == (0, (6, 5))
     more = [ParamSpec.of(f"q{i}", torch.zeros(100)) for i in range(30)]  # head ramp and tail full: big in the middle
     middle = plan_buckets([*small[:35], big, *small[35:], *more], caps=caps).buckets[3]
     assert (middle.names, middle.cap_bytes, middle.blocks_grow_to, middle.blocks_shrink_from) == (("w",), 16_000, None, None)
     assert middle.pieces == (0, (40, 40, 40, 40))  # blocks of the middle cap
     flat = plan_buckets([big, *small[:35]], caps=dataclasses.replace(caps, ramps=False)).buckets[0]
     assert (flat.blocks_grow_to, flat.blocks_shrink_from, flat.pieces) == (None, None, (0, (5,) * 32))
-    for bucket in (first, head, tail, middle, flat):
+    for bucket in (first, head, tail, grouped, middle, flat):
         assert sum(bucket.piece_bytes) == bucket.nbytes
 
 
