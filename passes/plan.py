@@ -306,8 +306,8 @@ class Bucket:
     after it would. None: every block about ``cap_bytes``, or as ``blocks_shrink_from`` says."""
     blocks_shrink_from: int | None = None
     """Set on the tail ramp's buckets (Note [Bucket ramps]): the blocks its big gradient is sent in, reduced
-    in-graph (Note [Gradient pieces]), halve from this many bytes down to ``cap_bytes`` at the gradient's end, as
-    the buckets of the tail do (the head's blocks, reversed). None: as ``blocks_grow_to`` says."""
+    in-graph (Note [Gradient pieces]), after a first block of ``cap_bytes``, halve from this many bytes down to
+    ``cap_bytes`` at the gradient's end, as the buckets of the tail do. None: as ``blocks_grow_to`` says."""
 
     def __post_init__(self) -> None:
         assert self.blocks_grow_to is None or self.blocks_shrink_from is None, "a bucket's blocks grow or shrink, not both"
@@ -341,6 +341,18 @@ class Bucket:
         each block it is cut into), or None for one piece. ``ceil(bytes / cap)`` blocks of whole rows (dim 0), as
         equal as rows allow, or blocks that grow up to ``blocks_grow_to``, or fewer that shrink from
         ``blocks_shrink_from``; the bucket's other (small) gradients travel with the first block."""
+        cut = self._blocks()
+        return None if cut is None else (cut[0], cut[2])
+
+    @property
+    def blocks_layout(self) -> str | None:
+        """How ``pieces`` cut the big gradient (Note [Gradient pieces]): ``"growing"`` (the head ramp's),
+        ``"shrinking"`` (the tail ramp's), ``"even"`` (blocks of the cap), or None in one piece."""
+        cut = self._blocks()
+        return None if cut is None else cut[1]
+
+    def _blocks(self) -> tuple[int, str, tuple[int, ...]] | None:
+        """The big gradient's position, its blocks' layout and their rows (``pieces``, ``blocks_layout``)."""
         big = [
             k for k, p in enumerate(self.params)
             if p.nbytes > self.cap_bytes and len(p.shape) >= 2 and p.shape[0] >= 2 and p.one_matmul
@@ -350,15 +362,15 @@ class Bucket:
             return None
         p = self.params[big[0]]
         if self.blocks_grow_to is not None:
-            return big[0], _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
+            return big[0], "growing", _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
         count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
         rows, extra = divmod(p.shape[0], count)
         equal = tuple(rows + (1 if k < extra else 0) for k in range(count))
         if self.blocks_shrink_from is not None:
             shrinking = _shrinking_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_shrink_from)
             if len(shrinking) < len(equal):
-                return big[0], shrinking
-        return big[0], equal
+                return big[0], "shrinking", shrinking
+        return big[0], "even", equal
 
     @property
     def piece_bytes(self) -> tuple[int, ...]:

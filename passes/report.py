@@ -56,7 +56,9 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
                 "device": b.device,
                 "segment": segment.get(b.index),
                 "row_sparse": b.row_sparse,
-                "in_graph_pieces": None if b.pieces is None else {"param": b.params[b.pieces[0]].name, "rows": list(b.pieces[1])},
+                "in_graph_pieces": None if b.pieces is None else {
+                    "param": b.params[b.pieces[0]].name, "rows": list(b.pieces[1]), "blocks": b.blocks_layout,
+                },
                 "params": [
                     {"name": p.name, "part": p.part, "shape": list(p.shape), "dtype": _dtype(p.dtype), "bytes": p.nbytes}
                     for p in b.params

@@ -208,7 +208,7 @@ def cpu_cost_of_communication(
 
 ASSEMBLY_BLOCKS = 16
 """Blocks ``assembly_seconds_per_byte`` puts together (a figure per byte: the count matters little; the bench
-MLP's 64 MiB weights go in 5 and 6)."""
+MLP's 64 MiB weights go in 6 and 7)."""
 
 
 def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int = SERIES_MAX_BYTES) -> float:

@@ -572,6 +572,10 @@ def test_a_big_gradient_at_the_head_of_backward_goes_in_blocks_that_grow_as_the_
     assert middle.pieces == (0, (40, 40, 40, 40))  # blocks of the middle cap
     flat = plan_buckets([big, *small[:35]], caps=dataclasses.replace(caps, ramps=False)).buckets[0]
     assert (flat.blocks_grow_to, flat.blocks_shrink_from, flat.pieces) == (None, None, (0, (5,) * 32))
+    layouts = [b.blocks_layout for b in (first, head, tail, grouped, middle, flat)]
+    assert layouts == ["growing", "growing", "shrinking", "shrinking", "even", "even"]
+    assert plan_buckets([*small[:5], near], caps=caps).buckets[-1].blocks_layout == "even"  # the fallback says so
+    assert plan_buckets(small[:5], caps=caps).buckets[0].blocks_layout is None  # no big gradient
     for bucket in (first, head, tail, grouped, middle, flat):
         assert sum(bucket.piece_bytes) == bucket.nbytes
 

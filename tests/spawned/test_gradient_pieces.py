@@ -80,7 +80,8 @@ def train_in_pieces(rank: int, world: int, inner: str, layout: str) -> dict[str,
     waits = len(re.findall(r"graphddp\.wait_blocks_\.default\(", code))
     records = [json.loads(p.read_text()) for p in pathlib.Path(dump).rglob("plan.json")]
     shown = [b["in_graph_pieces"] for r in records for b in r["buckets"] if b["in_graph_pieces"]]
-    assert shown and all(s == {"param": "big.weight", "rows": rows} for s in shown), shown  # the dump says so
+    expected = {"param": "big.weight", "rows": rows, "blocks": layout}  # the dump says so, and which ramp cut them
+    assert shown and all(s == expected for s in shown), shown
     shutil.rmtree(dump)
     pieces = [b.pieces for b in ddp.bucket_plan.buckets if b.pieces is not None]
     blocks = sum(len(rows) for _, rows in pieces)
