@@ -361,13 +361,14 @@ class Bucket:
         if len(big) != 1:
             return None
         p = self.params[big[0]]
+        row_bytes = p.nbytes // p.shape[0]
         if self.blocks_grow_to is not None:
-            return big[0], "growing", _growing_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_grow_to)
+            return big[0], "growing", _growing_blocks(p.shape[0], row_bytes, self.cap_bytes, self.blocks_grow_to)
         count = min(-(-p.nbytes // self.cap_bytes), p.shape[0])
         rows, extra = divmod(p.shape[0], count)
         equal = tuple(rows + (1 if k < extra else 0) for k in range(count))
         if self.blocks_shrink_from is not None:
-            shrinking = _shrinking_blocks(p.shape[0], p.nbytes // p.shape[0], self.cap_bytes, self.blocks_shrink_from)
+            shrinking = _shrinking_blocks(p.shape[0], row_bytes, self.cap_bytes, self.blocks_shrink_from)
             if len(shrinking) < len(equal):
                 return big[0], "shrinking", shrinking
         return big[0], "even", equal

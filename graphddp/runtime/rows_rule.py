@@ -50,11 +50,11 @@ class RowsRule:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if isinstance(enabled, bool) or not applies or not _has_embedding(module, ignored):  # nothing to measure
             return cls(enabled=enabled, world=world, rank=rank)
+        charged = charges_gloo_cpu(module, ignored, cpu_group=device.type == "cpu", automatic_caps=auto_caps is not None)
         if auto_caps is not None:  # measured already, gloo's CPU per byte too
             link, cpu = auto_caps.link, auto_caps.cpu_seconds_per_byte
         else:
             link = link_of(group, device=device)
-            charged = charges_gloo_cpu(module, ignored, cpu_group=device.type == "cpu")
             cpu = cpu_cost_of_communication(group, link=link) if charged else 0.0
         return cls(enabled=enabled, link=link, cpu_seconds_per_byte=cpu, world=world, rank=rank)
 
@@ -97,12 +97,12 @@ class RowsRule:
         return verdict.rows
 
 
-def charges_gloo_cpu(module: nn.Module, ignored: frozenset[str], *, cpu_group: bool) -> bool:
-    """Without automatic caps (which measure gloo's CPU per byte for every choice and hand it on), is that CPU
-    measured and charged in the rows verdicts? Only for a tied table's parts on a CPU group (the Note, "When rows
-    pay"): about 0.5 s, decided from the module's structure, which every rank shares. ``graphddp inspect`` asks
-    the same."""
-    return cpu_group and bool(tied_tables(module) - ignored)
+def charges_gloo_cpu(module: nn.Module, ignored: frozenset[str], *, cpu_group: bool, automatic_caps: bool) -> bool:
+    """Is gloo's CPU per byte charged in the rows verdicts? Where caps are chosen automatically, always: they measure
+    it for every choice and hand it on. Otherwise only for a tied table's parts on a CPU group (the Note, "When rows
+    pay"): about 0.5 s, decided from the module's structure, which every rank shares. ``RowsRule.measure`` and
+    ``graphddp inspect`` both ask here."""
+    return automatic_caps or (cpu_group and bool(tied_tables(module) - ignored))
 
 
 def _shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:

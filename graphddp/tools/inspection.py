@@ -257,7 +257,7 @@ def inspect_target(
     rates = measure_compute_rates() if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
     # gloo's CPU where a CPU run charges it: measured by automatic caps, else for a tied table's part only.
-    charged = measured is not None and (search is not None or charges_gloo_cpu(model, frozenset(), cpu_group=True))
+    charged = measured is not None and charges_gloo_cpu(model, frozenset(), cpu_group=True, automatic_caps=search is not None)
     rows = RowsRule(enabled=sparse_embedding_grads, link=measured, world=world_size, cpu_seconds_per_byte=cpu if charged else 0.0)
 
     def row_sparse(params: list[GraphParam]) -> bool:

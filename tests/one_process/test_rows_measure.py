@@ -58,3 +58,15 @@ def test_the_ddp_hands_its_ignored_parameters_to_the_rule(monkeypatch: pytest.Mo
     model._ddp_params_and_buffers_to_ignore = ["wpe.weight"]
     graphddp.DDP(model)
     assert given["ignored"] == frozenset({"wpe.weight"})
+
+
+@pytest.mark.parametrize(("ignored", "cpu_group", "automatic_caps", "charged"), [
+    ((), True, False, True),  # a tied table's part on a CPU group: charged
+    ((), False, False, False),  # not on a GPU group
+    (("wte.weight",), True, False, False),  # the tied table not reduced: nothing tied left
+    (("wte.weight",), True, True, True),  # automatic caps measure it for every choice
+])  # fmt: skip
+def test_one_function_says_whether_gloo_cpu_is_charged(ignored: tuple[str, ...], cpu_group: bool, automatic_caps: bool, charged: bool) -> None:
+    # RowsRule.measure and graphddp inspect both ask charges_gloo_cpu (one rule, one place).
+    got = rows_rule.charges_gloo_cpu(tied_gpt(), frozenset(ignored), cpu_group=cpu_group, automatic_caps=automatic_caps)
+    assert got is charged
