@@ -17,7 +17,8 @@ all-reduced with ``sum``) becomes one ``graphddp::reduce_block_`` call: the matm
 the gradient (``mm`` with ``out=``), divided there, and all-reduced there, asynchronously, on the bucket's group.
 The ``cat`` becomes one ``graphddp::wait_blocks_`` call: it waits for those all-reduces, then copies the blocks that
 are not plain matmuls' (the first block, sent with the bucket's small gradients and the abandon signal) into their
-rows. The ops' schemas say that they write the gradient (``mutates_args``, so Inductor can run them as
+rows. Where an optimizer steps the gradient's bucket in backward, it is handed that step node's key, and steps
+each block's rows as the block's wait returns (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``). The ops' schemas say that they write the gradient (``mutates_args``, so Inductor can run them as
 auto-functionalizable fallbacks), and the gradient's readers come after ``wait_blocks_``: every compiler keeps
 their order, as a buffer's writes come before its later reads; the page faults move into the blocks' matmuls, inside
 backward, where a run without pieces pays them too.
@@ -37,14 +38,16 @@ import dataclasses
 import torch
 from torch import fx
 
-from .reduction import divide_while_gathering, is_wait, schedule_reductions, transposed_input
+from .reduction import divide_while_gathering, is_step, is_wait, schedule_reductions, transposed_input
 
 BLOCK_OP = "graphddp::reduce_block_"
 """A block written into its gradient, divided and all-reduced there: ``(gradient, rows, by, offset, divisor,
 group_name, first) -> None``, writes ``gradient`` (the block is ``rows @ by``; ``first``: the gradient's first such block)."""
 
 WAIT_BLOCKS_OP = "graphddp::wait_blocks_"
-"""The blocks' all-reduces waited for, and the other blocks copied in: ``(gradient, copies, offsets) -> None``, writes ``gradient``."""
+"""The blocks' all-reduces waited for, and the other blocks copied in: ``(gradient, copies, offsets, step, position)
+-> None``, writes ``gradient``; with a ``step`` key (-1: none), each block's rows stepped as it is waited for, the
+gradient being the one at ``position`` of that step node's (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``)."""
 
 _FLATTEN = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _DIVIDE = {torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar}
@@ -109,6 +112,21 @@ def _block(wait: object, assembly: fx.Node) -> _Block | None:
     return _Block(source, nodes, reduce, divide.args[1], str(reduce.args[2]))
 
 
+def _stepped_by(assembly: fx.Node) -> tuple[int, int]:
+    """The optimizer step node that steps the gradient ``assembly`` puts together, whole or reshaped (Note [Steps
+    in the compiled backward]): its key and the gradient's position among its gradients; (-1, -1): none."""
+    frontier, seen = [assembly], {assembly}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_step(user) and isinstance(user.args[1], list | tuple) and node in user.args[1]:
+                return int(user.args[0]), list(user.args[1]).index(node)  # type: ignore[arg-type]
+            if user.target in _FLATTEN and user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return -1, -1
+
+
 def write_blocks_in_place(graph: fx.Graph) -> int:
     """Note [Blocks written in place]: each assembly ``cat`` of a gradient's blocks rewritten so its blocks'
     matmuls write into the gradient. Run it after the scheduling passes (its ops write: a barrier to them), before
@@ -145,8 +163,9 @@ def write_blocks_in_place(graph: fx.Graph) -> int:
             written += 1
         copies = [i for i, b in zip(inputs, blocks) if b is None]
         where = [o for o, b in zip(offsets, blocks) if b is None]
+        step, position = _stepped_by(assembly)  # its blocks stepped as they come in (Note [Steps by rows])
         with graph.inserting_before(assembly):
-            done = graph.call_function(wait_blocks, (gradient, copies, where))
+            done = graph.call_function(wait_blocks, (gradient, copies, where, step, position))
         done.meta["val"] = None
         assembly.replace_all_uses_with(gradient)  # read after ``done``: the gradient, whole and averaged
         graph.erase_node(assembly)

@@ -311,6 +311,11 @@ ROWS_OP = "graphddp::reduce_rows"
 its collectives, queued behind every bucket still on the link, are done, so it is scheduled as a wait."""
 
 
+def is_step(node: fx.Node) -> bool:
+    """A bucket's optimizer step node (``STEP_OP``): ``(key, gradients)``."""
+    return _op_name(node) == STEP_OP
+
+
 def sink_bucket_steps(graph: fx.Graph) -> int:
     """The optimizer step nodes, last (Note [Steps in the compiled backward]): at the end of the graph, bucket by
     bucket in the steps' order, what a step needs of the waits (the bucket's waits, the views and copies that make
@@ -319,7 +324,7 @@ def sink_bucket_steps(graph: fx.Graph) -> int:
     waited for, while the later buckets' are still in flight, and after every computation that does not need a
     wait, so nothing reads a parameter a step has changed. A table's rows node (``ROWS_OP``) counts as a wait: it
     goes to the tail with its table's step. Returns how many step nodes there are."""
-    steps = [n for n in graph.nodes if _op_name(n) == STEP_OP]
+    steps = [n for n in graph.nodes if is_step(n)]
     if not steps:
         return 0
     order = {n: i for i, n in enumerate(graph.nodes)}

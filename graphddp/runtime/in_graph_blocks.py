@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..passes.blocks_in_place import BLOCK_OP, WAIT_BLOCKS_OP  # the pass calls the ops by these names
+from .in_graph_steps import step_rows
 from .launch_context import CUDAGRAPH_UNSAFE, no_backward_context, settle
 
 _pending: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}
@@ -62,10 +63,19 @@ def reduce_block_(
 
 
 @torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",), tags=CUDAGRAPH_UNSAFE)
-def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
-    """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset."""
+def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int], step: int, position: int) -> None:
+    """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset. With a
+    ``step`` key (-1: none), each block's rows are stepped as its wait returns: the parameter at ``position`` of
+    that bucket's step node (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``)."""
     works, blocks = _pending.pop(gradient.data_ptr(), ([], []))
-    settle(works, blocks, "a gradient block")
+    if step < 0:
+        settle(works, blocks, "a gradient block")
+    else:
+        while works:  # in the order they were sent: each block stepped while the later ones travel
+            one, block = [works.pop(0)], blocks.pop(0)
+            settle(one, [block], "a gradient block")
+            start = (block.storage_offset() - gradient.storage_offset()) // block.shape[1]  # its first row
+            step_rows(step, position, start, block)
     flat = gradient.view(-1)
     for copy, offset in zip(copies, offsets):
         flat[offset : offset + copy.numel()].copy_(copy.reshape(-1))

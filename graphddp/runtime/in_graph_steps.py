@@ -24,6 +24,11 @@ the same averages into ``.grad`` when the compiled backward returns, as without 
   be stepped on part of its gradient, before the earlier graph's backward had read it. For the same reason a
   graph that steps must run once per forward: a second run over the same parameters (a block called twice across
   a graph break, which Dynamo compiles into graphs of one parameter set) raises before it runs, on every rank.
+* **A big gradient's blocks**: where the gradient is sent in blocks written in place (Note [Gradient pieces],
+  Note [Blocks written in place]), ``graphddp::wait_blocks_`` is handed the step node's key and steps each
+  block's rows as the block's wait returns, so only the last block's rows are stepped after the link is done;
+  the step node finishes the parameter with its first block (Note [Steps by rows] in
+  ``graphddp/runtime/row_steps.py``).
 * **The key**: an int naming (the DDP's target, the bucket's parameter names), made when the graph is compiled.
   The target is held weakly: a node of a freed DDP steps nothing.
 """
@@ -45,6 +50,8 @@ class StepsParameters(Protocol):
     """What a node's key refers to: steps a bucket's parameters, given their averaged gradients."""
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None: ...
+
+    def step_rows(self, name: str, start: int, grad: torch.Tensor) -> None: ...
 
 
 _keys = itertools.count()
@@ -68,6 +75,16 @@ def step_bucket(key: int, grads: list[torch.Tensor]) -> torch.Tensor:
     if target is not None:
         target.step_bucket(entry[1], grads)  # type: ignore[index]
     return grads[0].new_zeros(1, dtype=torch.float32)
+
+
+def step_rows(key: int, position: int, start: int, grad: torch.Tensor) -> None:
+    """Rows ``[start, start + len(grad))`` of the parameter at ``position`` of bucket ``key``'s step stepped with
+    ``grad``, their averaged gradient, before its step node steps the rest (Note [Steps by rows]); what
+    ``graphddp::wait_blocks_`` calls as each block's wait returns."""
+    entry = _buckets.get(key)
+    target = entry[0]() if entry is not None else None
+    if target is not None:
+        target.step_rows(entry[1][position], start, grad)  # type: ignore[index]
 
 
 @step_bucket.register_fake

@@ -32,10 +32,13 @@ below that the measured sign did not follow the predicted one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .row_steps import RowSteps
 
 if TYPE_CHECKING:
     from .buckets import FlatBucket
@@ -46,6 +49,8 @@ SUPPORTED = (
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
 )
 """Optimizers whose update of a parameter depends only on that parameter's gradient and state."""
+
+_NONE: Mapping[int, torch.Tensor] = types.MappingProxyType({})
 
 
 class NoStep:
@@ -82,6 +87,8 @@ class StepPerBucket:
                 "backward."
             )
         self.optimizer = optimizer
+        self.rows = RowSteps(optimizer)
+        """Big parameters stepped block by block in the compiled backward (Note [Steps by rows])."""
 
     @staticmethod
     def reduced(launcher: Launcher) -> Iterator[tuple[FlatBucket, torch.Tensor]]:
@@ -98,25 +105,41 @@ class StepPerBucket:
     @torch.no_grad()
     def step_with(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """Step ``params`` with ``grads`` in ``.grad`` for the call (added to what ``.grad`` holds, as autograd
-        will add them), then ``.grad`` as it was (Note [Steps in the compiled backward])."""
-        held = [p.grad for p in params]
+        will add them), then ``.grad`` as it was (Note [Steps in the compiled backward]); a parameter some of
+        whose rows were stepped already (``step_rows``) only has the rest stepped (Note [Steps by rows])."""
+        whole = []
+        for p, g in zip(params, grads):
+            if self.rows.is_open(p):
+                self.rows.finish(p, g, self.step_only)
+            else:
+                whole.append((p, g))
+        held = [p.grad for p, _ in whole]
         try:
-            for p, g, h in zip(params, grads, held):
+            for (p, g), h in zip(whole, held):
                 p.grad = g if h is None else h + g
-            self.step_only(params)
+            self.step_only([p for p, _ in whole])
         finally:
-            for p, h in zip(params, held):
+            for (p, _), h in zip(whole, held):
                 p.grad = h
 
     @torch.no_grad()
-    def step_only(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """``optimizer.step()`` for ``params`` only (Note [Optimizer overlap])."""
+    def step_rows(self, param: torch.nn.Parameter, start: int, grad: torch.Tensor) -> None:
+        """Step rows ``[start, start + len(grad))`` of ``param`` with ``grad``, their averaged gradient, before
+        the rest of it (Note [Steps by rows])."""
+        self.rows.step(param, start, grad, self.step_only)
+
+    @torch.no_grad()
+    def step_only(self, params: Sequence[torch.Tensor], *, standing_in: Mapping[int, torch.Tensor] = _NONE) -> None:
+        """``optimizer.step()`` for ``params`` only (Note [Optimizer overlap]), each parameter whose id is in
+        ``standing_in`` replaced in its group by that tensor for the call (Note [Steps by rows])."""
+        if not params:
+            return
         wanted = {id(p) for p in params}
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
             for group, all_params in zip(groups, everything):
-                group["params"] = [p for p in all_params if id(p) in wanted]
+                group["params"] = [standing_in.get(id(p), p) for p in all_params if id(p) in wanted]
             self.optimizer.step()
         finally:
             for group, all_params in zip(groups, everything):

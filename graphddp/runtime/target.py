@@ -187,6 +187,13 @@ class ReducerTarget:
         if self._stepper is not None:
             self._stepper.step_with([self._by_name[n] for n in names], grads)
 
+    def step_rows(self, name: str, start: int, grad: torch.Tensor) -> None:
+        """A block of a big gradient is averaged: step those rows of parameter ``name`` now (``grad``: the block,
+        [rows, ...] or flattened per row; Note [Steps by rows])."""
+        if self._stepper is not None:
+            param = self._by_name[name]
+            self._stepper.step_rows(param, start, grad.view(-1, *param.shape[1:]))
+
     def block_in_graph(self, reason: str) -> None:
         """A feature that needs the Reducer's hooks is on (``step_in_backward``): graphs compiled from now stay split."""
         if reason not in self._blockers:

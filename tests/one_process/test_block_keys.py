@@ -23,7 +23,7 @@ def test_two_gradients_in_one_storage_keep_their_blocks_apart() -> None:
     torch.ops.graphddp.reduce_block_(first, rows, by, 6, 1.0, group, False)
     assert len(in_graph_blocks._pending) == 2
     for gradient in (first, second):
-        torch.ops.graphddp.wait_blocks_(gradient, [], [])
+        torch.ops.graphddp.wait_blocks_(gradient, [], [], -1, -1)
     assert not in_graph_blocks._pending
     torch.testing.assert_close(pool, torch.tensor([[5.0] * 12, [5.0] * 6 + [0.0] * 6]))
 

@@ -129,7 +129,7 @@ def test_a_big_gradients_blocks_are_given_back_once_waited(caplog) -> None:  # t
     box: list[object] = [in_graph_blocks._pending[gradient.untyped_storage().data_ptr()][0][1]]  # block 2's Work
     thread, dropped = late_holder(box, "given_back")
     with caplog.at_level(logging.WARNING, logger="graphddp.runtime.launch_context"):
-        torch.ops.graphddp.wait_blocks_(gradient, [], [])
+        torch.ops.graphddp.wait_blocks_(gradient, [], [], -1, -1)
     assert dropped.is_set(), "wait_blocks_ returned before the block's collective gave it back"
     assert caplog.text == ""
     torch.testing.assert_close(gradient, torch.full((4, 3), 5.0))  # ones(2, 5) @ ones(5, 3), summed over one rank

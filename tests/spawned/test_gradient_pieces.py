@@ -112,3 +112,53 @@ def test_a_big_weight_gradient_goes_in_blocks_with_pytorchs_gradients(layout: st
 @pytest.mark.parametrize(("world", "inner"), [(3, "aot_eager"), (2, "inductor")])
 def test_blocks_on_three_ranks_and_under_inductor(world: int, inner: str, layout: str) -> None:
     check(run_on_ranks(train_in_pieces, world, inner, layout))
+
+
+def train_stepping_in_pieces(rank: int, world: int, inner: str, layout: str) -> list[int]:
+    """``step_in_backward`` with the big gradient in blocks: parameters and AdamW's state against PyTorch's DDP and
+    ``optimizer.step()`` after each of five steps; per step, how many blocks were stepped on their own (Note
+    [Steps by rows])."""
+    from graphddp.runtime.optimizer_overlap import StepPerBucket
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model_class, caps, _ = LAYOUTS[layout]
+    model = model_class()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = graphddp.DDP(model, **caps)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ddp, ref))
+    ddp.step_in_backward(opt)
+    compiled = torch.compile(ddp, backend=graphddp.backend(inner, reduction="in_graph"))
+    outputs = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+    stepped, step_rows = [], StepPerBucket.step_rows
+
+    def counting(self: StepPerBucket, *args: object) -> None:
+        stepped[-1] += 1
+        return step_rows(self, *args)
+
+    StepPerBucket.step_rows = counting  # type: ignore[method-assign]
+    try:
+        for step in range(5):
+            stepped.append(0)
+            x, y = batch(step, rank, outputs)
+            for module in (compiled, ref):
+                F.mse_loss(module(x), y).backward()
+            ref_opt.step()
+            opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key])
+    finally:
+        StepPerBucket.step_rows = step_rows  # type: ignore[method-assign]
+    return stepped
+
+
+@pytest.mark.parametrize("layout", ["shrinking", pytest.param("growing", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("world", "inner"), [(2, "aot_eager"), pytest.param(3, "aot_eager", marks=pytest.mark.slow),
+                                              pytest.param(2, "inductor", marks=pytest.mark.slow)])  # fmt: skip
+def test_a_big_gradients_blocks_are_stepped_as_they_come_in(world: int, inner: str, layout: str) -> None:
+    for stepped in run_on_ranks(train_stepping_in_pieces, world, inner, layout):
+        # The first step runs split (the plan is agreed during it): the Reducer steps each bucket whole. Then
+        # in-graph: blocks 1-3 stepped as their waits return, block 0 with the bucket's step node.
+        assert stepped == [0, 3, 3, 3, 3], stepped

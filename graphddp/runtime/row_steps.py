@@ -1,0 +1,153 @@
+"""A big parameter stepped block by block, as its gradient's blocks come off the link.
+
+Note [Steps by rows]
+~~~~~~~~~~~~~~~~~~~~
+In-graph, a big gradient goes in blocks of rows (Note [Gradient pieces] in ``passes/plan.py``), each all-reduced
+on its own, and an optimizer stepping in backward steps each bucket after its wait (Note [Steps in the compiled
+backward]). Stepped whole, the bucket holding the gradient completed last is stepped after the link is done: the
+bench MLP's first 64 MiB weight, ~90 ms of AdamW on a 2-vCPU host, all of it after the last all-reduce. The
+optimizers ``step_in_backward`` accepts (``SUPPORTED`` in ``graphddp/runtime/optimizer_overlap.py``) update each
+element from that element's gradient and state alone, so a parameter's rows can be stepped one block at a time,
+each as soon as its block is averaged, while the later blocks are still on the link; only the last block's step
+is left after it.
+
+``RowSteps`` does it with the user's own optimizer, unchanged: for rows ``[a, b)`` it hands ``optimizer.step()``
+(its groups narrowed to that parameter, Note [Optimizer overlap]) a stand-in, ``param.detach()[a:b]``, which shares
+the parameter's memory, with the block's gradient, and as its state the rows ``[a, b)`` of each state tensor shaped
+like the parameter (views: the optimizer's in-place updates land in the parameter's own state) and a copy of each
+other entry (``step``, NAdam's ``mu_product``). Those others change once per ``optimizer.step()`` of the whole
+parameter, so every block starts from the value before this iteration, and the last block's is kept when the
+parameter is finished (``finish``: the rows no block stepped, with the bucket's own step node). A first step,
+with no state yet, lets the optimizer create each block's, and ``finish`` puts them together in row order. The
+result is the whole step's, element for element (``tests/one_process/test_row_steps.py``, every supported
+optimizer).
+
+Where: ``graphddp::wait_blocks_`` (``graphddp/runtime/in_graph_blocks.py``) steps each block written in place
+after its own wait, in the order the blocks were sent (Note [Blocks written in place]); the bucket's step node
+then finishes the parameter with its first block, copied in last, and steps the bucket's other parameters whole.
+A block the pass could not write in place (one cast for the wire by ``fp16_compress_hook``) is not stepped
+alone: its parameter is stepped whole by the step node, as before. A backward abandoned half-way leaves a
+parameter partly stepped, as it leaves the buckets stepped before it; the next block of that parameter starts it
+afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+StepOnly = Callable[..., None]
+"""``StepPerBucket.step_only(params, standing_in=...)``: ``optimizer.step()`` for ``params`` only, each parameter
+whose id is in ``standing_in`` replaced in its group by that tensor for the call."""
+
+
+@dataclasses.dataclass
+class _Open:
+    """A parameter some of whose rows this iteration has stepped."""
+
+    param: torch.Tensor
+    fresh: bool
+    """No optimizer state before this iteration: each block's state is kept and put together at ``finish``."""
+    covered: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks: list[tuple[int, dict[Any, Any]]] = dataclasses.field(default_factory=list)
+    """``fresh`` only: each block's first row and the state the optimizer made for it."""
+    others: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    """The entries not shaped like the parameter, as the latest block left them."""
+
+
+def _by_rows(value: Any, shape: torch.Size) -> bool:
+    """A state entry kept per element: sliced by rows like the parameter."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class RowSteps:
+    """The rows of big parameters stepped block by block (Note [Steps by rows])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._state = optimizer.state
+        self._open: dict[int, _Open] = {}
+
+    def is_open(self, param: torch.Tensor) -> bool:
+        """Some rows of ``param`` were stepped this iteration: ``finish`` it."""
+        return id(param) in self._open
+
+    def step(self, param: torch.Tensor, start: int, grad: torch.Tensor, step_only: StepOnly) -> None:
+        """Step rows ``[start, start + len(grad))`` of ``param`` with ``grad`` (added to those rows of ``.grad``,
+        as autograd will add the whole averaged gradient)."""
+        opened = self._open.get(id(param))
+        stop = start + grad.shape[0]
+        if opened is not None and any(a < stop and start < b for a, b in opened.covered):
+            logger.warning(
+                "graphddp: rows %d-%d of a parameter of shape %s were stepped again before the rest of it: the "
+                "backward before was abandoned half-way; its stepped rows stay stepped", start, stop, tuple(param.shape),
+            )  # fmt: skip
+            self._open.pop(id(param))
+            opened = None
+        if opened is None:
+            opened = self._open[id(param)] = _Open(param, fresh=not self._state.get(param))
+        self._step_rows(opened, start, stop, grad, step_only)
+
+    def finish(self, param: torch.Tensor, grad: torch.Tensor, step_only: StepOnly) -> None:
+        """Step the rows of ``param`` no block stepped with ``grad``'s (the whole averaged gradient), and settle its
+        optimizer state: the entries every block started from, the blocks' states put together on a first step."""
+        opened = self._open.pop(id(param))
+        start = 0
+        for a, b in [*sorted(opened.covered), (param.shape[0], param.shape[0])]:
+            if start < a:
+                self._step_rows(opened, start, a, grad[start:a], step_only)
+            start = max(start, b)
+        whole = self._state[param]
+        if opened.fresh:  # each block's state, made by the optimizer: its rows in row order
+            blocks = [state for _, state in sorted(opened.blocks, key=lambda block: block[0])]
+            for key in blocks[0].keys() - opened.others.keys():
+                whole[key] = torch.cat([state[key] for state in blocks])
+        for key, value in opened.others.items():
+            current = whole.get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
+                current.copy_(value)  # the same tensor, as the optimizer made it (a capturable step's device)
+            else:
+                whole[key] = value
+
+    def _step_rows(self, opened: _Open, start: int, stop: int, grad: torch.Tensor, step_only: StepOnly) -> None:
+        param = opened.param
+        rows = param.detach()[start:stop]  # the parameter's own memory: the optimizer writes its rows
+        held = param.grad
+        rows.grad = grad if held is None else held[start:stop] + grad
+        given = {} if opened.fresh else {
+            key: value[start:stop] if _by_rows(value, param.shape) else _copied(value)
+            for key, value in self._state[param].items()
+        }  # fmt: skip
+        self._state[rows] = dict(given)
+        try:
+            step_only([param], standing_in={id(param): rows})
+        finally:
+            made = self._state.pop(rows, {})
+        self._keep(opened, start, stop, given, made)
+
+    @staticmethod
+    def _keep(opened: _Open, start: int, stop: int, given: Mapping[Any, Any], made: Mapping[Any, Any]) -> None:
+        """What the optimizer left in a block's state: row entries stay where they are (a replaced one is written
+        back into the parameter's), the others are kept for ``finish``."""
+        shape = torch.Size([stop - start, *opened.param.shape[1:]])
+        for key, value in made.items():
+            if opened.fresh and _by_rows(value, shape):
+                continue  # kept with the block's state below
+            if key in given and _by_rows(given[key], shape):
+                if value is not given[key]:
+                    given[key].copy_(value)
+            else:
+                opened.others[key] = value
+        if opened.fresh:
+            opened.blocks.append((start, dict(made)))
+        opened.covered.append((start, stop))
+

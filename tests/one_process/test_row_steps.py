@@ -1,0 +1,79 @@
+"""Note [Steps by rows]: a parameter's rows stepped block by block, then finished with the rows no block stepped,
+leave the parameter and the optimizer's state exactly as one ``optimizer.step()`` over it: every optimizer
+``step_in_backward`` accepts, from the first step (no state yet) on, blocks in any order, gradients held in
+``.grad`` or not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from graphddp.runtime.optimizer_overlap import SUPPORTED, StepPerBucket
+
+OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.1}),  # no state at all
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.Adadelta, {"lr": 1.0}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.NAdam, {"lr": 0.01}),  # mu_product: a scalar each block starts from
+    (torch.optim.RAdam, {"lr": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+]
+
+
+def test_every_supported_optimizer_is_covered() -> None:
+    assert {cls for cls, _ in OPTIMIZERS} == set(SUPPORTED)
+
+
+def _state_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
+    return [dict(opt.state[p]) for p in params]
+
+
+@pytest.mark.parametrize(("cls", "options"), OPTIMIZERS, ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("held", [False, True], ids=["grad-none", "grad-held"])
+def test_rows_stepped_in_blocks_equal_one_step(cls: type, options: dict, held: bool) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(12, 5)), torch.nn.Parameter(torch.randn(5))
+    ref = [copy.deepcopy(weight), copy.deepcopy(bias)]
+    mine, theirs = cls([weight, bias], **options), cls(ref, **options)
+    stepper = StepPerBucket(mine, [weight, bias])
+    for step in range(4):
+        g_weight, g_bias = torch.randn(12, 5), torch.randn(5)
+        before = [torch.randn(12, 5), torch.randn(5)] if held else [None, None]
+        for p, h in zip([weight, bias], before):
+            p.grad = h
+        # The blocks as wait_blocks_ steps them (sent last first here), then the step node with the first rows.
+        for start, stop in [(8, 12), (4, 8)] if step % 2 else [(4, 8), (8, 12)]:
+            stepper.step_rows(weight, start, g_weight[start:stop])
+        stepper.step_with([weight, bias], [g_weight, g_bias])
+        for p, h, g in zip(ref, before, [g_weight, g_bias]):
+            p.grad = g if h is None else h + g
+        theirs.step()
+        assert weight.grad is before[0] and bias.grad is before[1]  # .grad as it was: autograd adds the average
+        for p, q in zip([weight, bias], ref):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        for mine_state, their_state in zip(_state_of(mine, [weight, bias]), _state_of(theirs, ref)):
+            assert mine_state.keys() == their_state.keys()
+            for key, value in their_state.items():
+                torch.testing.assert_close(mine_state[key], value, rtol=0, atol=0)
+    assert not stepper.rows.is_open(weight)
+    assert len(mine.state) == 2  # no stand-in's state left behind
+
+
+def test_rows_stepped_again_before_the_rest_start_the_parameter_afresh(caplog: pytest.LogCaptureFixture) -> None:
+    """A backward abandoned after some blocks: the next backward's blocks do not mix with its rows."""
+    weight = torch.nn.Parameter(torch.zeros(4, 2))
+    stepper = StepPerBucket(torch.optim.SGD([weight], lr=1.0), [weight])
+    stepper.step_rows(weight, 2, torch.ones(2, 2))  # abandoned after this block
+    stepper.step_rows(weight, 2, torch.ones(2, 2))
+    stepper.step_with([weight], [torch.ones(4, 2)])
+    assert "stepped again before the rest" in caplog.text
+    torch.testing.assert_close(weight.detach(), torch.tensor([[-1.0, -1.0]] * 2 + [[-2.0, -2.0]] * 2))
+    assert not stepper.rows.is_open(weight)
