@@ -132,7 +132,8 @@ def torch_buckets(specs_in_ready_order: list[ParamSpec], *, bucket_cap_mb: float
 
 def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[int, ...]:
     """Per all-reduce of ``inputs``: the bytes of the parameters whose optimizer step it is the last to wait for.
-    A bucket in pieces steps once its last piece is in, and a tied table's part with the table's rows
+    A bucket in pieces steps each block's rows once that block is in and the rest with its last block (Note [Steps
+    by rows]), and a tied table's part with the table's rows
     (``bench.worker.bucket_layout``'s ``stepped``); without that record (PyTorch's modes, older runs), each
     all-reduce steps its own bytes."""
     layout = summary["buckets"].get(mode) or []

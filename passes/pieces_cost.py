@@ -10,8 +10,9 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
 gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
 block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
-in place]) runs after the last block's wait (``StepInputs.tail_per_bucket_s``), and an optimizer step per bucket
-after that. Every block goes on its bucket's channel (``StepInputs.bucket_of``).
+in place]) runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
+steps each block's rows after its wait and the rest of the bucket after the last block's (its seconds shared out
+by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]). Every block goes on its bucket's channel (``StepInputs.bucket_of``).
 A whole bucket the same segment completes counts as complete with the first block after it in plan order (a
 bucket before a big one: with its block 0, which is late by that block's matmul; one after every big one: at
 the segment's end). ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands
@@ -100,6 +101,7 @@ def step_inputs_in_pieces(
             left -= matmul
             scale = inputs.bucket_bytes[bucket.index] / bucket.nbytes  # as sent (a compressing hook's wire dtype)
             sizes = [round(n * scale) for n in bucket.piece_bytes]
+            stepped = bucket.piece_stepped_bytes  # each block's rows stepped once it is in (Note [Steps by rows])
             for j, (r, size) in enumerate(zip(rows, sizes)):
                 segments.append(matmul * r / total)
                 segment_of.append((p, j))
@@ -109,7 +111,7 @@ def step_inputs_in_pieces(
                 sends.append((bucket.index, j))
                 last = j == len(rows) - 1
                 tails.append(tail + assembly_seconds_per_byte * bucket.assembled_bytes if last else 0.0)
-                steps.append(step if last else 0.0)
+                steps.append(step * stepped[j] / sum(stepped) if sum(stepped) else 0.0)
         segments.append(left)  # the segment's other work (all of it, without a big gradient)
         segment_of.append((p, None))
         completed = [len(segments) - 1 if c is None else c for c in completed]

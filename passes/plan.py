@@ -384,6 +384,22 @@ class Bucket:
         return (self.nbytes - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:]))
 
     @property
+    def piece_stepped_bytes(self) -> tuple[int, ...]:
+        """Per all-reduce of ``piece_bytes``: the bytes of parameters an optimizer stepping in backward steps once
+        it is in (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``): a block written in place, its rows;
+        the last block also the first block's rows and the bucket's other parameters, which the bucket's step
+        node steps after it; the first block, sent with those, none. A tied table's part is stepped with its
+        table, not here; its blocks are not stepped alone. (A block cast for the wire by ``fp16_compress_hook``
+        is not written in place, so its rows are stepped with the last: this counts them early.)"""
+        stepped = sum(p.nbytes for p in self.params if not p.part)
+        if self.pieces is None:
+            return (stepped,)
+        big, rows = self.pieces
+        per_row = self.params[big].nbytes // sum(rows)
+        early = [0 if self.params[big].part else per_row * r for r in rows[1:-1]]  # all but the last block's
+        return (0, *early, stepped - sum(early))
+
+    @property
     def assembled_bytes(self) -> int:
         """Bytes copied into its big gradient once the last block is in, reduced in-graph: the first block's, which
         travels with the bucket's small gradients; the other blocks are written in place (Note [Blocks written in
