@@ -248,11 +248,11 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
         if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
             layout += [
                 {"bytes": n, "sent": n, "row_sparse": False, "stepped": stepped, "assembled": 0, "bucket": b.index}
-                for n, stepped in zip(b.piece_bytes, b.piece_stepped_bytes)  # a block's rows stepped once it is in
+                for n, stepped in zip(b.piece_bytes, b.piece_stepped_bytes())  # a block's rows stepped once it is in
             ]  # fmt: skip
             layout[-1]["assembled"] = b.assembled_bytes  # then its first block is copied into the gradient
             continue
-        (stepped,) = b.piece_stepped_bytes  # a part's table steps with the table's own bucket
+        (stepped,) = b.piece_stepped_bytes()  # a part's table steps with the table's own bucket
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
         sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes
         layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped, "assembled": 0, "bucket": b.index})

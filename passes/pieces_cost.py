@@ -11,8 +11,9 @@ with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` ro
 gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
 block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
 in place]) runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
-steps each block's rows after its wait and the rest of the bucket after the last block's (its seconds shared out
-by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]). Every block goes on its bucket's channel (``StepInputs.bucket_of``).
+steps each block's rows after its wait and the bucket's other parameters with the last block's (its seconds shared
+out by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]; all with the last block where a compressing hook casts
+the blocks for the wire: they are not written in place). Every block goes on its bucket's channel (``StepInputs.bucket_of``).
 A whole bucket the same segment completes counts as complete with the first block after it in plan order (a
 bucket before a big one: with its block 0, which is late by that block's matmul; one after every big one: at
 the segment's end). ``PiecesLayout`` says which bucket and segment of the plan each of the model's nodes stands
@@ -101,7 +102,8 @@ def step_inputs_in_pieces(
             left -= matmul
             scale = inputs.bucket_bytes[bucket.index] / bucket.nbytes  # as sent (a compressing hook's wire dtype)
             sizes = [round(n * scale) for n in bucket.piece_bytes]
-            stepped = bucket.piece_stepped_bytes  # each block's rows stepped once it is in (Note [Steps by rows])
+            # each block's rows stepped once it is in (Note [Steps by rows]), where not cast for the wire
+            stepped = bucket.piece_stepped_bytes(blocks_in_place=inputs.bucket_bytes[bucket.index] == bucket.nbytes)
             for j, (r, size) in enumerate(zip(rows, sizes)):
                 segments.append(matmul * r / total)
                 segment_of.append((p, j))

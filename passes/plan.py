@@ -383,21 +383,20 @@ class Bucket:
         per_row = self.params[big].nbytes // sum(rows)
         return (self.nbytes - per_row * sum(rows[1:]), *(per_row * r for r in rows[1:]))
 
-    @property
-    def piece_stepped_bytes(self) -> tuple[int, ...]:
+    def piece_stepped_bytes(self, *, blocks_in_place: bool = True) -> tuple[int, ...]:
         """Per all-reduce of ``piece_bytes``: the bytes of parameters an optimizer stepping in backward steps once
-        it is in (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``): a block written in place, its rows;
-        the last block also the first block's rows and the bucket's other parameters, which the bucket's step
-        node steps after it; the first block, sent with those, none. A tied table's part is stepped with its
-        table, not here; its blocks are not stepped alone. (A block cast for the wire by ``fp16_compress_hook``
-        is not written in place, so its rows are stepped with the last: this counts them early.)"""
+        it is in (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``). With the blocks written in place
+        (Note [Blocks written in place]), each block its own rows, the last also the bucket's other parameters,
+        which its step node steps after it. Not in place (``blocks_in_place=False``: cast for the wire by a
+        compressing comm hook), and for a tied table's part (stepped with its table), the whole bucket with the
+        last block."""
         stepped = sum(p.nbytes for p in self.params if not p.part)
         if self.pieces is None:
             return (stepped,)
         big, rows = self.pieces
         per_row = self.params[big].nbytes // sum(rows)
-        early = [0 if self.params[big].part else per_row * r for r in rows[1:-1]]  # all but the last block's
-        return (0, *early, stepped - sum(early))
+        early = [0 if self.params[big].part or not blocks_in_place else per_row * r for r in rows[:-1]]
+        return (*early, stepped - sum(early))
 
     @property
     def assembled_bytes(self) -> int:

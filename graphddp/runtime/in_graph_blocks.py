@@ -65,18 +65,30 @@ def reduce_block_(
 @torch.library.custom_op(WAIT_BLOCKS_OP, mutates_args=("gradient",), tags=CUDAGRAPH_UNSAFE)
 def wait_blocks_(gradient: torch.Tensor, copies: list[torch.Tensor], offsets: list[int], step: int, position: int) -> None:
     """Wait for ``gradient``'s blocks' all-reduces, then copy each of ``copies`` into it at its offset. With a
-    ``step`` key (-1: none), each block's rows are stepped as its wait returns: the parameter at ``position`` of
-    that bucket's step node (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``)."""
+    ``step`` key (-1: none), the copies' rows are stepped first and each block's as its wait returns: the
+    parameter at ``position`` of that bucket's step node (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``)."""
     works, blocks = _pending.pop(gradient.data_ptr(), ([], []))
+    flat = gradient.view(-1)
     if step < 0:
         settle(works, blocks, "a gradient block")
-    else:
-        while works:  # in the order they were sent: each block stepped while the later ones travel
+        _copy_in(flat, copies, offsets)
+        return
+    # The copies (the first block, sent with the bucket's small gradients) are in already: copied and stepped
+    # first; then the blocks in the order they were sent, each stepped while the later ones travel.
+    _copy_in(flat, copies, offsets)
+    try:
+        for copy, offset in zip(copies, offsets):
+            step_rows(step, position, offset, copy)
+        while works:
             one, block = [works.pop(0)], blocks.pop(0)
             settle(one, [block], "a gradient block")
-            start = (block.storage_offset() - gradient.storage_offset()) // block.shape[1]  # its first row
-            step_rows(step, position, start, block)
-    flat = gradient.view(-1)
+            step_rows(step, position, block.storage_offset() - gradient.storage_offset(), block)
+    except BaseException:
+        settle(works, blocks, "a gradient block")  # a step raised: the blocks still in flight waited for first
+        raise
+
+
+def _copy_in(flat: torch.Tensor, copies: list[torch.Tensor], offsets: list[int]) -> None:
     for copy, offset in zip(copies, offsets):
         flat[offset : offset + copy.numel()].copy_(copy.reshape(-1))
 

@@ -26,9 +26,9 @@ the same averages into ``.grad`` when the compiled backward returns, as without 
   a graph break, which Dynamo compiles into graphs of one parameter set) raises before it runs, on every rank.
 * **A big gradient's blocks**: where the gradient is sent in blocks written in place (Note [Gradient pieces],
   Note [Blocks written in place]), ``graphddp::wait_blocks_`` is handed the step node's key and steps each
-  block's rows as the block's wait returns, so only the last block's rows are stepped after the link is done;
-  the step node finishes the parameter with its first block (Note [Steps by rows] in
-  ``graphddp/runtime/row_steps.py``).
+  block's rows as the block is in (the first block's at once, the others as their waits return), so only the
+  last block's rows and the bucket's small parameters are stepped after the link is done (Note [Steps by rows]
+  in ``graphddp/runtime/row_steps.py``).
 * **The key**: an int naming (the DDP's target, the bucket's parameter names), made when the graph is compiled.
   The target is held weakly: a node of a freed DDP steps nothing.
 """
@@ -51,7 +51,7 @@ class StepsParameters(Protocol):
 
     def step_bucket(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None: ...
 
-    def step_rows(self, name: str, start: int, grad: torch.Tensor) -> None: ...
+    def step_rows(self, name: str, offset: int, grad: torch.Tensor) -> None: ...
 
 
 _keys = itertools.count()
@@ -77,14 +77,14 @@ def step_bucket(key: int, grads: list[torch.Tensor]) -> torch.Tensor:
     return grads[0].new_zeros(1, dtype=torch.float32)
 
 
-def step_rows(key: int, position: int, start: int, grad: torch.Tensor) -> None:
-    """Rows ``[start, start + len(grad))`` of the parameter at ``position`` of bucket ``key``'s step stepped with
-    ``grad``, their averaged gradient, before its step node steps the rest (Note [Steps by rows]); what
-    ``graphddp::wait_blocks_`` calls as each block's wait returns."""
+def step_rows(key: int, position: int, offset: int, grad: torch.Tensor) -> None:
+    """The rows of the parameter at ``position`` of bucket ``key``'s step that start at element ``offset`` of it
+    (flattened) stepped with ``grad``, their averaged gradient, before its step node steps the rest (Note [Steps by
+    rows]); what ``graphddp::wait_blocks_`` calls for each block."""
     entry = _buckets.get(key)
     target = entry[0]() if entry is not None else None
     if target is not None:
-        target.step_rows(entry[1][position], start, grad)  # type: ignore[index]
+        target.step_rows(entry[1][position], offset, grad)  # type: ignore[index]
 
 
 @step_bucket.register_fake

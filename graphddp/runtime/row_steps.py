@@ -4,12 +4,12 @@ Note [Steps by rows]
 ~~~~~~~~~~~~~~~~~~~~
 In-graph, a big gradient goes in blocks of rows (Note [Gradient pieces] in ``passes/plan.py``), each all-reduced
 on its own, and an optimizer stepping in backward steps each bucket after its wait (Note [Steps in the compiled
-backward]). Stepped whole, the bucket holding the gradient completed last is stepped after the link is done: the
-bench MLP's first 64 MiB weight, ~90 ms of AdamW on a 2-vCPU host, all of it after the last all-reduce. The
-optimizers ``step_in_backward`` accepts (``SUPPORTED`` in ``graphddp/runtime/optimizer_overlap.py``) update each
-element from that element's gradient and state alone, so a parameter's rows can be stepped one block at a time,
-each as soon as its block is averaged, while the later blocks are still on the link; only the last block's step
-is left after it.
+backward]). Stepped whole, the bucket holding the gradient completed last is stepped after the link is done (the
+bench MLP's first weight, 16 MiB, 10-20 ms of AdamW on a 2-vCPU host), and a big gradient's step waits for its
+last block while the link sends the next bucket. The optimizers ``step_in_backward`` accepts (``SUPPORTED`` in
+``graphddp/runtime/optimizer_overlap.py``) update each element from that element's gradient and state alone, so a
+parameter's rows can be stepped one block at a time, each as soon as its block is averaged, while the later
+blocks are still on the link; only the last block's rows and the bucket's small parameters are left after it.
 
 ``RowSteps`` does it with the user's own optimizer, unchanged: for rows ``[a, b)`` it hands ``optimizer.step()``
 (its groups narrowed to that parameter, Note [Optimizer overlap]) a stand-in, ``param.detach()[a:b]``, which shares
@@ -22,13 +22,14 @@ with no state yet, lets the optimizer create each block's, and ``finish`` puts t
 result is the whole step's, element for element (``tests/one_process/test_row_steps.py``, every supported
 optimizer).
 
-Where: ``graphddp::wait_blocks_`` (``graphddp/runtime/in_graph_blocks.py``) steps each block written in place
-after its own wait, in the order the blocks were sent (Note [Blocks written in place]); the bucket's step node
-then finishes the parameter with its first block, copied in last, and steps the bucket's other parameters whole.
-A block the pass could not write in place (one cast for the wire by ``fp16_compress_hook``) is not stepped
-alone: its parameter is stepped whole by the step node, as before. A backward abandoned half-way leaves a
-parameter partly stepped, as it leaves the buckets stepped before it; the next block of that parameter starts it
-afresh.
+Where: ``graphddp::wait_blocks_`` (``graphddp/runtime/in_graph_blocks.py``, Note [Blocks written in place]) first
+copies in and steps the blocks it copies (the first block, sent with the bucket's small gradients, waited for
+already), then each block written in place after its own wait, in the order the blocks were sent; the bucket's
+step node then finishes the parameter (no rows left, only the state to settle) and steps the bucket's other
+parameters whole. Where no block could be written in place (cast for the wire by ``fp16_compress_hook``) there
+is no ``wait_blocks_``, and the step node steps the parameter whole, as before. The optimizer's step hooks run
+once per block, and see the stand-in in its group. A backward abandoned half-way leaves a parameter partly
+stepped, as it leaves the buckets stepped before it; the next forward forgets it (``forget``), with a warning.
 """
 
 from __future__ import annotations
@@ -74,8 +75,18 @@ class RowSteps:
     """The rows of big parameters stepped block by block (Note [Steps by rows])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._state = optimizer.state
+        self._optimizer = optimizer  # its ``state`` read at each use: ``load_state_dict`` puts in a new dict
         self._open: dict[int, _Open] = {}
+
+    def forget(self) -> None:
+        """A forward begins: a parameter still open was left by a backward abandoned half-way (a backward's blocks
+        and its step node run in that backward), its stepped rows stay stepped; the next starts afresh."""
+        if self._open:
+            logger.warning(
+                "graphddp: %d parameter(s) were stepped in part by a backward that stopped before its end; their "
+                "stepped rows stay stepped (Note [Steps by rows])", len(self._open),
+            )  # fmt: skip
+            self._open.clear()
 
     def is_open(self, param: torch.Tensor) -> bool:
         """Some rows of ``param`` were stepped this iteration: ``finish`` it."""
@@ -84,17 +95,18 @@ class RowSteps:
     def step(self, param: torch.Tensor, start: int, grad: torch.Tensor, step_only: StepOnly) -> None:
         """Step rows ``[start, start + len(grad))`` of ``param`` with ``grad`` (added to those rows of ``.grad``,
         as autograd will add the whole averaged gradient)."""
+        if not any(p is param for group in self._optimizer.param_groups for p in group["params"]):
+            return  # not the optimizer's: nothing steps it (a frozen parameter left out of it)
         opened = self._open.get(id(param))
         stop = start + grad.shape[0]
         if opened is not None and any(a < stop and start < b for a, b in opened.covered):
             logger.warning(
                 "graphddp: rows %d-%d of a parameter of shape %s were stepped again before the rest of it: the "
-                "backward before was abandoned half-way; its stepped rows stay stepped", start, stop, tuple(param.shape),
+                "backward before stopped half-way; its stepped rows stay stepped", start, stop, tuple(param.shape),
             )  # fmt: skip
-            self._open.pop(id(param))
             opened = None
         if opened is None:
-            opened = self._open[id(param)] = _Open(param, fresh=not self._state.get(param))
+            opened = self._open[id(param)] = _Open(param, fresh=not self._optimizer.state.get(param))
         self._step_rows(opened, start, stop, grad, step_only)
 
     def finish(self, param: torch.Tensor, grad: torch.Tensor, step_only: StepOnly) -> None:
@@ -106,9 +118,11 @@ class RowSteps:
             if start < a:
                 self._step_rows(opened, start, a, grad[start:a], step_only)
             start = max(start, b)
-        whole = self._state[param]
+        blocks = [state for _, state in sorted(opened.blocks, key=lambda block: block[0])]
+        if not (opened.others or any(blocks)):
+            return  # an optimizer with no state (SGD without momentum): none made
+        whole = self._optimizer.state[param]
         if opened.fresh:  # each block's state, made by the optimizer: its rows in row order
-            blocks = [state for _, state in sorted(opened.blocks, key=lambda block: block[0])]
             for key in blocks[0].keys() - opened.others.keys():
                 whole[key] = torch.cat([state[key] for state in blocks])
         for key, value in opened.others.items():
@@ -123,15 +137,16 @@ class RowSteps:
         rows = param.detach()[start:stop]  # the parameter's own memory: the optimizer writes its rows
         held = param.grad
         rows.grad = grad if held is None else held[start:stop] + grad
+        state = self._optimizer.state
         given = {} if opened.fresh else {
             key: value[start:stop] if _by_rows(value, param.shape) else _copied(value)
-            for key, value in self._state[param].items()
+            for key, value in state[param].items()
         }  # fmt: skip
-        self._state[rows] = dict(given)
+        state[rows] = dict(given)
         try:
             step_only([param], standing_in={id(param): rows})
         finally:
-            made = self._state.pop(rows, {})
+            made = state.pop(rows, {})
         self._keep(opened, start, stop, given, made)
 
     @staticmethod

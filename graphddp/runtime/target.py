@@ -187,12 +187,15 @@ class ReducerTarget:
         if self._stepper is not None:
             self._stepper.step_with([self._by_name[n] for n in names], grads)
 
-    def step_rows(self, name: str, start: int, grad: torch.Tensor) -> None:
-        """A block of a big gradient is averaged: step those rows of parameter ``name`` now (``grad``: the block,
-        [rows, ...] or flattened per row; Note [Steps by rows])."""
+    def step_rows(self, name: str, offset: int, grad: torch.Tensor) -> None:
+        """A block of a big gradient is averaged: step those rows of parameter ``name`` now (``offset``: the
+        block's first element in the flattened parameter; ``grad``: the block, whole rows, any shape; Note [Steps
+        by rows])."""
         if self._stepper is not None:
             param = self._by_name[name]
-            self._stepper.step_rows(param, start, grad.view(-1, *param.shape[1:]))
+            row = param.numel() // param.shape[0]
+            assert offset % row == 0 and grad.numel() % row == 0, (name, offset, grad.shape)  # blocks are whole rows
+            self._stepper.step_rows(param, offset // row, grad.view(-1, *param.shape[1:]))
 
     def block_in_graph(self, reason: str) -> None:
         """A feature that needs the Reducer's hooks is on (``step_in_backward``): graphs compiled from now stay split."""
@@ -223,6 +226,8 @@ class ReducerTarget:
             or self._stepper is not None and len(self._plans.agreed_in_graph) > 1  # steps in-graph: one graph only
         )
         self.gate.begin_forward(grad_enabled=grad_enabled, synchronising=synchronising, needs_hooks=needs_hooks)
+        if self._stepper is not None:  # rows a backward stepped without finishing them (Note [Steps by rows])
+            self._stepper.rows.forget()
 
     def in_graph_wire(self) -> torch.dtype | None:
         """The dtype a graph's in-graph all-reduce sends (None: the gradients' own), as the comm hook in force says

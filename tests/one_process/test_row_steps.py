@@ -57,6 +57,7 @@ def test_rows_stepped_in_blocks_equal_one_step(cls: type, options: dict, held: b
             p.grad = g if h is None else h + g
         theirs.step()
         assert weight.grad is before[0] and bias.grad is before[1]  # .grad as it was: autograd adds the average
+        assert len(mine.state) == len(theirs.state)  # no stand-in's state left behind, no empty entry made
         for p, q in zip([weight, bias], ref):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
         for mine_state, their_state in zip(_state_of(mine, [weight, bias]), _state_of(theirs, ref)):
@@ -64,16 +65,48 @@ def test_rows_stepped_in_blocks_equal_one_step(cls: type, options: dict, held: b
             for key, value in their_state.items():
                 torch.testing.assert_close(mine_state[key], value, rtol=0, atol=0)
     assert not stepper.rows.is_open(weight)
-    assert len(mine.state) == 2  # no stand-in's state left behind
 
 
-def test_rows_stepped_again_before_the_rest_start_the_parameter_afresh(caplog: pytest.LogCaptureFixture) -> None:
-    """A backward abandoned after some blocks: the next backward's blocks do not mix with its rows."""
+def test_a_state_dict_loaded_between_steps_is_the_one_the_rows_use() -> None:
+    """``load_state_dict`` puts a new ``state`` dict in the optimizer: the blocks slice that one."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 3))
+    ref = copy.deepcopy(weight)
+    mine, theirs = torch.optim.Adam([weight], lr=0.1), torch.optim.Adam([ref], lr=0.1)
+    stepper = StepPerBucket(mine, [weight])
+    for step in range(3):
+        if step == 2:  # a checkpoint reloaded
+            mine.load_state_dict(copy.deepcopy(mine.state_dict()))
+        grad = torch.randn(6, 3)
+        stepper.step_rows(weight, 3, grad[3:])
+        stepper.step_with([weight], [grad])
+        ref.grad = grad
+        theirs.step()
+        torch.testing.assert_close(weight, ref, rtol=0, atol=0)
+        torch.testing.assert_close(mine.state[weight]["step"], theirs.state[ref]["step"], rtol=0, atol=0)
+    assert list(mine.state) == [weight]
+    mine.state_dict()  # every state entry is a parameter of a group
+
+
+def test_a_parameter_the_optimizer_does_not_hold_is_left_alone() -> None:
+    frozen_out, stepped = torch.nn.Parameter(torch.ones(4, 2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([stepped], lr=1.0)
+    stepper = StepPerBucket(opt, [frozen_out, stepped])
+    stepper.step_rows(frozen_out, 2, torch.ones(2, 2))
+    stepper.step_with([frozen_out, stepped], [torch.ones(4, 2), torch.ones(2)])
+    torch.testing.assert_close(frozen_out.detach(), torch.ones(4, 2))
+    assert list(opt.state) == [stepped]
+    opt.state_dict()
+
+
+def test_rows_a_backward_left_half_stepped_are_forgotten_at_the_next_forward(caplog: pytest.LogCaptureFixture) -> None:
+    """A backward abandoned after some blocks: its stepped rows stay stepped, the next backward starts afresh."""
     weight = torch.nn.Parameter(torch.zeros(4, 2))
     stepper = StepPerBucket(torch.optim.SGD([weight], lr=1.0), [weight])
     stepper.step_rows(weight, 2, torch.ones(2, 2))  # abandoned after this block
-    stepper.step_rows(weight, 2, torch.ones(2, 2))
+    stepper.rows.forget()  # the next DDP forward
+    assert "stepped in part by a backward that stopped" in caplog.text and not stepper.rows.is_open(weight)
+    stepper.step_rows(weight, 0, torch.ones(2, 2))
     stepper.step_with([weight], [torch.ones(4, 2)])
-    assert "stepped again before the rest" in caplog.text
     torch.testing.assert_close(weight.detach(), torch.tensor([[-1.0, -1.0]] * 2 + [[-2.0, -2.0]] * 2))
     assert not stepper.rows.is_open(weight)

@@ -317,17 +317,21 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     assert sent.timeline["bucket 1"][0] == pytest.approx(0.004 + 0.0022)
     assert sent.step_s < predict_step(whole, slow, world=2).step_s - 0.007
     # Without pieces nothing changes; an optimizer step per bucket goes by the rows each block lets it step (Note
-    # [Steps by rows]): none with block 0, block 1's rows after it, the rest (block 0's rows, the bias) with the last.
+    # [Steps by rows]): each block's own, the bias with the last; all with the last where the wire dtype differs.
     one_bucket_each = plan_bucket_groups([[ParamSpec.of("c", torch.zeros(500))], [ParamSpec.of("b", torch.zeros(64)), big]],
                                         caps=BucketCaps(bucket=30_000, first=2000, last=30_000, ramps=False))  # fmt: skip
     assert [b.pieces for b in one_bucket_each.buckets] == [None, None]
     assert step_inputs_in_pieces(whole, one_bucket_each, {})[0] == dataclasses.replace(whole, bucket_of=(0, 1))
     stepped, _ = step_inputs_in_pieces(dataclasses.replace(whole, step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064})
-    assert plan.buckets[1].piece_stepped_bytes == (0, 8400, 25856 - 8400)
-    assert stepped.step_per_bucket_s == pytest.approx((0.001, 0.0, 0.002 * 8400 / 25856, 0.002 * 17456 / 25856))
+    assert plan.buckets[1].piece_stepped_bytes() == (8800, 8400, 25856 - 17200)
+    assert plan.buckets[1].piece_stepped_bytes(blocks_in_place=False) == (0, 0, 25856)
+    assert stepped.step_per_bucket_s == pytest.approx((0.001, 0.002 * 8800 / 25856, 0.002 * 8400 / 25856, 0.002 * 8656 / 25856))
     # Sent as bf16 (a compressing hook): the blocks in proportion. On two channels every block goes on its bucket's.
-    half, _ = step_inputs_in_pieces(dataclasses.replace(whole, bucket_bytes=(1000, 12928)), plan, {("w", ""): 0.0064})
+    half, _ = step_inputs_in_pieces(
+        dataclasses.replace(whole, bucket_bytes=(1000, 12928), step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064}
+    )
     assert half.bucket_bytes == (1000, (25856 - 400 * 42) // 2, 4200, 4200)
+    assert half.step_per_bucket_s == (0.001, 0.0, 0.0, 0.002)  # cast blocks are not written in place: stepped last
     two = predict_step(dataclasses.replace(pieces, channels=2), slow, world=2).timeline
     assert two["bucket 2"][0] == pytest.approx(two["bucket 1"][1])  # block 1 waits for block 0 on its channel
     # A whole bucket before a big one in the same segment goes with its block 0; one after it, at the segment's end.

@@ -160,5 +160,5 @@ def train_stepping_in_pieces(rank: int, world: int, inner: str, layout: str) -> 
 def test_a_big_gradients_blocks_are_stepped_as_they_come_in(world: int, inner: str, layout: str) -> None:
     for stepped in run_on_ranks(train_stepping_in_pieces, world, inner, layout):
         # The first step runs split (the plan is agreed during it): the Reducer steps each bucket whole. Then
-        # in-graph: blocks 1-3 stepped as their waits return, block 0 with the bucket's step node.
-        assert stepped == [0, 3, 3, 3, 3], stepped
+        # in-graph: block 0 (sent with the bias, waited for already) stepped first, blocks 1-3 as their waits return.
+        assert stepped == [0, 4, 4, 4, 4], stepped
