@@ -99,7 +99,7 @@ class StepPerBucket:
     def bucket_final(self, k: int, whole: list[int], params: Sequence[torch.nn.Parameter], events: Any) -> None:
         """Bucket ``k``'s parameters ``whole`` (indices into ``params``) have their final ``.grad``: step them."""
         if whole:
-            self.step_only([params[i] for i in whole])
+            self.step_whole([params[i] for i in whole])
             events.record("stepped", k)
 
     @torch.no_grad()
@@ -117,10 +117,20 @@ class StepPerBucket:
         try:
             for (p, g), h in zip(whole, held):
                 p.grad = g if h is None else h + g
-            self.step_only([p for p, _ in whole])
+            self.step_whole([p for p, _ in whole])
         finally:
             for (p, _), h in zip(whole, held):
                 p.grad = h
+
+    @torch.no_grad()
+    def step_whole(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """``optimizer.step()`` for ``params`` only, with their ``.grad``; a big CPU parameter in chunks of rows
+        (``RowSteps.chunked``, Note [Steps by rows]), the same step element for element."""
+        chunked = {id(p) for p in params if self.rows.chunked(p)}
+        for p in params:
+            if id(p) in chunked:
+                self.rows.step_whole(p, self.step_only)
+        self.step_only([p for p in params if id(p) not in chunked])
 
     @torch.no_grad()
     def step_rows(self, param: torch.nn.Parameter, start: int, grad: torch.Tensor) -> None:

@@ -30,6 +30,12 @@ parameters whole. Where no block could be written in place (cast for the wire by
 is no ``wait_blocks_``, and the step node steps the parameter whole, as before. The optimizer's step hooks run
 once per block, and see the stand-in in its group. A backward abandoned half-way leaves a parameter partly
 stepped, as it leaves the buckets stepped before it; the next forward forgets it (``forget``), with a warning.
+
+Chunks for the cache: the same stand-ins step a big CPU parameter a few MiB of rows at a time (``CPU_CHUNK_BYTES``)
+wherever ``step_in_backward`` steps it, whole buckets by the Reducer and by the step nodes included
+(``StepPerBucket.step_whole``). PyTorch's CPU optimizers (``foreach`` off, their CPU default) make one pass over
+the parameter per operation, and a big parameter with its gradient and state does not stay in cache between the
+passes; a chunk does. Element for element the result is the same.
 """
 
 from __future__ import annotations
@@ -107,7 +113,23 @@ class RowSteps:
             opened = None
         if opened is None:
             opened = self._open[id(param)] = _Open(param, fresh=not self._optimizer.state.get(param))
-        self._step_rows(opened, start, stop, grad, step_only)
+        self._step_rows(opened, start, stop, _with_held(param, start, stop, grad), step_only)
+
+    def chunked(self, param: torch.Tensor) -> bool:
+        """Is ``param`` stepped in chunks of rows when stepped whole (``step_whole``)? A CPU parameter of more than
+        one chunk (``CPU_CHUNK_BYTES``) that the optimizer holds, with a dense gradient."""
+        grad = param.grad
+        return (
+            grad is not None and not grad.is_sparse and param.dim() >= 1 and len(_chunks(param, 0, param.shape[0])) > 1
+            and any(p is param for group in self._optimizer.param_groups for p in group["params"])
+        )  # fmt: skip
+
+    def step_whole(self, param: torch.Tensor, step_only: StepOnly) -> None:
+        """Step the whole of ``param`` with its ``.grad``, in chunks of rows (``chunked``: the Note's last
+        paragraph)."""
+        opened = _Open(param, fresh=not self._optimizer.state.get(param))
+        self._step_rows(opened, 0, param.shape[0], param.grad, step_only)  # type: ignore[arg-type]
+        self._settle(opened)
 
     def finish(self, param: torch.Tensor, grad: torch.Tensor, step_only: StepOnly) -> None:
         """Step the rows of ``param`` no block stepped with ``grad``'s (the whole averaged gradient), and settle its
@@ -116,8 +138,14 @@ class RowSteps:
         start = 0
         for a, b in [*sorted(opened.covered), (param.shape[0], param.shape[0])]:
             if start < a:
-                self._step_rows(opened, start, a, grad[start:a], step_only)
+                self._step_rows(opened, start, a, _with_held(param, start, a, grad[start:a]), step_only)
             start = max(start, b)
+        self._settle(opened)
+
+    def _settle(self, opened: _Open) -> None:
+        """The optimizer state of a parameter every row of which is stepped: the entries every block started
+        from, the blocks' states put together on a first step."""
+        param = opened.param
         blocks = [state for _, state in sorted(opened.blocks, key=lambda block: block[0])]
         if not (opened.others or any(blocks)):
             return  # an optimizer with no state (SGD without momentum): none made
@@ -133,10 +161,14 @@ class RowSteps:
                 whole[key] = value
 
     def _step_rows(self, opened: _Open, start: int, stop: int, grad: torch.Tensor, step_only: StepOnly) -> None:
+        """Rows ``[start, stop)`` stepped with ``grad``, their whole gradient, chunk by chunk."""
+        for a, b in _chunks(opened.param, start, stop):
+            self._step_chunk(opened, a, b, grad[a - start : b - start], step_only)
+
+    def _step_chunk(self, opened: _Open, start: int, stop: int, grad: torch.Tensor, step_only: StepOnly) -> None:
         param = opened.param
         rows = param.detach()[start:stop]  # the parameter's own memory: the optimizer writes its rows
-        held = param.grad
-        rows.grad = grad if held is None else held[start:stop] + grad
+        rows.grad = grad
         state = self._optimizer.state
         given = {} if opened.fresh else {
             key: value[start:stop] if _by_rows(value, param.shape) else _copied(value)
@@ -166,3 +198,25 @@ class RowSteps:
             opened.blocks.append((start, dict(made)))
         opened.covered.append((start, stop))
 
+
+
+CPU_CHUNK_BYTES = 4 * 2**20
+"""Rows of a parameter stepped per ``optimizer.step()`` call on a CPU. A 4 MiB chunk, with its gradient and two
+state tensors, stays in a 32 MiB last-level cache across the optimizer's passes over it, where a whole big
+parameter goes through memory on every pass: AdamW over a 4096 x 4096 weight on the 2-vCPU development host,
+64 ms whole, 29 ms in 4 MiB chunks (32 and 34 ms in 1 and 16 MiB ones; ``docs/benchmarks.md``, session 37). On a
+GPU a step's kernels stream memory anyway, and each chunk would add their launches: no chunks there."""
+
+
+def _chunks(param: torch.Tensor, start: int, stop: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` of ``param`` in chunks of ``CPU_CHUNK_BYTES`` (one chunk off the CPU)."""
+    if param.device.type != "cpu" or stop - start <= 1:
+        return [(start, stop)]
+    per_chunk = max(1, CPU_CHUNK_BYTES // max(1, param.nbytes // param.shape[0]))
+    return [(a, min(a + per_chunk, stop)) for a in range(start, stop, per_chunk)]
+
+
+def _with_held(param: torch.Tensor, start: int, stop: int, grad: torch.Tensor) -> torch.Tensor:
+    """Rows ``[start, stop)``' averaged ``grad`` added to what ``.grad`` holds there, as autograd will add it."""
+    held = param.grad
+    return grad if held is None else held[start:stop] + grad

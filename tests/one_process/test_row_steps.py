@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from graphddp.runtime import row_steps
 from graphddp.runtime.optimizer_overlap import SUPPORTED, StepPerBucket
 
 OPTIMIZERS = [
@@ -38,7 +39,10 @@ def _state_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[di
 
 @pytest.mark.parametrize(("cls", "options"), OPTIMIZERS, ids=lambda x: getattr(x, "__name__", ""))
 @pytest.mark.parametrize("held", [False, True], ids=["grad-none", "grad-held"])
-def test_rows_stepped_in_blocks_equal_one_step(cls: type, options: dict, held: bool) -> None:
+@pytest.mark.parametrize("chunk", [None, 40], ids=["whole-blocks", "2-row-chunks"])
+def test_rows_stepped_in_blocks_equal_one_step(cls: type, options: dict, held: bool, chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if chunk is not None:  # the weight's 20-byte rows stepped two at a time on the CPU (CPU_CHUNK_BYTES)
+        monkeypatch.setattr(row_steps, "CPU_CHUNK_BYTES", chunk)
     torch.manual_seed(0)
     weight, bias = torch.nn.Parameter(torch.randn(12, 5)), torch.nn.Parameter(torch.randn(5))
     ref = [copy.deepcopy(weight), copy.deepcopy(bias)]
@@ -110,3 +114,36 @@ def test_rows_a_backward_left_half_stepped_are_forgotten_at_the_next_forward(cap
     stepper.step_with([weight], [torch.ones(4, 2)])
     torch.testing.assert_close(weight.detach(), torch.tensor([[-1.0, -1.0]] * 2 + [[-2.0, -2.0]] * 2))
     assert not stepper.rows.is_open(weight)
+
+
+@pytest.mark.parametrize(("cls", "options"), OPTIMIZERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_big_cpu_parameter_stepped_whole_goes_in_chunks_with_one_steps_result(cls: type, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Reducer's per-bucket steps (``bucket_final``, ``.grad`` final): a parameter over ``CPU_CHUNK_BYTES``
+    stepped a chunk of rows per ``optimizer.step()`` call, for the cache (the Note's last paragraph)."""
+    monkeypatch.setattr(row_steps, "CPU_CHUNK_BYTES", 60)  # 3 of the weight's 20-byte rows per call
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(12, 5)), torch.nn.Parameter(torch.randn(5))
+    ref = [copy.deepcopy(weight), copy.deepcopy(bias)]
+    mine, theirs = cls([weight, bias], **options), cls(ref, **options)
+    stepper = StepPerBucket(mine, [weight, bias])
+    calls = []
+    mine.register_step_post_hook(lambda opt, args, kwargs: calls.append([p.shape for g in opt.param_groups for p in g["params"]]))
+    for _ in range(3):
+        calls.clear()
+        for p, q in zip([weight, bias], ref):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        stepper.bucket_final(0, [0, 1], [weight, bias], _NoEvents())
+        theirs.step()
+        assert calls == [[(3, 5)]] * 4 + [[(5,)]], calls  # four chunks of the weight, then the bias whole
+        for p, q in zip([weight, bias], ref):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        for p, q in zip([weight, bias], ref):
+            assert mine.state.get(p, {}).keys() == theirs.state.get(q, {}).keys()
+            for key, value in theirs.state.get(q, {}).items():
+                torch.testing.assert_close(mine.state[p][key], value, rtol=0, atol=0)
+
+
+class _NoEvents:
+    def record(self, *args: object) -> None:
+        pass
