@@ -133,7 +133,8 @@ def build(mode: str, model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     return builders[mode](model, cfg)
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every mode trains with (and ``bench.worker.chunked_step_ratio`` calibrates)."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -147,7 +148,7 @@ def _trained(
 ) -> tuple[Step, Any]:
     """``beside``, when given, starts at the start of the phase ``beside_from`` names (``forward`` or ``backward``)."""
     assert beside_from in ("forward", "backward"), beside_from
-    opt = _optimizer(ddp)
+    opt = optimizer_for(ddp)
     if step_in_backward:  # each bucket's update runs inside backward; opt.step() below then has nothing to do
         ddp.step_in_backward(opt)
     model = ddp
@@ -206,7 +207,7 @@ def _local(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
 
 def _naive(model: nn.Module, cfg: ModeConfig) -> tuple[Step, Any]:
     """All-reduce every gradient after backward, one by one: no buckets, no overlap (seed 002's baseline)."""
-    opt = _optimizer(model)
+    opt = optimizer_for(model)
     world = dist.get_world_size()
 
     def step(batch: tuple, log: Any = None) -> None:

@@ -116,9 +116,10 @@ def mode_inputs(summary: dict[str, Any], mode: str) -> StepInputs | None:
         configured = configured if isinstance(configured, int) else 1
         inputs = dataclasses.replace(inputs, channels=configured)
     if name.step_in_backward:  # the optimizer's work, shared out by the bytes each all-reduce lets step
-        stepped = _stepped_bytes(summary, mode, inputs)
-        total = sum(stepped)
-        return _with(inputs, forward, 0.0, tuple(optimizer * b / total for b in stepped))
+        stepped, chunked = _stepped_bytes(summary, mode, inputs)
+        ratio = summary["calibration"].get("chunked_step_ratio", 1.0)  # big parameters in chunks: cheaper a byte
+        per_byte = optimizer / sum(stepped)
+        return _with(inputs, forward, 0.0, tuple(per_byte * (b - c + c * ratio) for b, c in zip(stepped, chunked)))
     return _with(inputs, forward, optimizer, ())
 
 
@@ -130,17 +131,17 @@ def torch_buckets(specs_in_ready_order: list[ParamSpec], *, bucket_cap_mb: float
     return [[specs_in_ready_order[i] for i in bucket] for bucket in modes.torch_buckets(tensors, bucket_cap_mb)]
 
 
-def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[int, ...]:
-    """Per all-reduce of ``inputs``: the bytes of the parameters whose optimizer step it is the last to wait for.
-    A bucket in pieces steps each block's rows once that block is in and the rest with its last block (Note [Steps
-    by rows]), and a tied table's part with the table's rows
-    (``bench.worker.bucket_layout``'s ``stepped``); without that record (PyTorch's modes, older runs), each
-    all-reduce steps its own bytes."""
+def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per all-reduce of ``inputs``: the bytes of the parameters whose optimizer step it is the last to wait for,
+    and of those, the bytes stepped in cache-sized chunks (parameters over ``CPU_CHUNK_BYTES``, Note [Steps by
+    rows]). A bucket in pieces steps each block's rows once that block is in and the rest with its last block,
+    and a tied table's part with the table's rows (``bench.worker.bucket_layout``'s ``stepped`` and ``chunked``);
+    without that record (PyTorch's modes, older runs), each all-reduce steps its own bytes, none in chunks."""
     layout = summary["buckets"].get(mode) or []
     recorded = len(layout) == len(inputs.bucket_bytes) and all("stepped" in b for b in layout)
     if recorded and any(b["stepped"] for b in layout):
-        return tuple(b["stepped"] for b in layout)
-    return inputs.bucket_bytes
+        return tuple(b["stepped"] for b in layout), tuple(b.get("chunked", 0) for b in layout)
+    return inputs.bucket_bytes, (0,) * len(inputs.bucket_bytes)
 
 
 def compute_phases(summary: dict[str, Any], mode: str) -> tuple[float, float, float]:

@@ -23,6 +23,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,14 @@ import torch.distributed as dist
 
 import graphddp
 from graphddp.runtime.calibration import assembly_seconds_per_byte, cpu_cost_of_communication, link_of
+from graphddp.runtime.optimizer_overlap import StepPerBucket
 from graphddp.runtime.reductions import goes_as_rows
+from graphddp.runtime.row_steps import CPU_CHUNK_BYTES
 from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
-from .modes import ModeConfig, Step, build, reduction_ran
+from .modes import ModeConfig, Step, build, optimizer_for, reduction_ran
 
 
 @dataclasses.dataclass
@@ -172,7 +175,29 @@ def calibrate(world: int) -> dict[str, float] | None:
         # Longer than construction's: with 3 windows of 0.4 s, two gpt 1 Gbit/s runs measured 4.2 and 10.8 ms/MB.
         "cpu_seconds_per_byte": cpu_cost_of_communication(link=link, window_s=0.8, repeats=5),
         "assembly_seconds_per_byte": assembly_seconds_per_byte(),
+        "chunked_step_ratio": chunked_step_ratio(),
     }
+
+
+def chunked_step_ratio(rows: int = 4096, columns: int = 4096) -> float:
+    """What the bench's optimizer costs stepping a big CPU parameter chunk by chunk, as ``step_in_backward`` does
+    (Note [Steps by rows], ``CPU_CHUNK_BYTES``), against one step of it whole: best of 5 each, on a [rows, columns]
+    float32 parameter with its state made (64 MiB: the bench MLP's weights; the cache, not the count, decides)."""
+    weight = torch.nn.Parameter(torch.randn(rows, columns))
+    optimizer = optimizer_for(torch.nn.ParameterList([weight]))
+    weight.grad = torch.randn(rows, columns)
+    optimizer.step()  # the state, made
+    stepper = StepPerBucket(optimizer, [weight])
+
+    def best(step: Callable[[], None]) -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(lambda: stepper.step_whole([weight])) / best(optimizer.step)
 
 
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
@@ -247,16 +272,33 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
     for b in m.ddp.bucket_plan.buckets:
         if in_graph and b.pieces is not None:  # one all-reduce per block (Note [Gradient pieces])
             layout += [
-                {"bytes": n, "sent": n, "row_sparse": False, "stepped": stepped, "assembled": 0, "bucket": b.index}
-                for n, stepped in zip(b.piece_bytes, b.piece_stepped_bytes())  # a block's rows stepped once it is in
+                {"bytes": n, "sent": n, "row_sparse": False, "stepped": stepped, "chunked": chunked, "assembled": 0, "bucket": b.index}
+                for n, stepped, chunked in zip(b.piece_bytes, b.piece_stepped_bytes(), _chunked_in_pieces(b))
             ]  # fmt: skip
             layout[-1]["assembled"] = b.assembled_bytes  # then its first block is copied into the gradient
             continue
         (stepped,) = b.piece_stepped_bytes()  # a part's table steps with the table's own bucket
+        chunked = sum(p.nbytes for p in b.params if not p.part and p.nbytes > CPU_CHUNK_BYTES)
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
         sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes
-        layout.append({"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped, "assembled": 0, "bucket": b.index})
+        layout.append(
+            {"bytes": b.nbytes, "sent": sent, "row_sparse": row_sparse, "stepped": stepped, "chunked": chunked, "assembled": 0, "bucket": b.index}
+        )  # fmt: skip
     return layout
+
+
+def _chunked_in_pieces(bucket: Any) -> list[int]:
+    """Per block of a bucket in pieces: of its ``piece_stepped_bytes``, those of parameters over
+    ``CPU_CHUNK_BYTES``, stepped in cache-sized pieces (Note [Steps by rows]): the big gradient's rows, and with
+    the last block any other parameter that big."""
+    stepped = list(bucket.piece_stepped_bytes())
+    big = bucket.params[bucket.pieces[0]]
+    others = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part and p.nbytes > CPU_CHUNK_BYTES)
+    small = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part) - others
+    rows = stepped[:-1] + [stepped[-1] - small - others]  # the big gradient's rows each block steps
+    chunked = [r if big.nbytes > CPU_CHUNK_BYTES else 0 for r in rows]
+    chunked[-1] += others
+    return chunked
 
 
 def rows_sent(bucket: Any, touched: int | None) -> int:

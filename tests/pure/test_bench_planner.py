@@ -15,6 +15,7 @@ from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, compute_phases, mode_inputs, predict_modes
 from bench.run import first_send
 from bench.scale import project
+from bench import worker
 from bench.worker import rows_sent
 from graphddp.runtime.reductions import goes_as_rows
 
@@ -138,6 +139,12 @@ def test_stepping_in_backward_steps_a_bucket_once_its_last_all_reduce_is_in() ->
         {"bytes": 50_000, "sent": 50_000, "row_sparse": False, "stepped": 100_000},
     ]
     assert mode_inputs(s, "graphddp-compiled+step").step_per_bucket_s == pytest.approx((0.0, 0.05))
+    # Big parameters stepped in cache-sized chunks (Note [Steps by rows]) at the calibrated ratio: 60 of the
+    # 100 kB stepped at 0.5 of the time a byte.
+    s["buckets"]["graphddp-compiled+step"][1]["chunked"] = 60_000
+    s["calibration"]["chunked_step_ratio"] = 0.5
+    assert mode_inputs(s, "graphddp-compiled+step").step_per_bucket_s == pytest.approx((0.0, 0.05 * (40 + 30) / 100))
+    del s["calibration"]["chunked_step_ratio"]
     for bucket in s["buckets"]["graphddp-compiled+step"]:
         del bucket["stepped"]
     assert mode_inputs(s, "graphddp-compiled+step").step_per_bucket_s == pytest.approx((0.025, 0.025))
@@ -345,3 +352,22 @@ def test_a_gradient_sent_in_pieces_leaves_its_copy_for_the_end_of_backward() -> 
     for entry in s["buckets"]["graphddp-compiled"]:
         entry["bucket"] = 0
     assert mode_inputs(s, "graphddp-compiled").bucket_of == (0, 0)
+
+
+def test_the_layout_says_which_stepped_bytes_go_in_cache_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chunked`` per block of a bucket in pieces (Note [Steps by rows]): the big gradient's rows where it is over
+    ``CPU_CHUNK_BYTES``, none of the small parameters stepped with the last block."""
+    import dataclasses
+
+    import torch
+
+    from graphddp.passes import BucketCaps, ParamSpec, plan_bucket_groups
+
+    big = dataclasses.replace(ParamSpec.of("w", torch.zeros(64, 100)), one_matmul=True)  # 25 600 B in 3 blocks
+    plan = plan_bucket_groups([[ParamSpec.of("b", torch.zeros(64)), big]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))
+    (bucket,) = plan.buckets
+    assert bucket.piece_stepped_bytes() == (8800, 8400, 8400 + 256)
+    monkeypatch.setattr(worker, "CPU_CHUNK_BYTES", 20_000)
+    assert worker._chunked_in_pieces(bucket) == [8800, 8400, 8400]  # the bias (256 B) is not
+    monkeypatch.setattr(worker, "CPU_CHUNK_BYTES", 30_000)
+    assert worker._chunked_in_pieces(bucket) == [0, 0, 0]
