@@ -9,13 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import matrix
+from bench import matrix, worker
 from bench.modes import ModeConfig, ModeName, compute_baseline
 from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, compute_phases, mode_inputs, predict_modes
 from bench.run import first_send
 from bench.scale import project
-from bench import worker
 from bench.worker import rows_sent
 from graphddp.runtime.reductions import goes_as_rows
 
