@@ -34,7 +34,7 @@ import graphddp
 from graphddp.runtime.calibration import assembly_seconds_per_byte, cpu_cost_of_communication, link_of
 from graphddp.runtime.optimizer_overlap import StepPerBucket
 from graphddp.runtime.reductions import goes_as_rows
-from graphddp.runtime.row_steps import CPU_CHUNK_BYTES
+from graphddp.runtime.row_steps import steps_in_chunks
 from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
@@ -182,7 +182,7 @@ def calibrate(world: int) -> dict[str, float] | None:
 def chunked_step_ratio(rows: int = 4096, columns: int = 4096) -> float:
     """What the bench's optimizer costs stepping a big CPU parameter chunk by chunk, as ``step_in_backward`` does
     (Note [Steps by rows], ``CPU_CHUNK_BYTES``), against one step of it whole: best of 5 each, on a [rows, columns]
-    float32 parameter with its state made (64 MiB: the bench MLP's weights; the cache, not the count, decides)."""
+    float32 parameter with its state made (64 MiB: the bench MLP's two hidden weights)."""
     weight = torch.nn.Parameter(torch.randn(rows, columns))
     optimizer = optimizer_for(torch.nn.ParameterList([weight]))
     weight.grad = torch.randn(rows, columns)
@@ -278,7 +278,7 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
             layout[-1]["assembled"] = b.assembled_bytes  # then its first block is copied into the gradient
             continue
         (stepped,) = b.piece_stepped_bytes()  # a part's table steps with the table's own bucket
-        chunked = sum(p.nbytes for p in b.params if not p.part and p.nbytes > CPU_CHUNK_BYTES)
+        chunked = sum(p.nbytes for p in b.params if not p.part and _in_chunks(p))
         row_sparse = b.row_sparse and b.params[0].name not in gone_dense
         sent = rows_sent(b, m.rows_touched) if row_sparse else b.nbytes
         layout.append(
@@ -288,17 +288,22 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
 
 
 def _chunked_in_pieces(bucket: Any) -> list[int]:
-    """Per block of a bucket in pieces: of its ``piece_stepped_bytes``, those of parameters over
-    ``CPU_CHUNK_BYTES``, stepped in cache-sized pieces (Note [Steps by rows]): the big gradient's rows, and with
-    the last block any other parameter that big."""
+    """Per block of a bucket in pieces: of its ``piece_stepped_bytes``, those of parameters stepped in chunks
+    (``steps_in_chunks``) or in blocks (Note [Steps by rows]): the big gradient's rows where it is that big, and
+    with the last block any other parameter that is."""
     stepped = list(bucket.piece_stepped_bytes())
     big = bucket.params[bucket.pieces[0]]
-    others = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part and p.nbytes > CPU_CHUNK_BYTES)
+    others = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part and _in_chunks(p))
     small = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part) - others
     rows = stepped[:-1] + [stepped[-1] - small - others]  # the big gradient's rows each block steps
-    chunked = [r if big.nbytes > CPU_CHUNK_BYTES else 0 for r in rows]
+    chunked = [r if _in_chunks(big) else 0 for r in rows]
     chunked[-1] += others
     return chunked
+
+
+def _in_chunks(p: Any) -> bool:
+    """A parameter (``ParamSpec``) ``step_in_backward`` steps in chunks on this CPU host."""
+    return not p.sparse_grad and steps_in_chunks(p.shape, p.nbytes, on_cpu=True)
 
 
 def rows_sent(bucket: Any, touched: int | None) -> int:

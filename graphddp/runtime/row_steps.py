@@ -20,7 +20,8 @@ parameter, so every block starts from the value before this iteration, and the l
 parameter is finished (``finish``: the rows no block stepped, with the bucket's own step node). A first step,
 with no state yet, lets the optimizer create each block's, and ``finish`` puts them together in row order. The
 result is the whole step's, element for element (``tests/one_process/test_row_steps.py``, every supported
-optimizer).
+optimizer; a fused one up to an element's last bit, its vectorised kernel rounding a vector's tail apart).
+Only a contiguous parameter is cut into rows: fused CPU AdamW steps a strided view of rows wrongly.
 
 Where: ``graphddp::wait_blocks_`` (``graphddp/runtime/in_graph_blocks.py``, Note [Blocks written in place]) first
 copies in and steps the blocks it copies (the first block, sent with the bucket's small gradients, waited for
@@ -28,21 +29,25 @@ already), then each block written in place after its own wait, in the order the 
 step node then finishes the parameter (no rows left, only the state to settle) and steps the bucket's other
 parameters whole. Where no block could be written in place (cast for the wire by ``fp16_compress_hook``) there
 is no ``wait_blocks_``, and the step node steps the parameter whole, as before. The optimizer's step hooks run
-once per block, and see the stand-in in its group. A backward abandoned half-way leaves a parameter partly
+once per ``step()`` call, so once per block and per chunk (below), and see the stand-in in its group; an exception
+from a chunk's step on a first step loses the state made for the chunks before it. A backward abandoned half-way leaves a parameter partly
 stepped, as it leaves the buckets stepped before it; the next forward forgets it (``forget``), with a warning.
 
-Chunks for the cache: the same stand-ins step a big CPU parameter a few MiB of rows at a time (``CPU_CHUNK_BYTES``)
-wherever ``step_in_backward`` steps it, whole buckets by the Reducer and by the step nodes included
-(``StepPerBucket.step_whole``). PyTorch's CPU optimizers (``foreach`` off, their CPU default) make one pass over
-the parameter per operation, and a big parameter with its gradient and state does not stay in cache between the
-passes; a chunk does. Element for element the result is the same.
+Chunks: the same stand-ins step a big CPU parameter a few MiB of rows at a time (``CPU_CHUNK_BYTES``, where it
+has more than one row and a dense gradient: ``steps_in_chunks``) wherever ``step_in_backward`` steps it, whole
+buckets by the Reducer and by the step nodes included (``StepPerBucket.step_whole``). PyTorch's CPU optimizers
+(``foreach`` off, their CPU default) make one pass over the parameter per operation and allocate temporaries of
+its size: a chunk and its state can stay in cache between the passes, and its temporaries are small enough for
+the allocator to reuse, where a big parameter's go through memory and come fresh from the kernel each step.
+Which of the two saves more was not separated; the saving is measured (``CPU_CHUNK_BYTES``). Element for element
+the result is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,8 +106,8 @@ class RowSteps:
     def step(self, param: torch.Tensor, start: int, grad: torch.Tensor, step_only: StepOnly) -> None:
         """Step rows ``[start, start + len(grad))`` of ``param`` with ``grad`` (added to those rows of ``.grad``,
         as autograd will add the whole averaged gradient)."""
-        if not any(p is param for group in self._optimizer.param_groups for p in group["params"]):
-            return  # not the optimizer's: nothing steps it (a frozen parameter left out of it)
+        if not param.is_contiguous() or not any(p is param for group in self._optimizer.param_groups for p in group["params"]):
+            return  # not the optimizer's (nothing steps it), or rows that are not dense: the step node steps it whole
         opened = self._open.get(id(param))
         stop = start + grad.shape[0]
         if opened is not None and any(a < stop and start < b for a, b in opened.covered):
@@ -120,7 +125,8 @@ class RowSteps:
         one chunk (``CPU_CHUNK_BYTES``) that the optimizer holds, with a dense gradient."""
         grad = param.grad
         return (
-            grad is not None and not grad.is_sparse and param.dim() >= 1 and len(_chunks(param, 0, param.shape[0])) > 1
+            grad is not None and not grad.is_sparse and param.is_contiguous()
+            and steps_in_chunks(param.shape, param.nbytes, on_cpu=param.device.type == "cpu")
             and any(p is param for group in self._optimizer.param_groups for p in group["params"])
         )  # fmt: skip
 
@@ -201,18 +207,29 @@ class RowSteps:
 
 
 CPU_CHUNK_BYTES = 4 * 2**20
-"""Rows of a parameter stepped per ``optimizer.step()`` call on a CPU. A 4 MiB chunk, with its gradient and two
-state tensors, stays in a 32 MiB last-level cache across the optimizer's passes over it, where a whole big
-parameter goes through memory on every pass: AdamW over a 4096 x 4096 weight on the 2-vCPU development host,
-64 ms whole, 29 ms in 4 MiB chunks (32 and 34 ms in 1 and 16 MiB ones; ``docs/benchmarks.md``, session 37). On a
-GPU a step's kernels stream memory anyway, and each chunk would add their launches: no chunks there."""
+"""Rows of a parameter stepped per ``optimizer.step()`` call on a CPU (the Note's last paragraph): AdamW over a
+4096 x 4096 weight on the 2-vCPU development host (32 MiB last-level cache), 64 ms whole, 29 ms in 4 MiB chunks
+(32 and 34 ms in 1 and 16 MiB ones; ``docs/benchmarks.md``, session 37). On a GPU a step's kernels stream memory
+anyway, and each chunk would add their launches: no chunks there."""
+
+
+def steps_in_chunks(shape: Sequence[int], nbytes: int, *, on_cpu: bool) -> bool:
+    """Is a parameter of ``shape`` and ``nbytes`` (its gradient dense, its memory contiguous) stepped in more than
+    one chunk of rows when stepped whole? The one rule ``RowSteps.chunked`` and the bench's prediction
+    (``bench.worker``) use. Only contiguous parameters are cut into rows at all: PyTorch's fused CPU AdamW steps a
+    strided view of rows wrongly (``tests/one_process/test_row_steps.py``, a transposed parameter)."""
+    return on_cpu and len(shape) >= 1 and shape[0] > _rows_per_chunk(shape[0], nbytes)
+
+
+def _rows_per_chunk(rows: int, nbytes: int) -> int:
+    return max(1, CPU_CHUNK_BYTES // max(1, nbytes // max(1, rows)))
 
 
 def _chunks(param: torch.Tensor, start: int, stop: int) -> list[tuple[int, int]]:
     """Rows ``[start, stop)`` of ``param`` in chunks of ``CPU_CHUNK_BYTES`` (one chunk off the CPU)."""
     if param.device.type != "cpu" or stop - start <= 1:
         return [(start, stop)]
-    per_chunk = max(1, CPU_CHUNK_BYTES // max(1, param.nbytes // param.shape[0]))
+    per_chunk = _rows_per_chunk(param.shape[0], param.nbytes)
     return [(a, min(a + per_chunk, stop)) for a in range(start, stop, per_chunk)]
 
 

@@ -16,6 +16,7 @@ from bench.predict import _ready_fractions, compute_phases, mode_inputs, predict
 from bench.run import first_send
 from bench.scale import project
 from bench.worker import rows_sent
+from graphddp.runtime import row_steps
 from graphddp.runtime.reductions import goes_as_rows
 
 
@@ -366,7 +367,7 @@ def test_the_layout_says_which_stepped_bytes_go_in_cache_sized_chunks(monkeypatc
     plan = plan_bucket_groups([[ParamSpec.of("b", torch.zeros(64)), big]], caps=BucketCaps(bucket=10_000, first=10_000, last=10_000))
     (bucket,) = plan.buckets
     assert bucket.piece_stepped_bytes() == (8800, 8400, 8400 + 256)
-    monkeypatch.setattr(worker, "CPU_CHUNK_BYTES", 20_000)
+    monkeypatch.setattr(row_steps, "CPU_CHUNK_BYTES", 20_000)  # the runtime's rule: 50 rows of 400 B a chunk
     assert worker._chunked_in_pieces(bucket) == [8800, 8400, 8400]  # the bias (256 B) is not
-    monkeypatch.setattr(worker, "CPU_CHUNK_BYTES", 30_000)
+    monkeypatch.setattr(row_steps, "CPU_CHUNK_BYTES", 30_000)
     assert worker._chunked_in_pieces(bucket) == [0, 0, 0]
