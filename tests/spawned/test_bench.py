@@ -41,7 +41,10 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
         # The step cost model's prediction beside every mode but the compute and the bound (Note [Step cost model]).
         unpredicted = name in NO_DDP
         assert unpredicted == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
-    assert set(summary["calibration"]) == {"latency_s", "seconds_per_byte", "cpu_seconds_per_byte", "assembly_seconds_per_byte"}
+    assert set(summary["calibration"]) == {
+        "latency_s", "seconds_per_byte", "cpu_seconds_per_byte", "assembly_seconds_per_byte", "chunked_step_ratio"
+    }
+    assert summary["calibration"]["chunked_step_ratio"] > 0  # the bench optimizer's chunked steps against whole ones
     assert summary["calibration"]["assembly_seconds_per_byte"] > 0
     for mode, layout in summary["buckets"].items():  # what each all-reduce lets step, and leaves to put together
         assert layout is None or all({"stepped", "assembled", "bucket"} <= set(b) for b in layout), mode
