@@ -133,8 +133,8 @@ def torch_buckets(specs_in_ready_order: list[ParamSpec], *, bucket_cap_mb: float
 
 def _stepped_bytes(summary: dict[str, Any], mode: str, inputs: StepInputs) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per all-reduce of ``inputs``: the bytes of the parameters whose optimizer step it is the last to wait for,
-    and of those, the bytes stepped in cache-sized chunks (parameters over ``CPU_CHUNK_BYTES``, Note [Steps by
-    rows]). A bucket in pieces steps each block's rows once that block is in and the rest with its last block,
+    and of those, the bytes stepped in cache-sized chunks (``graphddp.runtime.row_steps.steps_in_chunks``, Note
+    [Steps by rows]). A bucket in pieces steps each block's rows once that block is in and the rest with its last block,
     and a tied table's part with the table's rows (``bench.worker.bucket_layout``'s ``stepped`` and ``chunked``);
     without that record (PyTorch's modes, older runs), each all-reduce steps its own bytes, none in chunks."""
     layout = summary["buckets"].get(mode) or []

@@ -23,7 +23,6 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
-from graphddp.runtime.calibration import assembly_seconds_per_byte, cpu_cost_of_communication, link_of
+from graphddp.runtime.calibration import assembly_seconds_per_byte, best_of, cpu_cost_of_communication, link_of
 from graphddp.runtime.optimizer_overlap import StepPerBucket
 from graphddp.runtime.reductions import goes_as_rows
 from graphddp.runtime.row_steps import steps_in_chunks
@@ -39,7 +38,7 @@ from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
-from .modes import ModeConfig, Step, build, optimizer_for, reduction_ran
+from .modes import ModeConfig, ModeName, Step, build, optimizer_for, reduction_ran
 
 
 @dataclasses.dataclass
@@ -69,7 +68,7 @@ def main(config_path: str) -> None:
     modes, rounds = config["modes"], config["rounds"]
     results: dict[str, Any] = {
         "rank": rank, "world_size": world, "batch_size": None, "cpus": sorted(os.sched_getaffinity(0)), "modes": {},
-        "calibration": calibrate(world),
+        "calibration": calibrate(world, stepping=any(ModeName.parse(m).step_in_backward for m in modes)),
     }  # fmt: skip
     for r in range(rounds):
         iters = config["iters"] // rounds + (r < config["iters"] % rounds)
@@ -162,21 +161,22 @@ class PhaseMarks:
         return durations | (self.instants if len(self.instants) == 2 else {})
 
 
-def calibrate(world: int) -> dict[str, float] | None:
+def calibrate(world: int, *, stepping: bool) -> dict[str, float] | None:
     """What the step cost model needs (graphddp.runtime.calibration): of the link, α, β and the compute each
-    communicated byte costs (rank 0's figures, on every rank); and what a byte of putting a gradient sent in
-    pieces back together costs (this rank's; the run keeps rank 0's calibration)."""
+    communicated byte costs (rank 0's figures, on every rank); what a byte of putting a gradient sent in pieces
+    back together costs (this rank's; the run keeps rank 0's calibration); and where a mode is ``stepping`` the
+    optimizer in backward, what its chunked steps cost against whole ones (~1 s and ~320 MiB, so only then)."""
     if world < 2:
         return None
     link = link_of()
-    return {
+    measured = {
         "latency_s": link.latency_s,
         "seconds_per_byte": link.seconds_per_byte,
         # Longer than construction's: with 3 windows of 0.4 s, two gpt 1 Gbit/s runs measured 4.2 and 10.8 ms/MB.
         "cpu_seconds_per_byte": cpu_cost_of_communication(link=link, window_s=0.8, repeats=5),
         "assembly_seconds_per_byte": assembly_seconds_per_byte(),
-        "chunked_step_ratio": chunked_step_ratio(),
     }
+    return measured | ({"chunked_step_ratio": chunked_step_ratio()} if stepping else {})
 
 
 def chunked_step_ratio(rows: int = 4096, columns: int = 4096) -> float:
@@ -188,16 +188,8 @@ def chunked_step_ratio(rows: int = 4096, columns: int = 4096) -> float:
     weight.grad = torch.randn(rows, columns)
     optimizer.step()  # the state, made
     stepper = StepPerBucket(optimizer, [weight])
-
-    def best(step: Callable[[], None]) -> float:
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - started)
-        return min(times)
-
-    return best(lambda: stepper.step_whole([weight])) / best(optimizer.step)
+    cpu = torch.device("cpu")
+    return best_of(lambda: stepper.step_whole([weight]), cpu) / best_of(optimizer.step, cpu)
 
 
 def record_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]] | None:
@@ -289,15 +281,11 @@ def bucket_layout(m: PreparedMode) -> list[dict[str, Any]] | None:
 
 def _chunked_in_pieces(bucket: Any) -> list[int]:
     """Per block of a bucket in pieces: of its ``piece_stepped_bytes``, those of parameters stepped in chunks
-    (``steps_in_chunks``) or in blocks (Note [Steps by rows]): the big gradient's rows where it is that big, and
-    with the last block any other parameter that is."""
-    stepped = list(bucket.piece_stepped_bytes())
-    big = bucket.params[bucket.pieces[0]]
-    others = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part and _in_chunks(p))
-    small = sum(p.nbytes for k, p in enumerate(bucket.params) if k != bucket.pieces[0] and not p.part) - others
-    rows = stepped[:-1] + [stepped[-1] - small - others]  # the big gradient's rows each block steps
-    chunked = [r if _in_chunks(big) else 0 for r in rows]
-    chunked[-1] += others
+    (``steps_in_chunks``) or in blocks (Note [Steps by rows]): the big gradient's rows each block steps where it
+    is that big, and with the last block any other parameter that is."""
+    big = bucket.pieces[0]
+    chunked = [r if _in_chunks(bucket.params[big]) else 0 for r in bucket.piece_rows_stepped_bytes()]
+    chunked[-1] += sum(p.nbytes for k, p in enumerate(bucket.params) if k != big and not p.part and _in_chunks(p))
     return chunked
 
 

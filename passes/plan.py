@@ -385,18 +385,27 @@ class Bucket:
 
     def piece_stepped_bytes(self, *, blocks_in_place: bool = True) -> tuple[int, ...]:
         """Per all-reduce of ``piece_bytes``: the bytes of parameters an optimizer stepping in backward steps once
-        it is in (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``). With the blocks written in place
-        (Note [Blocks written in place]), each block its own rows, the last also the bucket's other parameters,
-        which its step node steps after it. Not in place (``blocks_in_place=False``: cast for the wire by a
-        compressing comm hook), and for a tied table's part (stepped with its table), the whole bucket with the
-        last block."""
+        it is in (Note [Steps by rows] in ``graphddp/runtime/row_steps.py``): the big gradient's rows each block
+        lets step (``piece_rows_stepped_bytes``), the last block also the bucket's other parameters, which its step
+        node steps after it. A tied table's part steps with its table, not here."""
         stepped = sum(p.nbytes for p in self.params if not p.part)
         if self.pieces is None:
             return (stepped,)
-        big, rows = self.pieces
-        per_row = self.params[big].nbytes // sum(rows)
-        early = [0 if self.params[big].part or not blocks_in_place else per_row * r for r in rows[:-1]]
+        early = self.piece_rows_stepped_bytes(blocks_in_place=blocks_in_place)[:-1]
         return (*early, stepped - sum(early))
+
+    def piece_rows_stepped_bytes(self, *, blocks_in_place: bool = True) -> tuple[int, ...]:
+        """Per all-reduce of ``piece_bytes`` (a bucket in pieces): the bytes of the big gradient's rows an optimizer
+        stepping in backward steps once it is in. With the blocks written in place (Note [Blocks written in
+        place]), each block its own rows; not in place (``blocks_in_place=False``: cast for the wire by a
+        compressing comm hook), every row with the last block; none for a tied table's part."""
+        assert self.pieces is not None, "only a bucket in pieces has blocks"
+        big, rows = self.pieces
+        if self.params[big].part:
+            return (0,) * len(rows)
+        per_row = self.params[big].nbytes // sum(rows)
+        early = [per_row * r if blocks_in_place else 0 for r in rows[:-1]]
+        return (*early, self.params[big].nbytes - sum(early))
 
     @property
     def assembled_bytes(self) -> int:

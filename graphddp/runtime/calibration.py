@@ -139,8 +139,8 @@ def measure_compute_rates(
     n = matmul_size
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     x, y = torch.randn(1 << 22, device=device, dtype=dtype), torch.randn(1 << 22, device=device, dtype=dtype)
-    matmul_s = _best_of(lambda: torch.mm(a, b), device)
-    add_s = _best_of(lambda: torch.add(x, y), device)
+    matmul_s = best_of(lambda: torch.mm(a, b), device)
+    add_s = best_of(lambda: torch.add(x, y), device)
     return ComputeRates(
         flops_per_s=2 * n**3 / matmul_s, bytes_per_s=3 * x.nbytes / add_s, python_call_s=python_call_seconds()
     )
@@ -182,7 +182,7 @@ def cpu_cost_of_communication(
     buffers = [torch.zeros(1 << 20) for _ in range(max(1, int(0.5 * window_s / max(per_byte, 1e-12)) >> 22))]
     sent = sum(b.nbytes for b in buffers)
     a = torch.randn(512, 512)
-    loops = max(1, int(window_s / max(_best_of(lambda: torch.mm(a, a), torch.device("cpu")), 1e-6)))
+    loops = max(1, int(window_s / max(best_of(lambda: torch.mm(a, a), torch.device("cpu")), 1e-6)))
 
     def compute() -> float:
         started = time.perf_counter()
@@ -221,10 +221,12 @@ def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int
     memory does not always come fresh)."""
     device = device or torch.device("cpu")
     blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
-    return _best_of(lambda: torch.cat(blocks), device) / nbytes
+    return best_of(lambda: torch.cat(blocks), device) / nbytes
 
 
-def _best_of(op: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+def best_of(op: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs of ``op`` after one warm-up, in seconds (the device synchronised after each
+    on CUDA): the least disturbed run on a shared host."""
     op()  # warm-up
     times = []
     for _ in range(repeats):

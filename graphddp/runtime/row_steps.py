@@ -106,8 +106,8 @@ class RowSteps:
     def step(self, param: torch.Tensor, start: int, grad: torch.Tensor, step_only: StepOnly) -> None:
         """Step rows ``[start, start + len(grad))`` of ``param`` with ``grad`` (added to those rows of ``.grad``,
         as autograd will add the whole averaged gradient)."""
-        if not param.is_contiguous() or not any(p is param for group in self._optimizer.param_groups for p in group["params"]):
-            return  # not the optimizer's (nothing steps it), or rows that are not dense: the step node steps it whole
+        if not self._cut_into_rows(param):
+            return  # the step node steps it whole, or nothing does
         opened = self._open.get(id(param))
         stop = start + grad.shape[0]
         if opened is not None and any(a < stop and start < b for a, b in opened.covered):
@@ -125,10 +125,16 @@ class RowSteps:
         one chunk (``CPU_CHUNK_BYTES``) that the optimizer holds, with a dense gradient."""
         grad = param.grad
         return (
-            grad is not None and not grad.is_sparse and param.is_contiguous()
+            grad is not None and not grad.is_sparse
             and steps_in_chunks(param.shape, param.nbytes, on_cpu=param.device.type == "cpu")
-            and any(p is param for group in self._optimizer.param_groups for p in group["params"])
+            and self._cut_into_rows(param)
         )  # fmt: skip
+
+    def _cut_into_rows(self, param: torch.Tensor) -> bool:
+        """May ``param`` be stepped some rows at a time? Only a parameter the optimizer holds (nothing else steps
+        it), and only where its rows are contiguous: PyTorch's fused CPU AdamW steps a strided view of rows wrongly
+        (``tests/one_process/test_row_steps.py``, a transposed parameter)."""
+        return param.is_contiguous() and any(p is param for group in self._optimizer.param_groups for p in group["params"])
 
     def step_whole(self, param: torch.Tensor, step_only: StepOnly) -> None:
         """Step the whole of ``param`` with its ``.grad``, in chunks of rows (``chunked``: the Note's last
@@ -214,10 +220,9 @@ anyway, and each chunk would add their launches: no chunks there."""
 
 
 def steps_in_chunks(shape: Sequence[int], nbytes: int, *, on_cpu: bool) -> bool:
-    """Is a parameter of ``shape`` and ``nbytes`` (its gradient dense, its memory contiguous) stepped in more than
-    one chunk of rows when stepped whole? The one rule ``RowSteps.chunked`` and the bench's prediction
-    (``bench.worker``) use. Only contiguous parameters are cut into rows at all: PyTorch's fused CPU AdamW steps a
-    strided view of rows wrongly (``tests/one_process/test_row_steps.py``, a transposed parameter)."""
+    """Is a parameter of ``shape`` and ``nbytes`` (its gradient dense, its memory contiguous: ``RowSteps`` cuts no
+    other into rows) stepped in more than one chunk of rows when stepped whole? The one rule ``RowSteps.chunked``
+    and the bench's prediction (``bench.worker``, whose models' parameters are contiguous) use."""
     return on_cpu and len(shape) >= 1 and shape[0] > _rows_per_chunk(shape[0], nbytes)
 
 

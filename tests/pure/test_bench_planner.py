@@ -371,3 +371,18 @@ def test_the_layout_says_which_stepped_bytes_go_in_cache_sized_chunks(monkeypatc
     assert worker._chunked_in_pieces(bucket) == [8800, 8400, 8400]  # the bias (256 B) is not
     monkeypatch.setattr(row_steps, "CPU_CHUNK_BYTES", 30_000)
     assert worker._chunked_in_pieces(bucket) == [0, 0, 0]
+
+
+def test_the_chunked_step_ratio_is_calibrated_only_for_a_run_that_steps_in_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """~1 s and ~320 MiB a rank: measured where a mode steps the optimizer in backward (the only prediction that
+    reads it), not in every run."""
+    monkeypatch.setattr(worker, "link_of", lambda: SimpleNamespace(latency_s=1e-4, seconds_per_byte=1e-9))
+    monkeypatch.setattr(worker, "cpu_cost_of_communication", lambda **_: 2e-10)
+    monkeypatch.setattr(worker, "assembly_seconds_per_byte", lambda: 3e-10)
+    monkeypatch.setattr(worker, "chunked_step_ratio", lambda: 0.45)
+    assert worker.calibrate(1, stepping=True) is None  # one rank: no link to model
+    assert "chunked_step_ratio" not in worker.calibrate(2, stepping=False)
+    assert worker.calibrate(2, stepping=True) == {
+        "latency_s": 1e-4, "seconds_per_byte": 1e-9, "cpu_seconds_per_byte": 2e-10, "assembly_seconds_per_byte": 3e-10,
+        "chunked_step_ratio": 0.45,
+    }  # fmt: skip

@@ -325,6 +325,9 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     stepped, _ = step_inputs_in_pieces(dataclasses.replace(whole, step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064})
     assert plan.buckets[1].piece_stepped_bytes() == (8800, 8400, 25856 - 17200)
     assert plan.buckets[1].piece_stepped_bytes(blocks_in_place=False) == (0, 0, 25856)
+    # The big gradient's own rows per block (64 rows of 400 B), apart from the bias the last block's step node steps
+    assert plan.buckets[1].piece_rows_stepped_bytes() == (8800, 8400, 8400)
+    assert plan.buckets[1].piece_rows_stepped_bytes(blocks_in_place=False) == (0, 0, 25600)
     assert stepped.step_per_bucket_s == pytest.approx((0.001, 0.002 * 8800 / 25856, 0.002 * 8400 / 25856, 0.002 * 8656 / 25856))
     # Sent as bf16 (a compressing hook): the blocks in proportion. On two channels every block goes on its bucket's.
     half, _ = step_inputs_in_pieces(
