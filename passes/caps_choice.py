@@ -18,8 +18,14 @@ Where the gradients become ready comes from one of two sources:
   (``graphddp.passes.graph_cost``), because the split must be chosen while Dynamo compiles, before anything
   ran (``step_inputs_from_split``).
 
-Every input is agreed by all ranks before the choice (rank 0's measurements, broadcast), and the search is
-deterministic, so every rank chooses the same caps without a further collective.
+Every measured input is agreed by all ranks before the choice (rank 0's measurements, broadcast), and the search
+is deterministic, so every rank chooses the same caps without a further collective. One input is a rank's own: a
+compiled graph's shapes, which the estimate reads, and which may differ between ranks whose first compiled inputs
+differ in shape (each rank padded to its own longest sequence). Those ranks may choose other caps, and so propose
+other plans; the plan agreement finds it (Note [Plan agreement] in ``graphddp/runtime/plans.py``) and says so,
+naming each rank's caps: every rank adopts rank 0's plan and reduces split, or, where the plans hold parts of
+tied tables, which name one rank's graph nodes, every rank raises. Inputs of one shape on every rank, or fixed
+caps, avoid it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from torch import fx
 from .cost import LinkModel, StepInputs, predict_step
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam
-from .plan import BucketCaps, MiB, ParamSpec, plan_buckets
+from .plan import BucketCaps, ParamSpec, plan_buckets
 from .plan_graph import plan_graph
 from .split import GraphSplit
 
@@ -200,6 +206,6 @@ def step_inputs_from_completions(completions: Sequence[float], nbytes: Sequence[
 
 
 def _mb(caps: BucketCaps) -> str:
-    return f"{caps.bucket / MiB:g}/{caps.first / MiB:g}/{caps.last / MiB:g} MiB"
+    return f"{caps.mb} MiB"
 
 

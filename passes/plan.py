@@ -272,6 +272,12 @@ class BucketCaps:
         return cls(bucket=max(sequence), first=sequence[0], last=sequence[-1], ramps=False, sequence=sequence)
 
     @property
+    def mb(self) -> str:
+        """The caps as users write them: ``bucket/first/last`` in MiB (every bucket's, for a ``sequence``)."""
+        caps = self.sequence or (self.bucket, self.first, self.last)
+        return "/".join(f"{c / MiB:g}" for c in caps)
+
+    @property
     def closes_over_cap(self) -> bool:
         """A bucket closes once it holds its cap or more (its last gradient may take it over the cap), as PyTorch's
         Reducer and DDPOptimizer close theirs: PyTorch's layout (no ramps, or a cap per bucket), so that the same

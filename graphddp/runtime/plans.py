@@ -105,6 +105,11 @@ class GraphPlans:
         # ready-order rebuild, which would otherwise re-cut the buckets away from the graph's split.
         self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
 
+    def caps_by_graph(self) -> tuple[str, ...]:
+        """The caps each graph was planned with, in forward order (MiB): ``bucket_cap_mb="auto"`` chooses them
+        per graph (Note [Automatic caps])."""
+        return tuple(plan.caps.mb for plan in self._by_graph.values())
+
     def plan_for(self, params: frozenset[str]) -> BucketPlan | None:
         """The plan made for an earlier graph with exactly these parameters (a recompile cuts by it)."""
         graph = self._graph_of(params)
@@ -576,6 +581,19 @@ class PlanKeeper:
             )
         return verdict
 
+    def _automatic_caps_differ(self, caps_by_rank: Sequence[tuple[str, ...]]) -> str:
+        """Why the ranks' plans differ where ``bucket_cap_mb="auto"`` chose other caps on some rank: each rank
+        chooses a compiled graph's caps from its own graph's shapes (Note [Automatic caps]), so ranks whose first
+        compiled inputs differ in shape may choose differently. Empty where the caps agree (another cause)."""
+        if self._auto_caps is None or len(set(caps_by_rank)) <= 1:
+            return ""
+        return (
+            " bucket_cap_mb='auto' chose each rank's caps from the shapes of its own captured graphs, and they "
+            "differ: " + "; ".join(f"rank {r}: {', '.join(c)} MiB" for r, c in enumerate(caps_by_rank))
+            + ". Give every rank inputs of the same shapes in the first compiled step (pad them to one length), "
+            "or fix the caps (bucket_cap_mb=25); Note [Automatic caps] in passes/caps_choice.py."
+        )
+
     def _rebuild_in_ready_order(self) -> BucketPlan | None:
         """Rank 0's observed order, broadcast (collective), planned with the current caps, or, with automatic
         caps, with caps chosen from rank 0's ready times (broadcast too; Note [Automatic caps])."""
@@ -612,18 +630,22 @@ class PlanKeeper:
         rows = proposed.describe() if proposed is not None else []
         # What a proposal holds (parameters and shapes, in any order); parts are tied to one rank's graph nodes.
         holds = sorted(f"{p.label}{list(p.shape)}" for b in proposed.buckets for p in b.params) if proposed else None
-        mine = (rows, holds, bool(proposed and proposed.parts), proposed if self.rank == 0 else None)
+        caps = self.graph_plans.caps_by_graph()
+        mine = (rows, holds, bool(proposed and proposed.parts), proposed if self.rank == 0 else None, caps)
         everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine), group=self._group)]
         plan = everyone[0][3]  # rank 0's proposal; every rank decides from the same gathered data
-        same = all(h is not None and h == everyone[0][1] and not parts for _, h, parts, _ in everyone)
+        same = all(h is not None and h == everyone[0][1] and not parts for _, h, parts, *_ in everyone)
+        cause = self._automatic_caps_differ([e[4] for e in everyone])
         if same and plan is not None and plan.coverage_problem(p.name for p in self.specs) is None:
             self.agreed_in_graph = frozenset()  # each rank's in-graph variant all-reduces its own buckets
             self.ready_order.forget()
-            logger.info(
-                "[rank %d] graphddp: the ranks compiled the same parameters in different orders; every rank adopts "
-                "rank 0's bucket plan (%d buckets, fingerprint %s) and reduces split (Note [Plan agreement])",
-                self.rank, len(plan.buckets), plan.fingerprint,
-            )
+            logger.log(
+                logging.WARNING if cause else logging.INFO,
+                "[rank %d] graphddp: the ranks compiled the same parameters %s; every rank adopts rank 0's bucket "
+                "plan (%d buckets, fingerprint %s) and reduces split (Note [Plan agreement]).%s",
+                self.rank, "cut into other buckets" if cause else "in different orders", len(plan.buckets),
+                plan.fingerprint, cause,
+            )  # fmt: skip
             return plan
         index, entries = first_difference_across([r for r, *_ in everyone], ("", "<no such bucket>")) or (
             0, [("", "")] * len(everyone)
@@ -637,8 +659,8 @@ class PlanKeeper:
         )
         if not allows_unused:
             raise RuntimeError(
-                message + " Every rank must capture graphs of the same parameters (same code path, same graph "
-                "breaks), or pass find_unused_parameters=True when ranks take different branches."
+                message + (cause or " Every rank must capture graphs of the same parameters (same code path, same "
+                "graph breaks), or pass find_unused_parameters=True when ranks take different branches.")
             )
         # With find_unused_parameters / static_graph, rank-dependent branches legitimately capture different
         # graphs: keep the current plan, which every rank shares.

@@ -5,6 +5,8 @@ eager from the first backward and compiled from the graph; the choice follows th
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -16,18 +18,19 @@ import graphddp.runtime.auto_caps
 from graphddp.passes import ComputeRates, LinkModel
 
 AUTO = (("bucket_cap_mb", "auto"), ("first_bucket_cap_mb", "auto"), ("last_bucket_cap_mb", "auto"))
-MODEL = "w:mlp:small"  # ~4 MB of gradients: enough for the candidates (0.25 MiB and up) to differ
+MODEL = "w:mlp:small"
+RATES = ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)  # ~4 MB of gradients: enough for the candidates (0.25 MiB and up) to differ
 
 
 @contextlib.contextmanager
-def measured_as(link: LinkModel | None) -> Iterator[None]:
+def measured_as(link: LinkModel | None, rates: ComputeRates = RATES) -> Iterator[None]:
     """Replace the calibration's measurements (rank processes are reused: restored after)."""
     if link is None:
         yield
         return
     saved = graphddp.runtime.auto_caps.link_of, graphddp.runtime.auto_caps.compute_rates, graphddp.runtime.auto_caps.cpu_cost_of_communication
     graphddp.runtime.auto_caps.link_of = lambda group, device=None: link
-    graphddp.runtime.auto_caps.compute_rates = lambda group, device=None: ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)
+    graphddp.runtime.auto_caps.compute_rates = lambda group, device=None: rates
     graphddp.runtime.auto_caps.cpu_cost_of_communication = lambda group, link=None: 0.0
     try:
         yield
@@ -70,3 +73,62 @@ def test_the_choice_follows_the_link(compile: str | None) -> None:
     assert few[0]["buckets"] == 1, few[0]
     assert many[0]["buckets"] > 1, many[0]
     assert all(r["fingerprint"] == many[0]["fingerprint"] for r in many), many
+
+
+# Ranks whose first compiled inputs differ in shape estimate other backwards from their graphs. Stood in for here
+# by other compute rates per rank (a workload draws batches of its own size): rank 0 estimates a backward so short
+# that one bucket is fastest on messages that cost 2 ms (100/100/100 MiB); rank 1 one of ~20 ms, which smaller
+# edge buckets overlap (100/4/4 MiB). So each rank chooses other caps from its own graph, as other shapes would.
+SLOW_MESSAGES = LinkModel(latency_s=2e-3, seconds_per_byte=1e-9)
+
+
+def rates_of(rank: int) -> ComputeRates:
+    return ComputeRates(flops_per_s=2e13 / 1000**rank, bytes_per_s=5e12 / 1000**rank)
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def train_with_own_estimates(rank: int, world: int, model: str) -> dict:
+    case = Case(model=model, steps=3, graphddp=AUTO, compile="torch.compile")
+    kept = _Kept()
+    logging.getLogger("graphddp.runtime.plans").addHandler(kept)
+    try:
+        with measured_as(SLOW_MESSAGES, rates_of(rank)):
+            run = train("graphddp", case, rank)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    finally:
+        logging.getLogger("graphddp.runtime.plans").removeHandler(kept)
+    plan = run.ddp.bucket_plan
+    return {"state": state_of(run.ddp.module), "fingerprint": plan.fingerprint, "source": plan.source, "warnings": kept.messages}
+
+
+def test_ranks_whose_automatic_caps_differ_adopt_rank_0s_plan_and_are_told_why() -> None:
+    """A compiled graph's automatic caps are each rank's own choice from its own shapes (Note [Automatic caps]):
+    where they differ, the plan agreement adopts rank 0's plan, reduced split, trains as PyTorch's DDP, and warns
+    naming each rank's caps."""
+    ours = run_on_ranks(train_with_own_estimates, 2, MODEL)
+    theirs = run_on_ranks(train_torch, 2)
+    assert ours[0]["fingerprint"] == ours[1]["fingerprint"] and ours[0]["source"] == "graph", ours
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine["state"], reference)
+    (warning,) = [m for m in ours[1]["warnings"] if "bucket_cap_mb='auto'" in m]
+    assert "cut into other buckets; every rank adopts rank 0's bucket plan" in warning, warning
+    caps = re.findall(r"rank (\d): ([\d./]+) MiB", warning)
+    assert [r for r, _ in caps] == ["0", "1"] and caps[0][1] != caps[1][1], warning
+
+
+def test_tied_tables_parts_with_automatic_caps_that_differ_raise_naming_the_cause() -> None:
+    """Parts of a tied table name one rank's graph nodes, so rank 0's plan cannot serve the others: every rank
+    raises, and the error says the automatic caps differ and what to do."""
+    errors = [r.get("error", "") for r in run_on_ranks(train_with_own_estimates, 2, "w:gpt:small")]
+    for error in errors:
+        assert "the ranks compiled different bucket plans" in error and "bucket_cap_mb='auto' chose" in error, error
+        assert "pad them to one length" in error and "Every rank must capture graphs of the same parameters" not in error, error
