@@ -16,7 +16,10 @@ Where the gradients become ready comes from one of two sources:
   synchronised backward (``step_inputs_from_ready_times``);
 * **estimated** (compiled): each segment's backward from the captured graph's shapes and the device's rates
   (``graphddp.passes.graph_cost``), because the split must be chosen while Dynamo compiles, before anything
-  ran (``step_inputs_from_split``).
+  ran (``step_inputs_from_split``). Where the graph will be reduced in-graph on more than one rank, a gradient
+  larger than its cap goes in blocks as its matmul computes them (Note [Gradient pieces]), and each candidate
+  is predicted so (``step_inputs_in_pieces``): a cap decides how early such a gradient starts to travel, which
+  a search that saw it whole missed (gpt at 1 Gbit/s: 100 MiB chosen, where the runs put 8 MiB ahead of it).
 
 Every measured input is agreed by all ranks before the choice (rank 0's measurements, broadcast), and the search
 is deterministic, so every rank chooses the same caps without a further collective. One input is a rank's own: a
@@ -39,6 +42,7 @@ from torch import fx
 from .cost import LinkModel, StepInputs, predict_step
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam
+from .pieces_cost import matmul_seconds_of_pieces, step_inputs_in_pieces
 from .plan import BucketCaps, ParamSpec, plan_buckets
 from .plan_graph import plan_graph
 from .split import GraphSplit
@@ -167,16 +171,23 @@ def choose_graph_caps(
     world: int,
     row_sparse: bool,
     cpu_seconds_per_byte: float = 0.0,
+    blocks: bool = False,
 ) -> CapsChoice:
     """Caps for one captured graph: each candidate planned and cut as the backend would, its segments' backward
-    estimated from the graph (Note [Automatic caps])."""
+    estimated from the graph (Note [Automatic caps]); with ``blocks`` (the graph will be reduced in-graph, on more
+    than one rank), a gradient larger than its cap sent block by block as its matmul computes it, as the run
+    sends it (``step_inputs_in_pieces``, Note [Gradient pieces]): a smaller cap cuts it into more, earlier blocks."""
     node_seconds = forward_seconds(gm, rates)
 
     def inputs_for(caps: BucketCaps) -> StepInputs:
         split = plan_graph(gm, params, caps, row_sparse=row_sparse)
-        return estimated_step_inputs(
+        inputs = estimated_step_inputs(
             split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
         )
+        if not blocks or all(b.pieces is None for b in split.plan.buckets):
+            return inputs
+        matmuls = matmul_seconds_of_pieces(split.plan, params, node_seconds)
+        return step_inputs_in_pieces(inputs, split.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)[0]
 
     return choose_caps(search.candidates(), inputs_for, link, world)
 

@@ -25,9 +25,10 @@ Pure: no ``torch.distributed``, no graphddp runtime module.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .cost import StepInputs
+from .graph_params import GraphParam
 from .plan import BucketPlan
 
 
@@ -52,6 +53,20 @@ class PiecesLayout:
             bucket, block = self.bucket_of[int(index)]
             return f"{kind} {bucket}" + ("" if block is None else f" block {block}")
         return node
+
+
+def matmul_seconds_of_pieces(plan: BucketPlan, params: Sequence[GraphParam], node_seconds: Mapping[str, float]) -> dict[tuple[str, str], float]:
+    """``step_inputs_in_pieces``'s ``matmul_seconds`` for a captured graph: a big gradient's matmul costs what its
+    forward uses with the weight cost (the same flops; ``node_seconds``, ``graphddp.passes.graph_cost``); a tied
+    table's part is its own matmul's, not the lookup's."""
+    uses = {p.spec.name: p.uses for p in params}
+    seconds = {}
+    for bucket in plan.buckets:
+        if bucket.pieces is not None:
+            big = bucket.params[bucket.pieces[0]]
+            nodes = [big.part] if big.part else [u.node for u in uses[big.name] if u.differentiable]
+            seconds[big.key] = sum(node_seconds.get(n, 0.0) for n in nodes)
+    return seconds
 
 
 def step_inputs_in_pieces(

@@ -158,7 +158,8 @@ class GraphDDPBackend:
             gm,
             example_inputs,
             target.params_by_id() if target is not None else _parameter_names_without_ddp(gm, example_inputs),
-            caps=target.caps_for_graph if target is not None else BucketCaps(),
+            caps=functools.partial(target.caps_for_graph, blocks=self._in_graph_unless_the_plan_blocks(target))
+            if target is not None else BucketCaps(),
             row_sparse=target.rows_for_graph if target is not None else False,  # without a Reducer, nothing takes parts
             plan_for=target.plan_for_graph if target is not None else lambda params: None,
             sink=target,
@@ -221,14 +222,25 @@ class GraphDDPBackend:
         ranks, so such a graph runs split."""
         if target is None:
             return ReductionChoice("split", "no graphddp.DDP runs it")
-        blockers = [*plan_blockers(plan, rows_in_use=target.reduces_rows), *target.in_graph_blockers()]
+        blockers = [*plan_blockers(plan, rows_in_use=target.reduces_rows), *self._blockers_of_any_plan(target)]
         if not parts_found:
             blockers.append("a recompile whose uses of a tied table no longer match the parts of the plan made before")
         if not compiles_again:
             blockers.append("a tied table's parts in a graph whose traced inputs are unknown (it could not be compiled again without them)")
+        return choose_reduction(self.reduction, blockers)
+
+    def _blockers_of_any_plan(self, target: CompileTarget) -> list[str]:
+        """What keeps every graph of ``target`` off the in-graph strategy, whatever its plan: the DDP's settings
+        (``in_graph_blockers``) and an inner compiler that is not AOTAutograd-based."""
+        blockers = list(target.in_graph_blockers())
         if in_graph_compiler(self.inner) is None:
             blockers.append(f"the inner compiler {describe_inner(self.inner)!r} is not AOTAutograd-based (Inductor, aot_eager)")
-        return choose_reduction(self.reduction, blockers)
+        return blockers
+
+    def _in_graph_unless_the_plan_blocks(self, target: CompileTarget) -> bool:
+        """Will a graph of ``target`` be reduced in-graph, unless its plan blocks it (``choose_reduction``)? Then
+        the automatic caps see its big gradients sent in blocks (Note [Automatic caps])."""
+        return choose_reduction(self.reduction, self._blockers_of_any_plan(target)).strategy == "in_graph"
 
     def _compile_in_graph(
         self, gm: fx.GraphModule, example_inputs: list[Any], params: Sequence[Any], plan: BucketPlan, graph_key: str,

@@ -38,9 +38,9 @@ class CompileTarget(PartSink, Protocol):
     """The in-graph variants' last input: the [1] float32 abandon signal, which requires grad (Note [Abandoned
     backward] in ``graphddp/runtime/iteration.py``)."""
 
-    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], row_sparse: bool) -> BucketCaps:
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], row_sparse: bool, *, blocks: bool = False) -> BucketCaps:
         """The caps to plan a newly captured graph with, its tables as rows or not (``rows_for_graph``): chosen
-        for it, with ``bucket_cap_mb="auto"``."""
+        for it, with ``bucket_cap_mb="auto"``, knowing whether its big gradients go in ``blocks`` (in-graph)."""
         ...
 
     @property

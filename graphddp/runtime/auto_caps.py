@@ -67,11 +67,12 @@ class AutoCaps:
         logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
         return choice.caps
 
-    def for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool) -> BucketCaps:
-        """Caps for a captured graph, its backward estimated from its shapes."""
+    def for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool, blocks: bool = False) -> BucketCaps:
+        """Caps for a captured graph, its backward estimated from its shapes, its big gradients sent in ``blocks``
+        where it will be reduced in-graph."""
         choice = choose_graph_caps(
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
-            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte,
+            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks and self.world > 1,
         )  # fmt: skip
         logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
         return choice.caps

@@ -104,12 +104,12 @@ class ReducerTarget:
     def caps(self) -> BucketCaps:
         return self._plans.current.caps
 
-    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], row_sparse: bool) -> BucketCaps:
+    def caps_for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], row_sparse: bool, *, blocks: bool = False) -> BucketCaps:
         """The caps to plan a newly captured graph with (its tables as rows or not): the plan's, or the automatic
-        choice for this graph."""
+        choice for this graph (its big gradients sent in ``blocks`` where it will be reduced in-graph)."""
         if self._auto_caps is None:
             return self.caps
-        return self._auto_caps.for_graph(gm, params, row_sparse=row_sparse)
+        return self._auto_caps.for_graph(gm, params, row_sparse=row_sparse, blocks=blocks)
 
     def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
         """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)?"""

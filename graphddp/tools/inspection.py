@@ -50,6 +50,7 @@ from ..passes import (
     embedding_tables,
     estimated_step_inputs,
     forward_seconds,
+    matmul_seconds_of_pieces,
     plan_blockers,
     predict_step,
     rate_bits_per_second,
@@ -111,14 +112,7 @@ def in_graph_step_inputs(
     costs what the forward's matmul with the weight costs (the same flops); copying its first block in
     (``Bucket.assembled_bytes``): each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
     ``graphddp.runtime.calibration.assembly_seconds_per_byte``, fresh pages included)."""
-    node_seconds = forward_seconds(gm, rates)
-    uses = {p.spec.name: p.uses for p in prepared.params}
-    matmuls = {}
-    for bucket in prepared.plan.buckets:
-        if bucket.pieces is not None:
-            big = bucket.params[bucket.pieces[0]]  # a tied table's part: its own matmul, not the lookup
-            nodes = [big.part] if big.part else [u.node for u in uses[big.name] if u.differentiable]
-            matmuls[big.key] = sum(node_seconds.get(n, 0.0) for n in nodes)
+    matmuls = matmul_seconds_of_pieces(prepared.plan, prepared.params, forward_seconds(gm, rates))
     inputs = graph_step_inputs(gm, prepared.split, rates, cpu_seconds_per_byte=cpu_seconds_per_byte)
     return step_inputs_in_pieces(inputs, prepared.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
 
@@ -265,7 +259,10 @@ def inspect_target(
 
     auto = None  # with "auto": each graph's caps chosen for it, as in a compiled run
     if search is not None and link_model is not None and rates is not None:
-        auto = GraphCapsChooser(search, link=link_model, rates=rates, world=world_size, cpu_seconds_per_byte=cpu)
+        auto = GraphCapsChooser(
+            search, link=link_model, rates=rates, world=world_size, cpu_seconds_per_byte=cpu,
+            blocks=world_size > 1 and reduction != "split",  # as the graphs below are reduced (a plan's blockers aside)
+        )  # fmt: skip
     graph_caps = auto.for_graph if auto is not None else caps
     graphs = []
     for i, captured in enumerate(capture_graphs(model, *inputs)):
@@ -304,8 +301,13 @@ class GraphCapsChooser:
     process group. Communication's cost in CPU compute is not measured without ranks: the one given
     (``--comm-cpu``), or nothing."""
 
-    def __init__(self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, cpu_seconds_per_byte: float = 0.0) -> None:
+    def __init__(
+        self, search: CapsSearch, *, link: LinkModel, rates: ComputeRates, world: int, cpu_seconds_per_byte: float = 0.0,
+        blocks: bool = False,
+    ) -> None:
         self.search = search
+        self.blocks = blocks
+        """Graphs are reduced in-graph on more than one rank: big gradients go in blocks (``choose_graph_caps``)."""
         self.link = link
         self.rates = rates
         self.world = world
@@ -316,7 +318,7 @@ class GraphCapsChooser:
         """``prepare_graph``'s ``caps``: the choice for ``gm`` (its tables as rows or not), remembered for the report."""
         choice = choose_graph_caps(
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world, row_sparse=row_sparse,
-            cpu_seconds_per_byte=self.cpu_seconds_per_byte,
+            cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=self.blocks,
         )  # fmt: skip
         self._choices[id(gm)] = choice
         return choice.caps

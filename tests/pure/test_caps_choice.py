@@ -10,6 +10,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from graphddp.compiler.capture import capture_graphs, parameter_names
 from graphddp.ddp import BucketOptions
 from graphddp.passes import (
     BucketCaps,
@@ -20,9 +21,16 @@ from graphddp.passes import (
     ParamSpec,
     StepInputs,
     choose_caps,
+    choose_graph_caps,
+    estimated_step_inputs,
+    find_graph_params,
     forward_seconds,
+    matmul_seconds_of_pieces,
+    plan_graph,
+    predict_step,
     step_inputs_from_buckets,
     step_inputs_from_ready_times,
+    step_inputs_in_pieces,
 )
 from graphddp.passes.graph_cost import flops, moved_bytes
 
@@ -134,3 +142,46 @@ def test_buckets_made_by_any_rule_are_complete_when_their_last_gradient_is() -> 
     assert step_inputs_from_buckets([[b], [c], [a]], {a.name: 0.03, b.name: 0.01, c.name: 0.02}, backward_s=0.05) == planned
     with pytest.raises(ValueError, match="every parameter needs its ready time; none for"):
         step_inputs_from_buckets([[a, b]], {a.name: 0.01}, backward_s=0.05)
+
+
+class BigHead(nn.Module):
+    """A 4 MiB head, the first gradient backward computes, after four small layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+        self.head = nn.Linear(256, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_a_graph_reduced_in_graph_is_searched_with_its_big_gradients_sent_in_blocks() -> None:
+    """With ``blocks`` (the graph will be reduced in-graph), a candidate whose cap cuts a big gradient into
+    blocks is predicted as the run sends it, block by block as its matmul computes them (``step_inputs_in_pieces``),
+    not whole after it: earlier, so shorter (Note [Automatic caps])."""
+    model = BigHead()
+    (captured,) = capture_graphs(model, torch.randn(512, 256))
+    params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+    rates, link = ComputeRates(flops_per_s=1e11, bytes_per_s=1e10), LinkModel(latency_s=1e-4, seconds_per_byte=8 / 1e9)  # link-bound
+    whole, in_blocks = (
+        choose_graph_caps(captured.gm, params, CapsSearch(), rates=rates, link=link, world=2, row_sparse=False, blocks=blocks)
+        for blocks in (False, True)
+    )  # fmt: skip
+    cut = BucketCaps.from_mb(1, 1, 1)  # the head's 4 MiB gradient in blocks of at most 1 MiB
+    split = plan_graph(captured.gm, params, cut, row_sparse=False)
+    assert [b.names[b.pieces[0]] for b in split.plan.buckets if b.pieces is not None] == ["head.weight"]
+    node_seconds = forward_seconds(captured.gm, rates)
+    inputs = estimated_step_inputs(split, node_seconds, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket)
+    blocks = step_inputs_in_pieces(inputs, split.plan, matmul_seconds_of_pieces(split.plan, params, node_seconds), assembly_seconds_per_byte=2e-10)[0]
+    assert dict(in_blocks.ranking)[cut] == pytest.approx(predict_step(blocks, link, 2).step_s)
+    assert dict(whole.ranking)[cut] == pytest.approx(predict_step(inputs, link, 2).step_s)
+    assert dict(in_blocks.ranking)[cut] < dict(whole.ranking)[cut]
+    # So the choice itself moves: to caps that send the head in blocks, ~1/3 faster on this link.
+    assert any(b.pieces for b in plan_graph(captured.gm, params, in_blocks.caps, row_sparse=False).plan.buckets)
+    assert all(b.pieces is None for b in plan_graph(captured.gm, params, whole.caps, row_sparse=False).plan.buckets)
+    assert in_blocks.predicted_s < 0.8 * whole.predicted_s
+    # A cap the head's gradient fits under has no blocks: predicted alike either way.
+    big = BucketCaps.from_mb(100, 4, 4)
+    assert all(b.pieces is None for b in plan_graph(captured.gm, params, big, row_sparse=False).plan.buckets)
+    assert dict(in_blocks.ranking)[big] == dict(whole.ranking)[big]
