@@ -581,19 +581,6 @@ class PlanKeeper:
             )
         return verdict
 
-    def _automatic_caps_differ(self, caps_by_rank: Sequence[tuple[str, ...]]) -> str:
-        """Why the ranks' plans differ where ``bucket_cap_mb="auto"`` chose other caps on some rank: each rank
-        chooses a compiled graph's caps from its own graph's shapes (Note [Automatic caps]), so ranks whose first
-        compiled inputs differ in shape may choose differently. Empty where the caps agree (another cause)."""
-        if self._auto_caps is None or len(set(caps_by_rank)) <= 1:
-            return ""
-        return (
-            " bucket_cap_mb='auto' chose each rank's caps from the shapes of its own captured graphs, and they "
-            "differ: " + "; ".join(f"rank {r}: {', '.join(c)} MiB" for r, c in enumerate(caps_by_rank))
-            + ". Give every rank inputs of the same shapes in the first compiled step (pad them to one length), "
-            "or fix the caps (bucket_cap_mb=25); Note [Automatic caps] in passes/caps_choice.py."
-        )
-
     def _rebuild_in_ready_order(self) -> BucketPlan | None:
         """Rank 0's observed order, broadcast (collective), planned with the current caps, or, with automatic
         caps, with caps chosen from rank 0's ready times (broadcast too; Note [Automatic caps])."""
@@ -635,7 +622,7 @@ class PlanKeeper:
         everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine), group=self._group)]
         plan = everyone[0][3]  # rank 0's proposal; every rank decides from the same gathered data
         same = all(h is not None and h == everyone[0][1] and not parts for _, h, parts, *_ in everyone)
-        cause = self._automatic_caps_differ([e[4] for e in everyone])
+        cause = automatic_caps_differ([e[4] for e in everyone]) if self._auto_caps is not None else ""
         if same and plan is not None and plan.coverage_problem(p.name for p in self.specs) is None:
             self.agreed_in_graph = frozenset()  # each rank's in-graph variant all-reduces its own buckets
             self.ready_order.forget()
@@ -666,3 +653,17 @@ class PlanKeeper:
         # graphs: keep the current plan, which every rank shares.
         logger.warning("%s Ranks take different branches (find_unused_parameters=True): the current plan stays.", message)
         return None
+
+
+def automatic_caps_differ(caps_by_rank: Sequence[tuple[str, ...]]) -> str:
+    """Why the ranks' plans differ where ``bucket_cap_mb="auto"`` chose other caps on some rank: each rank
+    chooses a compiled graph's caps from its own graph's shapes (Note [Automatic caps]), so ranks whose first
+    compiled inputs differ in shape may choose differently. Empty where the caps agree (another cause)."""
+    if len(set(caps_by_rank)) <= 1:
+        return ""
+    return (
+        " bucket_cap_mb='auto' chose each rank's caps from the shapes of its own captured graphs, and they "
+        "differ: " + "; ".join(f"rank {r}: {', '.join(c)} MiB" for r, c in enumerate(caps_by_rank))
+        + ". Give every rank inputs of the same shapes in the first compiled step (pad them to one length), "
+        "or fix the caps (bucket_cap_mb=25); Note [Automatic caps] in passes/caps_choice.py."
+    )
