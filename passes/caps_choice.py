@@ -26,9 +26,11 @@ is deterministic, so every rank chooses the same caps without a further collecti
 compiled graph's shapes, which the estimate reads, and which may differ between ranks whose first compiled inputs
 differ in shape (each rank padded to its own longest sequence). Those ranks may choose other caps, and so propose
 other plans; the plan agreement finds it (Note [Plan agreement] in ``graphddp/runtime/plans.py``) and says so,
-naming each rank's caps: every rank adopts rank 0's plan and reduces split, or, where the plans hold parts of
-tied tables, which name one rank's graph nodes, every rank raises. Inputs of one shape on every rank, or fixed
-caps, avoid it.
+naming each rank's caps for that graph: every rank adopts rank 0's plan and reduces split, or, where the plans
+hold parts of tied tables, which name one rank's graph nodes, every rank raises (with
+``find_unused_parameters``, warns and keeps the plan in force). Inputs of one shape on every rank, or fixed caps,
+avoid it. The blocks are predicted written in place; a compressing comm hook (fp16, bf16), whose blocks are cast
+for the wire and copied back after the last, is not modelled here.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class CapsSearch:
     first_mb: float | None = None
     last_mb: float | None = None
     ramps: bool = True
+
+    def searched(self) -> tuple[str, ...]:
+        """The options left to ``"auto"``, as users write them."""
+        names = (("bucket_cap_mb", self.bucket_mb), ("first_bucket_cap_mb", self.first_mb), ("last_bucket_cap_mb", self.last_mb))
+        return tuple(name for name, mb in names if mb is None)
 
     def candidates(self) -> list[BucketCaps]:
         """Every combination of the searched caps with the fixed ones, larger caps first."""
@@ -184,7 +191,7 @@ def choose_graph_caps(
         inputs = estimated_step_inputs(
             split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
         )
-        if not blocks or all(b.pieces is None for b in split.plan.buckets):
+        if not blocks or world < 2 or all(b.pieces is None for b in split.plan.buckets):  # one rank sends nothing
             return inputs
         matmuls = matmul_seconds_of_pieces(split.plan, params, node_seconds)
         return step_inputs_in_pieces(inputs, split.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)[0]

@@ -238,8 +238,10 @@ class GraphDDPBackend:
         return blockers
 
     def _in_graph_unless_the_plan_blocks(self, target: CompileTarget) -> bool:
-        """Will a graph of ``target`` be reduced in-graph, unless its plan blocks it (``choose_reduction``)? Then
-        the automatic caps see its big gradients sent in blocks (Note [Automatic caps])."""
+        """May a graph of ``target`` be reduced in-graph, unless its plan blocks it (``choose_reduction``)? Then the
+        automatic caps see its big gradients sent in blocks (Note [Automatic caps]). An iteration may still run
+        the split (the first, a ``no_sync`` one, events recorded: ``ReductionSwitch``); the steady state is what
+        the caps are for."""
         return choose_reduction(self.reduction, self._blockers_of_any_plan(target)).strategy == "in_graph"
 
     def _compile_in_graph(

@@ -72,7 +72,7 @@ class AutoCaps:
         where it will be reduced in-graph."""
         choice = choose_graph_caps(
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
-            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks and self.world > 1,
+            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks,
         )  # fmt: skip
         logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
         return choice.caps

@@ -67,7 +67,7 @@ import hashlib
 import logging
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,10 +105,11 @@ class GraphPlans:
         # ready-order rebuild, which would otherwise re-cut the buckets away from the graph's split.
         self.proposed = compose_plans(list(self._by_graph.values()), self._specs[::-1], caps=current.caps)
 
-    def caps_by_graph(self) -> tuple[str, ...]:
-        """The caps each graph was planned with, in forward order (MiB): ``bucket_cap_mb="auto"`` chooses them
-        per graph (Note [Automatic caps])."""
-        return tuple(plan.caps.mb for plan in self._by_graph.values())
+    def caps_by_graph(self) -> dict[tuple[str, ...], str]:
+        """The caps each graph was planned with (MiB), by its parameters' names: ``bucket_cap_mb="auto"`` chooses
+        them per graph (Note [Automatic caps]); keyed by parameters, so ranks that compiled the same graphs in
+        another order or other graphs are compared graph by graph."""
+        return {tuple(sorted(plan.param_names)): plan.caps.mb for plan in self._by_graph.values()}
 
     def plan_for(self, params: frozenset[str]) -> BucketPlan | None:
         """The plan made for an earlier graph with exactly these parameters (a recompile cuts by it)."""
@@ -622,7 +623,7 @@ class PlanKeeper:
         everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine), group=self._group)]
         plan = everyone[0][3]  # rank 0's proposal; every rank decides from the same gathered data
         same = all(h is not None and h == everyone[0][1] and not parts for _, h, parts, *_ in everyone)
-        cause = automatic_caps_differ([e[4] for e in everyone]) if self._auto_caps is not None else ""
+        cause = automatic_caps_differ([e[4] for e in everyone], self._auto_caps.search.searched()) if self._auto_caps else ""
         if same and plan is not None and plan.coverage_problem(p.name for p in self.specs) is None:
             self.agreed_in_graph = frozenset()  # each rank's in-graph variant all-reduces its own buckets
             self.ready_order.forget()
@@ -651,19 +652,26 @@ class PlanKeeper:
             )
         # With find_unused_parameters / static_graph, rank-dependent branches legitimately capture different
         # graphs: keep the current plan, which every rank shares.
-        logger.warning("%s Ranks take different branches (find_unused_parameters=True): the current plan stays.", message)
+        logger.warning("%s%s", message, cause or " Ranks take different branches (find_unused_parameters=True): the current plan stays.")
         return None
 
 
-def automatic_caps_differ(caps_by_rank: Sequence[tuple[str, ...]]) -> str:
-    """Why the ranks' plans differ where ``bucket_cap_mb="auto"`` chose other caps on some rank: each rank
-    chooses a compiled graph's caps from its own graph's shapes (Note [Automatic caps]), so ranks whose first
-    compiled inputs differ in shape may choose differently. Empty where the caps agree (another cause)."""
-    if len(set(caps_by_rank)) <= 1:
+def automatic_caps_differ(caps_by_rank: Sequence[Mapping[tuple[str, ...], str]], searched: Sequence[str]) -> str:
+    """Why the ranks' plans differ where the caps left to ``"auto"`` (``searched``: the options' names) were chosen
+    otherwise on some rank for the same graph (the same parameters; ``GraphPlans.caps_by_graph`` per rank): each
+    rank chooses a compiled graph's caps from its own graph's shapes (Note [Automatic caps]), so ranks whose first
+    compiled inputs differ in shape may choose differently. Empty where every graph's caps agree (another cause:
+    other graphs, other orders)."""
+    graphs = sorted(set().union(*caps_by_rank))
+    differing = [g for g in graphs if len({caps[g] for caps in caps_by_rank if g in caps}) > 1]
+    if not differing:
         return ""
+    graph = differing[0]
+    options = ", ".join(searched)
     return (
-        " bucket_cap_mb='auto' chose each rank's caps from the shapes of its own captured graphs, and they "
-        "differ: " + "; ".join(f"rank {r}: {', '.join(c)} MiB" for r, c in enumerate(caps_by_rank))
-        + ". Give every rank inputs of the same shapes in the first compiled step (pad them to one length), "
-        "or fix the caps (bucket_cap_mb=25); Note [Automatic caps] in passes/caps_choice.py."
+        f" The caps left to 'auto' ({options}) were chosen by each rank from the shapes of its own captured graph, and "
+        f"for the graph holding {graph[0]} they differ: "
+        + "; ".join(f"rank {r}: {caps[graph]} MiB" for r, caps in enumerate(caps_by_rank) if graph in caps)
+        + f". Give every rank inputs of the same shapes in the first compiled step (pad them to one length), or give "
+        f"{options} a number; Note [Automatic caps] in passes/caps_choice.py."
     )

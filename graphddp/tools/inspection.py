@@ -261,7 +261,7 @@ def inspect_target(
     if search is not None and link_model is not None and rates is not None:
         auto = GraphCapsChooser(
             search, link=link_model, rates=rates, world=world_size, cpu_seconds_per_byte=cpu,
-            blocks=world_size > 1 and reduction != "split",  # as the graphs below are reduced (a plan's blockers aside)
+            blocks=choose_reduction(reduction, []).strategy == "in_graph",  # as the backend asks (a plan's blockers aside)
         )  # fmt: skip
     graph_caps = auto.for_graph if auto is not None else caps
     graphs = []

@@ -185,3 +185,18 @@ def test_a_graph_reduced_in_graph_is_searched_with_its_big_gradients_sent_in_blo
     big = BucketCaps.from_mb(100, 4, 4)
     assert all(b.pieces is None for b in plan_graph(captured.gm, params, big, row_sparse=False).plan.buckets)
     assert dict(in_blocks.ranking)[big] == dict(whole.ranking)[big]
+
+
+def test_automatic_caps_are_blamed_only_for_a_graph_ranks_planned_with_other_caps() -> None:
+    """``automatic_caps_differ`` (Note [Plan agreement]) compares ranks' caps graph by graph, by parameters: ranks
+    that compiled other graphs, or the same graphs in another order, differ for another cause, which it leaves to
+    the agreement's own message."""
+    from graphddp.runtime.plans import automatic_caps_differ
+
+    a, b = ("fc.bias", "fc.weight"), ("head.weight",)
+    searched = ("bucket_cap_mb", "last_bucket_cap_mb")
+    assert automatic_caps_differ([{a: "25/1/1", b: "8/1/1"}, {b: "8/1/1", a: "25/1/1"}], searched) == ""  # another order
+    assert automatic_caps_differ([{a: "25/1/1"}, {b: "8/1/1"}], searched) == ""  # other graphs (graph breaks)
+    cause = automatic_caps_differ([{a: "25/1/1", b: "8/1/1"}, {a: "25/1/1", b: "2/1/1"}, {a: "25/1/1"}], searched)
+    assert "for the graph holding head.weight they differ" in cause and "rank 0: 8/1/1 MiB; rank 1: 2/1/1 MiB." in cause, cause
+    assert "give bucket_cap_mb, last_bucket_cap_mb a number" in cause, cause

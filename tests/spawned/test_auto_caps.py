@@ -18,8 +18,8 @@ import graphddp.runtime.auto_caps
 from graphddp.passes import ComputeRates, LinkModel
 
 AUTO = (("bucket_cap_mb", "auto"), ("first_bucket_cap_mb", "auto"), ("last_bucket_cap_mb", "auto"))
-MODEL = "w:mlp:small"
-RATES = ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)  # ~4 MB of gradients: enough for the candidates (0.25 MiB and up) to differ
+MODEL = "w:mlp:small"  # ~4 MB of gradients: enough for the candidates (0.25 MiB and up) to differ
+RATES = ComputeRates(flops_per_s=2e10, bytes_per_s=5e9)
 
 
 @contextlib.contextmanager
@@ -119,10 +119,11 @@ def test_ranks_whose_automatic_caps_differ_adopt_rank_0s_plan_and_are_told_why()
     assert ours[0]["fingerprint"] == ours[1]["fingerprint"] and ours[0]["source"] == "graph", ours
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine["state"], reference)
-    (warning,) = [m for m in ours[1]["warnings"] if "bucket_cap_mb='auto'" in m]
+    (warning,) = [m for m in ours[1]["warnings"] if "left to 'auto'" in m]
     assert "cut into other buckets; every rank adopts rank 0's bucket plan" in warning, warning
     caps = re.findall(r"rank (\d): ([\d./]+) MiB", warning)
     assert [r for r, _ in caps] == ["0", "1"] and caps[0][1] != caps[1][1], warning
+    assert "give bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb a number" in warning, warning
 
 
 def test_tied_tables_parts_with_automatic_caps_that_differ_raise_naming_the_cause() -> None:
@@ -130,5 +131,5 @@ def test_tied_tables_parts_with_automatic_caps_that_differ_raise_naming_the_caus
     raises, and the error says the automatic caps differ and what to do."""
     errors = [r.get("error", "") for r in run_on_ranks(train_with_own_estimates, 2, "w:gpt:small")]
     for error in errors:
-        assert "the ranks compiled different bucket plans" in error and "bucket_cap_mb='auto' chose" in error, error
+        assert "the ranks compiled different bucket plans" in error and "The caps left to 'auto'" in error, error
         assert "pad them to one length" in error and "Every rank must capture graphs of the same parameters" not in error, error

@@ -233,14 +233,15 @@ AUTO = ("--bucket-cap-mb", "auto", "--first-bucket-cap-mb", "auto", "--last-buck
 
 def compiled_run_choice(link: str, world: int) -> BucketPlan:
     """The plan of gpt (small) as a compiled run with every cap ``"auto"`` makes it, given its calibration
-    (``graphddp.runtime.auto_caps.AutoCaps.for_graph`` in the backend's pipeline)."""
+    (``graphddp.runtime.auto_caps.AutoCaps.for_graph`` in the backend's pipeline; reduced in-graph, so its big
+    gradients predicted in blocks)."""
     workload = build_workload("gpt", size="small", seed=0)
     auto = AutoCaps(CapsSearch(), parse_link(link), RATES, cpu_seconds_per_byte=0.0, world=world, rank=0)
     rows = RowsRule(enabled="auto", link=parse_link(link), world=world)  # sparse_embedding_grads="auto"
     (captured,) = capture_graphs(workload.model, *workload.make_batch(torch.Generator().manual_seed(0)))
     prepared = prepare_graph(
         captured.gm, captured.example_inputs, parameter_names(workload.model),
-        caps=lambda gm, params, rows_planned: auto.for_graph(gm, params, row_sparse=rows_planned), row_sparse=rows.for_graph,
+        caps=lambda gm, params, rows_planned: auto.for_graph(gm, params, row_sparse=rows_planned, blocks=True), row_sparse=rows.for_graph,
     )  # fmt: skip
     assert prepared is not None
     return prepared.plan
