@@ -5,14 +5,13 @@ eager from the first backward and compiled from the graph; the choice follows th
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from collections.abc import Iterator
 
 import pytest
 import torch
 from ranks import run_on_ranks
-from training import Case, state_of, train
+from training import Case, graphddp_warnings, state_of, train
 
 import graphddp.runtime.auto_caps
 from graphddp.passes import ComputeRates, LinkModel
@@ -86,28 +85,16 @@ def rates_of(rank: int) -> ComputeRates:
     return ComputeRates(flops_per_s=2e13 / 1000**rank, bytes_per_s=5e12 / 1000**rank)
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def train_with_own_estimates(rank: int, world: int, model: str) -> dict:
     case = Case(model=model, steps=3, graphddp=AUTO, compile="torch.compile")
-    kept = _Kept()
-    logging.getLogger("graphddp.runtime.plans").addHandler(kept)
-    try:
-        with measured_as(SLOW_MESSAGES, rates_of(rank)):
-            run = train("graphddp", case, rank)
-    except RuntimeError as e:
-        return {"error": str(e)}
-    finally:
-        logging.getLogger("graphddp.runtime.plans").removeHandler(kept)
+    with graphddp_warnings() as warnings:
+        try:
+            with measured_as(SLOW_MESSAGES, rates_of(rank)):
+                run = train("graphddp", case, rank)
+        except RuntimeError as e:
+            return {"error": str(e)}
     plan = run.ddp.bucket_plan
-    return {"state": state_of(run.ddp.module), "fingerprint": plan.fingerprint, "source": plan.source, "warnings": kept.messages}
+    return {"state": state_of(run.ddp.module), "fingerprint": plan.fingerprint, "source": plan.source, "warnings": warnings}
 
 
 def test_ranks_whose_automatic_caps_differ_adopt_rank_0s_plan_and_are_told_why() -> None:
