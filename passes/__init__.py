@@ -32,7 +32,7 @@ from .cost import (
 )
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam, GraphUse, find_graph_params, ready_groups
-from .pieces_cost import PiecesLayout, matmul_seconds_of_pieces, step_inputs_in_pieces
+from .pieces_cost import PiecesLayout, estimated_in_pieces, matmul_seconds_of_pieces, step_inputs_in_pieces
 from .plan import (
     Bucket,
     BucketCaps,
@@ -131,6 +131,7 @@ __all__ = [
     "PiecesLayout",
     "step_inputs_in_pieces",
     "matmul_seconds_of_pieces",
+    "estimated_in_pieces",
     "predict_step",
     "ring_bytes_sent",
     "project_scaling",

@@ -44,7 +44,7 @@ from torch import fx
 from .cost import LinkModel, StepInputs, predict_step
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam
-from .pieces_cost import matmul_seconds_of_pieces, step_inputs_in_pieces
+from .pieces_cost import estimated_in_pieces
 from .plan import BucketCaps, ParamSpec, plan_buckets
 from .plan_graph import plan_graph
 from .split import GraphSplit
@@ -193,8 +193,7 @@ def choose_graph_caps(
         )
         if not blocks or world < 2 or all(b.pieces is None for b in split.plan.buckets):  # one rank sends nothing
             return inputs
-        matmuls = matmul_seconds_of_pieces(split.plan, params, node_seconds)
-        return step_inputs_in_pieces(inputs, split.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)[0]
+        return estimated_in_pieces(inputs, split.plan, params, node_seconds, rates)[0]
 
     return choose_caps(search.candidates(), inputs_for, link, world)
 

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from .cost import StepInputs
+from .graph_cost import ComputeRates
 from .graph_params import GraphParam
 from .plan import BucketPlan
 
@@ -53,6 +54,18 @@ class PiecesLayout:
             bucket, block = self.bucket_of[int(index)]
             return f"{kind} {bucket}" + ("" if block is None else f" block {block}")
         return node
+
+
+def estimated_in_pieces(
+    inputs: StepInputs, plan: BucketPlan, params: Sequence[GraphParam], node_seconds: Mapping[str, float], rates: ComputeRates
+) -> tuple[StepInputs, PiecesLayout]:
+    """``step_inputs_in_pieces`` for a captured graph whose compute is estimated (``node_seconds`` at ``rates``,
+    ``graphddp.passes.graph_cost``): the blocks' matmuls from ``matmul_seconds_of_pieces``; copying the first block
+    in, each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
+    ``graphddp.runtime.calibration.assembly_seconds_per_byte``). What ``graphddp inspect`` predicts and the
+    automatic caps search (Note [Automatic caps])."""
+    matmuls = matmul_seconds_of_pieces(plan, params, node_seconds)
+    return step_inputs_in_pieces(inputs, plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
 
 
 def matmul_seconds_of_pieces(plan: BucketPlan, params: Sequence[GraphParam], node_seconds: Mapping[str, float]) -> dict[tuple[str, str], float]:

@@ -48,14 +48,13 @@ from ..passes import (
     choose_reduction,
     compose_plans,
     embedding_tables,
+    estimated_in_pieces,
     estimated_step_inputs,
     forward_seconds,
-    matmul_seconds_of_pieces,
     plan_blockers,
     predict_step,
     rate_bits_per_second,
     rows_apply,
-    step_inputs_in_pieces,
 )
 from ..passes.report import BUCKET_HEADERS, SEGMENT_HEADERS, bucket_rows, plan_record, segment_rows
 from ..runtime.calibration import measure_compute_rates
@@ -108,13 +107,10 @@ def in_graph_step_inputs(
     gm: fx.GraphModule, prepared: PreparedGraph, rates: ComputeRates, *, cpu_seconds_per_byte: float = 0.0
 ) -> tuple[StepInputs, PiecesLayout]:
     """``graph_step_inputs`` for a graph reduced in-graph: its big gradients sent in blocks as their matmuls
-    compute them (``graphddp.passes.step_inputs_in_pieces``, Note [Gradient pieces]). A weight gradient's matmul
-    costs what the forward's matmul with the weight costs (the same flops); copying its first block in
-    (``Bucket.assembled_bytes``): each byte read and written once at the rates' elementwise speed (the bench calibrates it instead,
-    ``graphddp.runtime.calibration.assembly_seconds_per_byte``, fresh pages included)."""
-    matmuls = matmul_seconds_of_pieces(prepared.plan, prepared.params, forward_seconds(gm, rates))
+    compute them (``graphddp.passes.estimated_in_pieces``, as the automatic caps search predicts them; Note
+    [Gradient pieces])."""
     inputs = graph_step_inputs(gm, prepared.split, rates, cpu_seconds_per_byte=cpu_seconds_per_byte)
-    return step_inputs_in_pieces(inputs, prepared.plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
+    return estimated_in_pieces(inputs, prepared.plan, prepared.params, forward_seconds(gm, rates), rates)
 
 
 def predict_graph(
