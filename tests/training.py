@@ -339,6 +339,30 @@ def train_single_process(case: Case, world: int, *, skip_steps: tuple[int, ...] 
     return model
 
 
+def mixed_precision_reference(case: Case, world: int, dtypes: dict[str, torch.dtype]) -> nn.Module:
+    """``mixed_precision``'s definition (Note [Mixed precision]), the reference where PyTorch's DDP cannot be one (on
+    a CPU it needs an accelerator's events; on CUDA, torch 2.11's differs from its definition, docs/gpu.md): each
+    rank's forward and backward on a ``param_dtype`` copy of the model and floating inputs, gradients summed in
+    ``reduce_dtype``, averaged, and applied in full precision."""
+    master = build_model(case.model, vocab=case.vocab).to(case.device)
+    opt = make_optimizer(master.parameters(), case)
+    param_dtype = dtypes.get("param_dtype") or torch.float32
+    reduce_dtype = dtypes.get("reduce_dtype") or param_dtype
+    for step in range(case.steps):
+        grads = []
+        for r in range(world):
+            low = copy.deepcopy(master).to(param_dtype)
+            x, *rest = batch_for(case, step, 0, r)
+            x = x.to(param_dtype) if x.is_floating_point() else x  # DDP casts floating inputs: x, not the target
+            loss_for(low, case, (x, *rest), r).backward()
+            grads.append([p.grad.to(reduce_dtype) for p in low.parameters()])
+        for p, *per_rank in zip(master.parameters(), *grads):
+            p.grad = (torch.stack(per_rank).sum(0) / world).to(reduce_dtype).float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return master
+
+
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

@@ -6,14 +6,12 @@ import pytest
 import torch
 from models import build_model
 from ranks import run_on_ranks
-from torch import nn
-from training import Case, batch_for, loss_for, train
+from training import Case, mixed_precision_reference, train
 
 import graphddp
 
 # PyTorch's DDP mixed precision needs an accelerator's streams and events ("cpu backend doesn't support events"), so
-# the reference is the definition: each rank's forward and backward on a param_dtype copy of the model and inputs,
-# gradients summed in reduce_dtype, averaged, and applied in full precision.
+# the reference is the definition (training.mixed_precision_reference).
 MIXED = {
     "bf16": {"param_dtype": torch.bfloat16},
     "bf16_reduce_fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
@@ -22,27 +20,6 @@ MIXED = {
 COMPILED = {"bf16_reduce_fp32": "in_graph", "fp32_reduce_bf16": "split"}
 """Also trained under torch.compile (graph plans use the reduce dtype too), with the strategy each must run: a
 reduce dtype other than the parameters' keeps the split (the Reducer casts), else the gradients reduce in-graph."""
-
-
-def mixed_precision_reference(case: Case, world: int, dtypes: dict[str, torch.dtype]) -> nn.Module:
-    import copy
-
-    master = build_model(case.model)
-    opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
-    param_dtype = dtypes.get("param_dtype", torch.float32)
-    reduce_dtype = dtypes.get("reduce_dtype", param_dtype)
-    for step in range(case.steps):
-        grads = []
-        for r in range(world):
-            low = copy.deepcopy(master).to(param_dtype)
-            x, y = batch_for(case, step, 0, r)
-            loss_for(low, case, (x.to(param_dtype), y), r).backward()  # DDP casts its inputs: x, not the target
-            grads.append([p.grad.to(reduce_dtype) for p in low.parameters()])
-        for p, *per_rank in zip(master.parameters(), *grads):
-            p.grad = (torch.stack(per_rank).sum(0) / world).to(reduce_dtype).float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return master
 
 
 def train_mixed_precision(rank: int, world: int, name: str, compile: str | None) -> None:
