@@ -93,7 +93,7 @@ class BucketOptions:
         if AUTO not in fields.values() or self.bucket_cap_mb_list is not None:  # a list sets every cap
             return None
         bucket, first, last = (None if v == AUTO else float(v) for v in fields.values())
-        return CapsSearch(bucket_mb=bucket, first_mb=first, last_mb=last, ramps=self.bucket_ramps)
+        return CapsSearch(bucket_mb=bucket, first_mb=first, last_mb=last, ramps=self.bucket_ramps, standing=self.caps)
 
     def _cap_fields(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _CAP_FIELDS}

@@ -6,6 +6,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 
 from .blocks_in_place import arrange_reductions, write_blocks_in_place
 from .caps_choice import (
+    CAPS_MARGIN,
     CapsChoice,
     CapsSearch,
     choose_caps,
@@ -85,6 +86,7 @@ __all__ = [
     "ROW_SPARSE_MAX_DENSITY",
     "ReductionChoice",
     "Bucket",
+    "CAPS_MARGIN",
     "CapsChoice",
     "CapsSearch",
     "ComputeRates",

@@ -31,6 +31,15 @@ hold parts of tied tables, which name one rank's graph nodes, every rank raises 
 ``find_unused_parameters``, warns and keeps the plan in force). Inputs of one shape on every rank, or fixed caps,
 avoid it. The blocks are predicted written in place; a compressing comm hook (fp16, bf16), whose blocks are cast
 for the wire and copied back after the last, is not modelled here.
+
+**A margin, as the other planners keep.** The search returns the fastest candidate only where its predicted step
+beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for
+the others) by more than ``CAPS_MARGIN`` of that step; otherwise the standing caps stay. Where the link does not
+bind, every candidate predicts within a fraction of a percent of every other, and the fastest of them is chosen
+by the model's rounding, not by the step: in the session 38 matrix, caps chosen on predicted gains of 0.1-2.2 %
+(gpt at 5 Gbit/s: 64/64/0.25 MiB; cnn: 2/2/2 MiB) ran 13-38 % slower than the defaults, while gpt at 1 Gbit/s,
+predicted 10.9 % faster at 8 MiB, ran 7-15 % faster. ``choose_channels`` and ``choose_optimizer_overlap`` keep
+their defaults below a margin for the same reason.
 """
 
 from __future__ import annotations
@@ -41,13 +50,19 @@ from collections.abc import Callable, Mapping, Sequence
 
 from torch import fx
 
-from .cost import LinkModel, StepInputs, predict_step
+from .cost import LinkModel, StepInputs, check_margin, predict_step
 from .graph_cost import ComputeRates, forward_seconds, segment_backward_seconds
 from .graph_params import GraphParam
 from .pieces_cost import estimated_in_pieces
 from .plan import BucketCaps, ParamSpec, plan_buckets
 from .plan_graph import plan_graph
 from .split import GraphSplit
+
+CAPS_MARGIN = 0.03
+"""The predicted gain below which the standing caps stay (Note [Automatic caps], "A margin"): a share of their
+predicted step. Set from the session 38 matrix (2 ranks, gpt/mlp/cnn at 1 and 5 Gbit/s), its choices predicted
+again offline in session 39: the five cells chosen on gains of 0.1-2.2 % lost or did not gain; the one chosen on
+10.9 % gained 7-15 % in every round. The same share as ``STEP_IN_BACKWARD_MARGIN``."""
 
 MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
 """Candidates for ``bucket_cap_mb``, largest first (ties go to larger caps)."""
@@ -63,6 +78,10 @@ class CapsSearch:
     first_mb: float | None = None
     last_mb: float | None = None
     ramps: bool = True
+    standing: BucketCaps | None = None
+    """The caps planned until a choice is made (``BucketOptions.caps``: the fixed ones, the defaults for the
+    others), kept unless a candidate beats them by more than ``CAPS_MARGIN`` (Note [Automatic caps]). None: the
+    fastest candidate, however small its lead."""
 
     def searched(self) -> tuple[str, ...]:
         """The options left to ``"auto"``, as users write them."""
@@ -88,17 +107,37 @@ class CapsChoice:
     """Predicted seconds of the backward-and-communication part of the step with ``caps``."""
     ranking: tuple[tuple[BucketCaps, float], ...]
     """Every candidate with its prediction, fastest first (for logs and tests)."""
+    kept_standing: bool = False
+    """The standing caps stayed: no candidate beat them by more than the margin (Note [Automatic caps])."""
 
     def describe(self, top: int = 3) -> str:
-        return ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
+        ranked = ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
+        if not self.kept_standing:
+            return ranked
+        return f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, no candidate faster by more than {CAPS_MARGIN:.0%} ({ranked})"
 
 
-def choose_caps(candidates: Sequence[BucketCaps], inputs_for: Callable[[BucketCaps], StepInputs], link: LinkModel, world: int) -> CapsChoice:
-    """The candidate whose predicted step is shortest (the first such, on a tie)."""
+def choose_caps(
+    candidates: Sequence[BucketCaps],
+    inputs_for: Callable[[BucketCaps], StepInputs],
+    link: LinkModel,
+    world: int,
+    *,
+    standing: BucketCaps | None = None,
+    margin: float = CAPS_MARGIN,
+) -> CapsChoice:
+    """The candidate whose predicted step is shortest (the first such, on a tie); with ``standing``, those caps
+    unless the shortest is shorter by more than ``margin`` (a share of their step; Note [Automatic caps])."""
     if not candidates:
         raise ValueError("choosing caps needs at least one candidate")
-    predicted = [(caps, predict_step(inputs_for(caps), link, world).step_s) for caps in candidates]
+    check_margin(margin)
+    options = [*candidates, *([standing] if standing is not None and standing not in candidates else [])]
+    predicted = [(caps, predict_step(inputs_for(caps), link, world).step_s) for caps in options]
     ranking = sorted(predicted, key=lambda cs: cs[1])  # stable: ties keep the candidates' order
+    if standing is not None:
+        standing_s = dict(predicted)[standing]
+        if ranking[0][1] >= standing_s * (1 - margin):
+            return CapsChoice(standing, standing_s, tuple(ranking), kept_standing=True)
     return CapsChoice(ranking[0][0], ranking[0][1], tuple(ranking))
 
 
@@ -195,7 +234,7 @@ def choose_graph_caps(
             return inputs
         return estimated_in_pieces(inputs, split.plan, params, node_seconds, rates)[0]
 
-    return choose_caps(search.candidates(), inputs_for, link, world)
+    return choose_caps(search.candidates(), inputs_for, link, world, standing=search.standing)
 
 
 def estimated_step_inputs(

@@ -316,7 +316,7 @@ def choose_channels(
     where latency binds: many buckets, each a small share of a long path's α."""
     if 1 not in candidates or any(k < 1 for k in candidates):
         raise ValueError(f"channel candidates must include 1 and be >= 1, got {tuple(candidates)}")
-    _check_margin(margin)
+    check_margin(margin)
     steps = {k: predict_step(dataclasses.replace(inputs, channels=k), link, world).step_s for k in sorted(set(candidates))}
     best = min(steps.values())
     if best >= steps[1] * (1 - margin):
@@ -349,13 +349,14 @@ def choose_optimizer_overlap(
         raise ValueError("`after` must step the optimizer after backward (after_backward_s), not per bucket")
     if not stepped.step_per_bucket_s:
         raise ValueError("`stepped` must give each bucket's optimizer step (step_per_bucket_s)")
-    _check_margin(margin)
+    check_margin(margin)
     steps = {"after": predict_step(after, link, world).step_s, "stepped": predict_step(stepped, link, world).step_s}
     return steps["stepped"] < steps["after"] * (1 - margin), steps
 
 
-def _check_margin(margin: float) -> None:
-    """A planner's margin is a share of the predicted step (``choose_channels``, ``choose_optimizer_overlap``)."""
+def check_margin(margin: float) -> None:
+    """A planner's margin is a share of the predicted step (``choose_channels``, ``choose_optimizer_overlap``,
+    ``choose_caps``)."""
     if not 0 <= margin < 1:
         raise ValueError(f"the margin is a share of the step, in [0, 1), got {margin}")
 

@@ -63,6 +63,7 @@ class AutoCaps:
             ),
             self.link,
             self.world,
+            standing=self.search.standing,
         )
         logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
         return choice.caps

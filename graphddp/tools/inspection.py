@@ -391,7 +391,7 @@ def _channels_record(choice: tuple[int, dict[int, float]] | None) -> dict[str, A
 def _choice_text(choice: CapsChoice) -> str:
     return (
         f"automatic caps (Note [Automatic caps]): {_mb(choice.caps)}; predicted backward with its all-reduces, "
-        f"fastest first: {choice.describe()}"
+        f"{'' if choice.kept_standing else 'fastest first: '}{choice.describe()}"
     )
 
 
@@ -399,7 +399,12 @@ def _choice_record(choice: CapsChoice | None) -> dict[str, Any]:
     if choice is None:
         return {}
     ranking = [{"caps": dataclasses.asdict(caps), "predicted_s": seconds} for caps, seconds in choice.ranking]
-    return {"automatic_caps": {"caps": dataclasses.asdict(choice.caps), "predicted_s": choice.predicted_s, "ranking": ranking}}
+    return {
+        "automatic_caps": {
+            "caps": dataclasses.asdict(choice.caps), "predicted_s": choice.predicted_s, "ranking": ranking,
+            "kept_standing": choice.kept_standing,
+        }
+    }  # fmt: skip
 
 
 def _mb(caps: BucketCaps) -> str:

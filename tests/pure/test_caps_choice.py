@@ -13,7 +13,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from graphddp.compiler.capture import capture_graphs, parameter_names
 from graphddp.ddp import BucketOptions
 from graphddp.passes import (
+    CAPS_MARGIN,
     BucketCaps,
+    CapsChoice,
     CapsSearch,
     ComputeRates,
     LinkModel,
@@ -123,10 +125,47 @@ def test_ties_go_to_the_first_candidate_and_fixed_caps_are_kept() -> None:
         choose_caps([], lambda caps: None, no_link, 2)  # type: ignore[arg-type,return-value]
 
 
+def test_the_standing_caps_stay_unless_a_candidate_beats_them_by_more_than_the_margin() -> None:
+    """Note [Automatic caps], "A margin": a candidate predicted a hair faster than the caps that stand without a
+    choice is the model's rounding, not a gain; one faster by more than CAPS_MARGIN is chosen."""
+    # 32 gradients of 1 MiB ready evenly over a 320 ms backward.
+    params, ready = specs(*[1] * 32), [0.01 * (i + 1) for i in range(32)]
+    candidates = CapsSearch(ramps=False).candidates()
+    standing = BucketCaps(bucket=100 * MiB, first=100 * MiB, last=100 * MiB, ramps=False)  # one bucket
+    assert standing in candidates
+
+    def inputs_for(caps: BucketCaps) -> StepInputs:
+        return step_inputs_from_ready_times(params, ready, caps, backward_s=0.33)
+
+    def choice(link: LinkModel, **kwargs: float) -> CapsChoice:
+        return choose_caps(candidates, inputs_for, link, 2, standing=standing, **kwargs)
+
+    # No latency, 4.5e-10 s/byte: the one bucket (32 MiB) goes once the last gradient is in (320 ms) and takes
+    # 15 ms, 5 ms past backward's end (330 ms); small buckets hide all but the last, ~1.5 % faster.
+    fast = LinkModel(latency_s=0.0, seconds_per_byte=4.5e-10)
+    fastest = choose_caps(candidates, inputs_for, fast, 2)  # no standing caps: the fastest, however close
+    gain = 1 - fastest.predicted_s / dict(fastest.ranking)[standing]
+    assert fastest.caps != standing and 0 < gain < CAPS_MARGIN, (fastest.describe(), gain)
+    kept = choice(fast)
+    assert kept.caps == standing and kept.kept_standing and kept.predicted_s == dict(kept.ranking)[standing]
+    assert kept.describe().startswith(f"kept 100/100/100 MiB -> {kept.predicted_s * 1e3:.1f} ms, no candidate faster by more than 3%")
+    # With no margin the fastest wins again; a latency-bound link gains far more than the margin from one bucket.
+    assert choice(fast, margin=0.0).caps == fastest.caps
+    small = BucketCaps(bucket=MiB, first=MiB, last=MiB, ramps=False)  # 32 buckets of 50 ms latency each
+    slow = choose_caps(candidates, inputs_for, LinkModel(latency_s=0.05, seconds_per_byte=1e-10), 2, standing=small)
+    assert slow.caps != small and not slow.kept_standing and slow.predicted_s < 0.5 * dict(slow.ranking)[small]
+    # Standing caps outside the grid are predicted too, and ranked with the rest.
+    odd = BucketCaps(bucket=3 * MiB, first=MiB, last=MiB, ramps=False)
+    with_odd = choose_caps(candidates, inputs_for, fast, 2, standing=odd)
+    assert odd in dict(with_odd.ranking) and len(with_odd.ranking) == len(candidates) + 1
+    with pytest.raises(ValueError, match=r"the margin is a share of the step, in \[0, 1\), got 1.5"):
+        choose_caps(candidates, inputs_for, fast, 2, standing=standing, margin=1.5)
+
+
 def test_auto_is_the_only_word_a_cap_accepts() -> None:
     options = BucketOptions(bucket_cap_mb="auto", last_bucket_cap_mb="auto")
     assert options.caps == BucketCaps()  # the defaults plan until the choice
-    assert options.caps_search == CapsSearch(bucket_mb=None, first_mb=1.0, last_mb=None)
+    assert options.caps_search == CapsSearch(bucket_mb=None, first_mb=1.0, last_mb=None, standing=BucketCaps())
     assert BucketOptions().caps_search is None
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number of MiB or 'auto', got str 'big'"):
         BucketOptions(bucket_cap_mb="big")
