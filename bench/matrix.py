@@ -50,10 +50,11 @@ TARGETS = {
 }
 """The ratios each cell is held to: issue 27's (compiled against PyTorch's compiled DDP where the limit allows it, both
 against the limit; issue 14, resolved, asked 0.90 against PyTorch before the limit was measured) and issue 14's for
-the eager DDPs. ``model's pick``: graphddp-compiled, or ``+step`` where the model picks stepping the optimizer in
-backward (``choose_optimizer_overlap``): what a user who follows the planner runs. The report's headers and the
+the eager DDPs. ``model's pick``: what a user who follows the planner runs (``planner_pick``): ``+step`` where
+the model picks stepping the optimizer in backward (``choose_optimizer_overlap``), with ``bucket_cap_mb="auto"``
+where the run has the ``@auto`` modes. The report's headers and the
 cells' † markers (``below_limit``) read them from here."""
-MATRIX_MODES = (*MODES, "bound-backward", "graphddp-compiled+step")
+MATRIX_MODES = (*MODES, "bound-backward", "graphddp-compiled+step", "graphddp-compiled@auto", "graphddp-compiled@auto+step")
 AUTO_WITHIN = 1.03
 """The automatic caps' target: within 3 % of the best fixed cap of the sweep."""
 
@@ -168,10 +169,22 @@ def cell(
 
 
 def planner_pick(pick: dict[str, Any], median: dict[str, float]) -> dict[str, Any]:
-    """What the model picked for the optimizer (``choose_optimizer_overlap``, issue 27 item 3), and what that mode
-    measured: the pick is made from predictions, so its measured time may be the slower of the two."""
-    mode = "graphddp-compiled+step" if pick["step_in_backward"] else "graphddp-compiled"
+    """What a user who follows the planner runs (issue 27, items 3 and 5), and what that mode measured: the
+    optimizer stepped in backward where the model picks it (``choose_optimizer_overlap``, from the default caps'
+    schedules) and the caps it chooses (``bucket_cap_mb="auto"``, which keeps the defaults unless a candidate
+    gains more than ``CAPS_MARGIN``), where the run has that ``@auto`` mode. Made from predictions, so its
+    measured time may be the slower one."""
+    step = "+step" if pick["step_in_backward"] else ""
+    auto = f"graphddp-compiled@auto{step}"
+    mode = auto if auto in median else f"graphddp-compiled{step}"
     return {"mode": mode, "median_s": median[mode], "over_compiled": median[mode] / median["graphddp-compiled"]}
+
+
+def _pick_text(picked: dict[str, Any]) -> str:
+    """``+step`` or ``after`` (the optimizer), ``@auto`` where the caps are the automatic ones, and the pick's time
+    over graphddp-compiled's."""
+    mode = picked["mode"]
+    return f"{'+step' if mode.endswith('+step') else 'after'}{' @auto' if '@auto' in mode else ''} ({picked['over_compiled']:.3f})"
 
 
 def testbed_limit(summary: dict[str, Any]) -> float | None:
@@ -211,7 +224,7 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             _ms(m.get("torch-eager")), _ratio(ratios, "graphddp-eager / torch-eager", r.get("ratio_rounds")), _ms(r["limit_s"]), _ms(r.get("backward_floor_s")),
             _ratio(ratios, "graphddp-compiled / limit"),
             _ms(m.get("graphddp-compiled+step")), _ratio(ratios, "model's pick / limit"),
-            f"{'+step' if r['step_pick']['mode'].endswith('+step') else 'after'} ({r['step_pick']['over_compiled']:.3f})" if "step_pick" in r else "-",
+            _pick_text(r["step_pick"]) if "step_pick" in r else "-",
             f"{errors[worst] * 100:+.0f}% ({worst})" if worst else "-",
             f"{r['sweep']['auto_over_best']:.3f} (best {r['sweep']['best_fixed']} MiB)" if "sweep" in r else "-",
             (r.get("reductions") or {}).get("graphddp-compiled") or "-",

@@ -124,6 +124,13 @@ def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backwa
     # The limit target is also checked on the mode the model picks: what a user who follows the planner runs.
     assert result["ratios"]["model's pick / limit"] == pytest.approx(0.38 / result["limit_s"])
     assert result["met"]["model's pick / limit"] == (0.38 <= 1.10 * result["limit_s"])
+    # With the @auto modes in the run, the planner's caps come with its optimizer pick.
+    for mode, median in (("graphddp-compiled@auto", 0.39), ("graphddp-compiled@auto+step", 0.36)):
+        s["modes"][mode] = {"median_s": median, "phases_s": s["modes"]["local"]["phases_s"]}
+    with_auto = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert with_auto["step_pick"] == pytest.approx({"mode": "graphddp-compiled@auto+step", "median_s": 0.36, "over_compiled": 0.9})
+    assert "+step @auto (0.900)" in matrix.report([with_auto], command="c")
+    assert matrix.planner_pick({"step_in_backward": False}, {m: v["median_s"] for m, v in s["modes"].items()})["mode"] == "graphddp-compiled@auto"
     del s["modes"]["graphddp-compiled+step"]  # no +step run: nothing to pick between
     assert "step_pick" not in predict_modes(s)["graphddp-compiled"]
 
