@@ -172,11 +172,11 @@ def planner_pick(pick: dict[str, Any], median: dict[str, float]) -> dict[str, An
     """What a user who follows the planner runs (issue 27, items 3 and 5), and what that mode measured: the
     optimizer stepped in backward where the model picks it (``choose_optimizer_overlap``, from the default caps'
     schedules) and the caps it chooses (``bucket_cap_mb="auto"``, which keeps the defaults unless a candidate
-    gains more than ``CAPS_MARGIN``), where the run has that ``@auto`` mode. Made from predictions, so its
-    measured time may be the slower one."""
+    gains more than ``CAPS_MARGIN``), where the run has both ``@auto`` modes (else the default caps: a pick is
+    never half automatic). Made from predictions, so its measured time may be the slower one."""
     step = "+step" if pick["step_in_backward"] else ""
-    auto = f"graphddp-compiled@auto{step}"
-    mode = auto if auto in median else f"graphddp-compiled{step}"
+    with_auto = all(m in median for m in ("graphddp-compiled@auto", "graphddp-compiled@auto+step"))  # both, or neither
+    mode = f"graphddp-compiled{'@auto' if with_auto else ''}{step}"
     return {"mode": mode, "median_s": median[mode], "over_compiled": median[mode] / median["graphddp-compiled"]}
 
 

@@ -7,8 +7,9 @@ rarely but leave more to send after backward. Which wins depends on the link (α
 in backward the gradients become ready, all of which the step cost model (Note [Step cost model] in
 ``passes/cost.py``) takes. So each cap the user leaves to ``"auto"`` is searched over a fixed grid
 (``MIDDLE_MB`` for ``bucket_cap_mb``, ``EDGE_MB`` for the first and last), every combination is planned exactly
-as a run would plan it, its step predicted, and the fastest kept; ties go to the earlier candidate, whose caps
-are larger (fewer collectives, less per-bucket overhead the model does not see).
+as a run would plan it, its step predicted, and the fastest kept where it beats the caps that stand without a
+choice by more than ``CAPS_MARGIN`` ("A margin", below); ties go to the earlier candidate, whose caps are larger
+(fewer collectives, less per-bucket overhead the model does not see).
 
 Where the gradients become ready comes from one of two sources:
 
@@ -106,15 +107,18 @@ class CapsChoice:
     predicted_s: float
     """Predicted seconds of the backward-and-communication part of the step with ``caps``."""
     ranking: tuple[tuple[BucketCaps, float], ...]
-    """Every candidate with its prediction, fastest first (for logs and tests)."""
+    """Every candidate, and the standing caps where they are off the grid, with its prediction, fastest first (for
+    logs and tests)."""
     kept_standing: bool = False
-    """The standing caps stayed: no candidate beat them by more than the margin (Note [Automatic caps])."""
+    """The standing caps stayed: no candidate beat them by more than ``margin`` (Note [Automatic caps])."""
+    margin: float = CAPS_MARGIN
+    """The share of the standing caps' step a candidate had to gain."""
 
     def describe(self, top: int = 3) -> str:
         ranked = ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
         if not self.kept_standing:
             return ranked
-        return f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, no candidate faster by more than {CAPS_MARGIN:.0%} ({ranked})"
+        return f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, no candidate faster by more than {self.margin:.0%} ({ranked})"
 
 
 def choose_caps(
@@ -137,8 +141,8 @@ def choose_caps(
     if standing is not None:
         standing_s = dict(predicted)[standing]
         if ranking[0][1] >= standing_s * (1 - margin):
-            return CapsChoice(standing, standing_s, tuple(ranking), kept_standing=True)
-    return CapsChoice(ranking[0][0], ranking[0][1], tuple(ranking))
+            return CapsChoice(standing, standing_s, tuple(ranking), kept_standing=True, margin=margin)
+    return CapsChoice(ranking[0][0], ranking[0][1], tuple(ranking), margin=margin)
 
 
 def step_inputs_from_ready_times(

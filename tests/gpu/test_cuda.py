@@ -3,7 +3,9 @@ tables. Skipped without CUDA (CI has none); on a GPU machine: ``python tests/cud
 
 * NCCL at world size 1 and gloo with CUDA tensors on 2 ranks sharing GPU 0: every feature PyTorch's DDP has on
   CUDA (bucket views, ``no_sync``, unused parameters, static graph, the four comm hooks, ``mixed_precision``),
-  eager and compiled with Inductor, against ``torch.nn.parallel.DistributedDataParallel`` (eager: the reference).
+  eager and compiled with Inductor, against ``torch.nn.parallel.DistributedDataParallel`` (eager: the reference);
+  ``mixed_precision`` against its definition instead (``reference``: PyTorch 2.11's DDP departs from it on CUDA,
+  docs/gpu.md), as on the CPU.
 * Ordering, never from timings: collectives run on the current stream (Note [Lean bucket path]); with GPU sleeps
   making the compute stream lag before every gradient is final, the gradients still equal PyTorch's DDP's, and
   the same check with the collectives moved to a side stream (not ordered after the copies into their bucket)

@@ -130,7 +130,10 @@ def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backwa
     with_auto = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
     assert with_auto["step_pick"] == pytest.approx({"mode": "graphddp-compiled@auto+step", "median_s": 0.36, "over_compiled": 0.9})
     assert "+step @auto (0.900)" in matrix.report([with_auto], command="c")
-    assert matrix.planner_pick({"step_in_backward": False}, {m: v["median_s"] for m, v in s["modes"].items()})["mode"] == "graphddp-compiled@auto"
+    medians = {m: v["median_s"] for m, v in s["modes"].items()}
+    assert matrix.planner_pick({"step_in_backward": False}, medians)["mode"] == "graphddp-compiled@auto"
+    del medians["graphddp-compiled@auto+step"]  # one @auto mode only: the default caps for both picks
+    assert [matrix.planner_pick({"step_in_backward": b}, medians)["mode"] for b in (False, True)] == ["graphddp-compiled", "graphddp-compiled+step"]
     del s["modes"]["graphddp-compiled+step"]  # no +step run: nothing to pick between
     assert "step_pick" not in predict_modes(s)["graphddp-compiled"]
 

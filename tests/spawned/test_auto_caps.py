@@ -76,8 +76,9 @@ def test_the_choice_follows_the_link(compile: str | None) -> None:
 
 # Ranks whose first compiled inputs differ in shape estimate other backwards from their graphs. Stood in for here
 # by other compute rates per rank (a workload draws batches of its own size): rank 0 estimates a backward so short
-# that one bucket is fastest on messages that cost 2 ms (100/100/100 MiB); rank 1 one of ~20 ms, which smaller
-# edge buckets overlap (100/4/4 MiB). So each rank chooses other caps from its own graph, as other shapes would.
+# that one bucket is fastest on messages that cost 2 ms (100/100/100 MiB); rank 1 one of ~20 ms, which the
+# default caps overlap within the margin of the best (it keeps 25/1/1 MiB). So each rank chooses other caps from
+# its own graph, as other shapes would.
 SLOW_MESSAGES = LinkModel(latency_s=2e-3, seconds_per_byte=1e-9)
 
 
