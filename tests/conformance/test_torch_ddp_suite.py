@@ -1,7 +1,7 @@
 """PyTorch's own DDP tests, run against graphddp by substitution (slow; see ``torch_ddp_suite.py``).
 
 Each test name below is run from torch's ``distributed_test.DistributedTest._DistTestBase`` (gloo, world size 2,
-``MultiProcessTestCase`` spawn) in a subprocess, three times: with PyTorch's DDP (the control, ``TestTorchDDPControl``),
+``MultiProcessTestCase`` spawn), all of them in one subprocess, three times each: with PyTorch's DDP (the control, ``TestTorchDDPControl``),
 with ``graphddp.install()`` in every rank (``TestGraphDDPInstalled``), and with the name rebound to ``graphddp.DDP``
 (``TestGraphDDPRebound``: how scripts swapped DDP before ``install()``). A test the control does not pass here is a
 failure of the environment; one the control passes must pass under graphddp both ways.
@@ -40,6 +40,7 @@ Needs ``expecttest`` (torch's test utilities import it; in the test extra). Run:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -72,34 +73,58 @@ INCLUDED = [
 RELIES_ON_TORCH_INTERNALS = {}  # test -> why (none now)
 
 TEST_TIMEOUT_S = 240
-"""Per run (one class, one test, two ranks): torch's DDP takes 7-15 s each on 2 cores."""
+"""Per test (one class, one test, two ranks): torch's DDP takes 3-15 s each on 2 cores."""
+CLASSES = {
+    "TestTorchDDPControl": "PyTorch's DDP",
+    "TestGraphDDPInstalled": "with graphddp.install()",
+    "TestGraphDDPRebound": "rebound to graphddp.DDP",
+}
+"""The suite's classes, each run on every INCLUDED test: the control, then graphddp both ways."""
+_OUTCOME = re.compile(r"^\S+::(\w+)::(\w+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
 
 
-def _run(cls: str, name: str) -> tuple[str, str, float]:
-    """Run ``cls::name`` of the suite in a subprocess: (outcome, output, seconds); outcome is
-    passed/failed/skipped/timeout."""
-    cmd = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-rA",
-        f"--timeout={TEST_TIMEOUT_S}", f"{SUITE}::{cls}::{name}",
-    ]
+@dataclasses.dataclass(frozen=True)
+class SuiteRun:
+    """Every (class, test) of the suite run in one subprocess: a pytest start and torch's test modules imported
+    once, not 33 times (that cost about 4 s a run, ~2 minutes of the slow suite); each test still spawns its own
+    two ranks (``MultiProcessTestCase``), so the tests stay as independent as before."""
+
+    outcomes: dict[tuple[str, str], str]
+    """(class, test) -> passed/failed/skipped/error; a test missing here did not finish (see ``output``)."""
+    output: str
+    seconds: float
+
+    def section(self, cls: str, name: str) -> str:
+        """The failure report of ``cls::name`` (pytest's ``____ cls.name ____`` section), else the output's end."""
+        match = re.search(rf"^_+ {cls}\.{name} _+$(.*?)(?=^_+ \w+\.\w+ _+$|^=+ short test summary)", self.output, re.M | re.S)
+        return match.group(1) if match else self.output[-4000:]
+
+
+def _run_suite(names: list[str]) -> SuiteRun:
+    """Run every class of the suite on ``names`` in one pytest subprocess (verbose: one outcome line per test)."""
+    ids = [f"{SUITE}::{cls}::{name}" for cls in CLASSES for name in names]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-v", "-rA", f"--timeout={TEST_TIMEOUT_S}", *ids]
     env = {**os.environ, "BACKEND": "gloo", "WORLD_SIZE": "2"}
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        out, _ = proc.communicate(timeout=TEST_TIMEOUT_S + 60)
+        out, _ = proc.communicate(timeout=SUITE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the spawned ranks too
         out, _ = proc.communicate()
-        return "timeout", out, time.monotonic() - start
-    seconds = time.monotonic() - start
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
-    if proc.returncode == 0 and re.search(r"\b1 passed\b", summary):
-        return "passed", out, seconds
-    if proc.returncode == 0 and re.search(r"\b1 skipped\b", summary):
-        return "skipped", out, seconds
-    return "failed", out, seconds
+    outcomes = {(cls, name): outcome.lower() for cls, name, outcome in _OUTCOME.findall(out)}
+    return SuiteRun(outcomes, out, time.monotonic() - start)
+
+
+SUITE_TIMEOUT_S = TEST_TIMEOUT_S * 4 + 60 * len(INCLUDED)
+"""The whole run: ~12 s a test here, a hung one stopped by pytest-timeout at TEST_TIMEOUT_S."""
+
+
+@pytest.fixture(scope="module")
+def suite() -> SuiteRun:
+    return _run_suite(INCLUDED)
 
 
 def _errors(out: str, limit: int = 40) -> str:
@@ -109,20 +134,19 @@ def _errors(out: str, limit: int = 40) -> str:
 
 
 def _param(name: str):
-    marks = [pytest.mark.timeout(2 * (TEST_TIMEOUT_S + 90))]
+    marks = [pytest.mark.timeout(SUITE_TIMEOUT_S + 120)]  # the first test waits for the whole run (the fixture)
     if name in RELIES_ON_TORCH_INTERNALS:
         marks.append(pytest.mark.xfail(strict=True, reason=RELIES_ON_TORCH_INTERNALS[name]))
     return pytest.param(name, marks=marks, id=name)
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in INCLUDED])
-def test_torch_ddp_test_passes_with_graphddp(name: str) -> None:
-    control, control_out, control_s = _run("TestTorchDDPControl", name)
+def test_torch_ddp_test_passes_with_graphddp(name: str, suite: SuiteRun) -> None:
+    control = suite.outcomes.get(("TestTorchDDPControl", name), "did not finish")
     assert control == "passed", (  # the list holds tests PyTorch's DDP passes here: anything else is the machine's fault
-        f"{name}: PyTorch's own DDP does not pass it here ({control}, {control_s:.0f}s):\n{_errors(control_out)}"
+        f"{name}: PyTorch's own DDP does not pass it here ({control}; the run took {suite.seconds:.0f} s):\n"
+        f"{_errors(suite.section('TestTorchDDPControl', name))}"
     )
-    for cls, how in (("TestGraphDDPInstalled", "with graphddp.install()"), ("TestGraphDDPRebound", "rebound to graphddp.DDP")):
-        outcome, out, seconds = _run(cls, name)
-        assert outcome == "passed", (
-            f"{name}: PyTorch's DDP passed ({control_s:.0f}s); {how} it {outcome} ({seconds:.0f}s):\n{_errors(out)}"
-        )
+    for cls, how in list(CLASSES.items())[1:]:
+        outcome = suite.outcomes.get((cls, name), "did not finish")
+        assert outcome == "passed", f"{name}: PyTorch's DDP passed; {how} it {outcome}:\n{_errors(suite.section(cls, name))}"

@@ -11,7 +11,7 @@ The tests are imported from the torch wheel, never copied. This module is PyTorc
   ``torch.nn.parallel.DistributedDataParallel = graphddp.DDP`` (graphddp's class itself, not a subclass of PyTorch's).
 
 The file name does not match ``test_*.py``, so the default pytest run does not collect it; the slow entry
-``test_torch_ddp_suite.py`` runs a chosen list of tests from it, one subprocess per test and class, e.g.::
+``test_torch_ddp_suite.py`` runs a chosen list of tests from it, every class on every test in one subprocess; one alone, e.g.::
 
     python -m pytest -p no:cacheprovider tests/conformance/torch_ddp_suite.py -k "TestGraphDDPInstalled and test_ddp_logging_data_cpu"
 
