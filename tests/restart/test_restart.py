@@ -25,7 +25,7 @@ from graphddp.tools.launch import stop_job
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
-TRIES = int(os.environ.get("RESTART_TRIES", "3"))  # 5 until session 39: ~11 s a run, the slow suite over budget
+TRIES = int(os.environ.get("RESTART_TRIES", "3"))  # 5 until session 39 (11-15 s a run; the slow suite was over budget)
 RUN_TIMEOUT_S = 240  # a run takes ~15 s; a restarted attempt that hangs in gloo's connect would wait far longer
 KILL_AT = 25
 UNSHARED = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
