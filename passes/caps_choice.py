@@ -34,15 +34,15 @@ avoid it. The blocks are predicted written in place; a compressing comm hook (fp
 for the wire and copied back after the last, is not modelled here.
 
 **A margin, as the other planners keep.** The search returns the fastest candidate only where its predicted step
-beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for
-the others) by more than ``CAPS_MARGIN`` of that step; otherwise the standing caps stay. Where the link does not
-bind, every candidate predicts within a fraction of a percent of every other, and the fastest of them is chosen
-by the model's rounding, not by the step: in the session 38 matrix, caps chosen on predicted gains of 0.1-2.4 %
-(gpt at 5 Gbit/s: 64/64/0.25 MiB; cnn: 2/2/2 MiB) ran level with the defaults or 13-38 % slower, and in session
-39 cnn's 2/2/2 MiB, chosen on 2.4-3.8 %, ran 7-25 % slower; gpt at 1 Gbit/s, predicted ~10 % faster at 4-8 MiB, ran 7-15 %
-faster. ``choose_channels`` and ``choose_optimizer_overlap`` keep their defaults below a margin for the same
-reason: what the model does not see (the CPUs gloo shares, a collective's fixed costs in-graph) moves a step by
-more than such a lead.
+beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for the
+others) by more than ``CAPS_MARGIN`` of that step; otherwise the standing caps stay. Where the link does not bind,
+every candidate predicts within a fraction of a percent of every other, and the fastest of them is chosen by the
+model's rounding, not by the step: in the session 38 matrix, caps chosen on predicted gains of 0.1-2.4 % (gpt at 5
+Gbit/s: 64/64/0.25 MiB; cnn: 2/2/2 MiB) ran level with the defaults or 13-38 % slower, and in session 39 cnn's 2/2/2
+MiB, chosen on 2.4-3.8 %, ran 7-25 % slower; gpt at 1 Gbit/s, predicted ~10 % faster at 4-8 MiB, ran 7-15 % faster.
+``choose_channels`` and ``choose_optimizer_overlap`` keep their defaults below a margin for the same reason: what
+the model does not see (the CPUs gloo shares, a collective's fixed costs in-graph) moves a step by more than such a
+lead.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ from .split import GraphSplit
 CAPS_MARGIN = 0.05
 """The predicted gain below which the standing caps stay (Note [Automatic caps], "A margin"): a share of their
 predicted step, as ``choose_channels``'s. Set from two matrices (2 ranks, gpt/mlp/cnn at 1 and 5 Gbit/s), their
-choices predicted again offline in session 39: in session 38, the five cells chosen on gains of 0.1-2.4 % ran
-level with the defaults or 13-38 % slower, and gpt at 1 Gbit/s, chosen on 8.6-10.9 %, gained 7-15 % in every round; in session 39, with a
-3 % margin, cnn at 1 Gbit/s was still chosen (2/2/2 MiB, on a gain of 2.4-3.8 %: 2.4-2.7 % at the rates this VM measures, 3.8 % at
-the 1.5e11 flop/s a run's calibration can reach) and
-ran 7-25 % slower than the defaults, while the cells kept at the defaults ran level with them."""
+choices predicted again offline in session 39: in session 38, the five cells chosen on gains of 0.1-2.4 % ran level
+with the defaults or 13-38 % slower, and gpt at 1 Gbit/s, chosen on 8.6-10.9 %, gained 7-15 % in every round; in
+session 39, with a 3 % margin, cnn at 1 Gbit/s was still chosen (2/2/2 MiB, on a gain of 2.4-3.8 %: 2.4-2.7 % at the
+rates this VM measures, 3.8 % at the 1.5e11 flop/s a run's calibration can reach) and ran 7-25 % slower than the
+defaults, while the cells kept at the defaults ran level with them."""
 
 MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
 """Candidates for ``bucket_cap_mb``, largest first (ties go to larger caps)."""
