@@ -37,7 +37,7 @@ from tabulate import tabulate
 from .__main__ import _exit_on_sigterm
 from .allocator import ALLOCATORS
 from .link import Link, LinkUnavailable
-from .modes import MODES, compute_baseline
+from .modes import MODES, ModeName, compute_baseline
 from .pictures import chrome_trace, draw
 from .predict import compute_phases
 from .run import AGAINST_TORCH, BenchOptions, run
@@ -185,8 +185,8 @@ def planner_pick(pick: dict[str, Any], median: dict[str, float]) -> dict[str, An
 def _pick_text(picked: dict[str, Any]) -> str:
     """``+step`` or ``after`` (the optimizer), ``@auto`` where the caps are the automatic ones, and the pick's time
     over graphddp-compiled's."""
-    mode = picked["mode"]
-    return f"{'+step' if mode.endswith('+step') else 'after'}{' @auto' if '@auto' in mode else ''} ({picked['over_compiled']:.3f})"
+    mode = ModeName.parse(picked["mode"])
+    return f"{'+step' if mode.step_in_backward else 'after'}{' @auto' if mode.cap == 'auto' else ''} ({picked['over_compiled']:.3f})"
 
 
 def testbed_limit(summary: dict[str, Any]) -> float | None:
