@@ -205,6 +205,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
         "params": ranks[0].get("params", []),
         "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
         "reductions": {mode: ranks[0]["modes"][mode].get("reduction") for mode in options.modes},
+        "auto_caps": {mode: [r["modes"][mode].get("auto_caps") for r in ranks] for mode in options.modes if ranks[0]["modes"][mode].get("auto_caps")},
     }
     for mode, per_rank in summary["timelines"].items():
         modes[mode]["first_send"] = first_send(per_rank[0])
@@ -226,6 +227,22 @@ def first_send(timeline: list[list[Any]]) -> dict[str, float] | None:
     return {"ms": min(launches) - start, "share": (min(launches) - start) / (end - start)}
 
 
+def automatic_caps_line(record: dict[str, Any]) -> str:
+    """Rank 0's automatic caps in one line: each choice (kept or chosen, its prediction, the runner-up) and the
+    calibration it came from (``graphddp.runtime.auto_caps.AutoCaps.as_record``)."""
+    link, rates = record["link"], record["rates"]
+    choices = "; ".join(
+        ("kept " if c["kept_standing"] else "chose ") + f"{c['caps']['mb']} MiB ({c['predicted_ms']:.1f} ms predicted"
+        + "".join(f", {r['mb']} MiB {ms:.1f} ms" for r, ms in c["ranking"][:2] if r != c["caps"]) + ")"
+        for c in record["choices"]
+    ) or "no choice made"
+    return (
+        f"automatic caps {choices}, from α {link['latency_s'] * 1e3:.2f} ms, β {link['seconds_per_byte'] * 1e9:.2f} ns/B, "
+        f"{rates['flops_per_s'] / 1e9:.0f} Gflop/s, {rates['bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"gloo CPU {record['cpu_seconds_per_byte'] * 1e9:.2f} ns/B"
+    )
+
+
 def table(summary: dict[str, Any]) -> str:
     rows = []
     for mode, m in summary["modes"].items():
@@ -239,6 +256,8 @@ def table(summary: dict[str, Any]) -> str:
     for mode, m in summary["modes"].items():
         if m.get("first_send") is not None:
             lines.append(f"{mode}: first all-reduce {m['first_send']['ms']:.0f} ms into backward ({m['first_send']['share']:.0%} of it)")
+    for mode, per_rank in summary.get("auto_caps", {}).items():
+        lines.append(f"{mode}: {automatic_caps_line(per_rank[0])}")
     for mode, m in summary["modes"].items():
         if (pick := m.get("channels_pick")) is not None:
             steps = ", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in pick["predicted_s"].items())

@@ -323,6 +323,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         """The ``BucketPlan`` the Reducer runs on now."""
         return self.reducer.plan
 
+    @property
+    def automatic_caps(self) -> AutoCaps | None:
+        """What ``bucket_cap_mb="auto"`` measured at construction and every choice made from it so far
+        (``AutoCaps.as_record()``: as plain data); None where no cap is left to ``"auto"``, or at one rank (Note
+        [Automatic caps] in ``graphddp.passes.caps_choice``)."""
+        return self._auto_caps
+
     # -- join (Note [Join] in graphddp.runtime.join): PyTorch's Joinable, over this module's JoinSupport ---------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         if self._delayed_names[0]:  # issued by a gradient hook, among the buckets: a joined rank has no such moment

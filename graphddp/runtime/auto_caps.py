@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch import fx
 
 from ..passes import (
     BucketCaps,
+    CapsChoice,
     CapsSearch,
     ComputeRates,
     GraphParam,
@@ -44,6 +46,9 @@ class AutoCaps:
     cpu_seconds_per_byte: float
     world: int
     rank: int
+    choices: list[CapsChoice] = dataclasses.field(default_factory=list, compare=False)
+    """Every choice made from this calibration so far, in order: the eager one at the first backward, one per
+    compiled graph (``as_record``: what a run chose, and from what)."""
 
     @classmethod
     def calibrate(cls, search: CapsSearch, group: dist.ProcessGroup, device: torch.device) -> AutoCaps:
@@ -65,6 +70,7 @@ class AutoCaps:
             self.world,
             standing=self.search.standing,
         )
+        self.choices.append(choice)
         logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
         return choice.caps
 
@@ -75,5 +81,30 @@ class AutoCaps:
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks,
         )  # fmt: skip
+        self.choices.append(choice)
         logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
         return choice.caps
+
+    def as_record(self, top: int = 5) -> dict[str, Any]:
+        """What this rank measured at construction and chose from it, as plain data (JSON): the link, the compute
+        rates, gloo's CPU cost per byte, and each choice with its ``top`` candidates, in MiB and ms. The bench keeps
+        it beside a run's times, so a choice can be recomputed from the inputs the run had."""
+
+        def caps(c: BucketCaps) -> dict[str, Any]:
+            return {"mb": c.mb, **dataclasses.asdict(c)}
+
+        return {
+            "link": dataclasses.asdict(self.link),
+            "rates": {**dataclasses.asdict(self.rates), "reducer_seconds_per_bucket": self.rates.reducer_seconds_per_bucket},
+            "cpu_seconds_per_byte": self.cpu_seconds_per_byte,
+            "world": self.world,
+            "rank": self.rank,
+            "standing": caps(self.search.standing) if self.search.standing is not None else None,
+            "choices": [
+                {
+                    "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
+                    "margin": c.margin, "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
+                }
+                for c in self.choices
+            ],
+        }  # fmt: skip

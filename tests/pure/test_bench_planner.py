@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import matrix, worker
+from bench import matrix, run, worker
 from bench.modes import ModeConfig, ModeName, compute_baseline
 from bench.pictures import _spans, chrome_trace
 from bench.predict import _ready_fractions, compute_phases, mode_inputs, predict_modes
@@ -396,3 +396,27 @@ def test_the_chunked_step_ratio_is_calibrated_only_for_a_run_that_steps_in_backw
         "latency_s": 1e-4, "seconds_per_byte": 1e-9, "cpu_seconds_per_byte": 2e-10, "assembly_seconds_per_byte": 3e-10,
         "chunked_step_ratio": 0.45,
     }  # fmt: skip
+
+
+def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
+    """What ``bucket_cap_mb="auto"`` measured and chose (``AutoCaps.as_record``, kept per rank in ``results.json``)
+    survives JSON and reads as one line: each choice, kept or chosen, with its runner-up, and the inputs."""
+    from graphddp.passes import BucketCaps, CapsChoice, CapsSearch, ComputeRates, LinkModel
+    from graphddp.runtime.auto_caps import AutoCaps
+
+    defaults, small = BucketCaps(), BucketCaps.from_mb(4, 1, 4)
+    auto = AutoCaps(
+        CapsSearch(standing=defaults), LinkModel(latency_s=4e-4, seconds_per_byte=8e-9),
+        ComputeRates(flops_per_s=5e10, bytes_per_s=4e9), 1.5e-9, world=2, rank=0,
+    )  # fmt: skip
+    assert auto.as_record()["choices"] == []
+    auto.choices.append(CapsChoice(defaults, 0.100, ((small, 0.098), (defaults, 0.100)), kept_standing=True))
+    auto.choices.append(CapsChoice(small, 0.090, ((small, 0.090), (defaults, 0.100))))
+    record = json.loads(json.dumps(auto.as_record()))
+    assert record["standing"]["mb"] == "25/1/1" and record["link"]["latency_s"] == 4e-4
+    assert [c["kept_standing"] for c in record["choices"]] == [True, False]
+    assert record["choices"][1]["ranking"][1] == [record["standing"], pytest.approx(100.0)]
+    line = run.automatic_caps_line(record)
+    assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted, 4/1/4 MiB 98.0 ms); "), line
+    assert "chose 4/1/4 MiB (90.0 ms predicted, 25/1/1 MiB 100.0 ms)" in line, line
+    assert line.endswith("from α 0.40 ms, β 8.00 ns/B, 50 Gflop/s, 4.0 GB/s, gloo CPU 1.50 ns/B"), line
