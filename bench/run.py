@@ -228,19 +228,34 @@ def first_send(timeline: list[list[Any]]) -> dict[str, float] | None:
 
 
 def automatic_caps_line(record: dict[str, Any]) -> str:
-    """Rank 0's automatic caps in one line: each choice (kept or chosen, its prediction, the runner-up) and the
-    calibration it came from (``graphddp.runtime.auto_caps.AutoCaps.as_record``)."""
+    """One rank's automatic caps in one line (``graphddp.runtime.auto_caps.AutoCaps.as_record``): each choice, kept
+    or chosen, its prediction against the standing caps' (the margin is a share of theirs), and the calibration it
+    came from."""
     link, rates = record["link"], record["rates"]
-    choices = "; ".join(
-        ("kept " if c["kept_standing"] else "chose ") + f"{c['caps']['mb']} MiB ({c['predicted_ms']:.1f} ms predicted"
-        + "".join(f", {r['mb']} MiB {ms:.1f} ms" for r, ms in c["ranking"][:2] if r != c["caps"]) + ")"
-        for c in record["choices"]
-    ) or "no choice made"
+    choices = []
+    for c in record["choices"]:
+        mine, theirs = c["predicted_ms"], c["standing_ms"]
+        if c["kept_standing"]:
+            best_caps, best_ms = c["ranking"][0]
+            lead = f"best {best_caps['mb']} MiB {best_ms:.1f} ms, {1 - best_ms / mine:.1%} faster" if best_caps != c["caps"] else "the best"
+            choices.append(f"kept {c['caps']['mb']} MiB ({mine:.1f} ms predicted; {lead}; margin {c['margin']:.0%})")
+        else:
+            against = f", {1 - mine / theirs:.1%} faster than {record['standing']['mb']} MiB's {theirs:.1f} ms" if theirs else ""
+            choices.append(f"chose {c['caps']['mb']} MiB ({mine:.1f} ms predicted{against})")
     return (
-        f"automatic caps {choices}, from α {link['latency_s'] * 1e3:.2f} ms, β {link['seconds_per_byte'] * 1e9:.2f} ns/B, "
-        f"{rates['flops_per_s'] / 1e9:.0f} Gflop/s, {rates['bytes_per_s'] / 1e9:.1f} GB/s, "
-        f"gloo CPU {record['cpu_seconds_per_byte'] * 1e9:.2f} ns/B"
+        f"automatic caps {'; '.join(choices) or 'not chosen yet'}; from a link of {link['latency_s'] * 1e6:.0f} µs and "
+        f"{8 / link['seconds_per_byte'] / 1e9:.2f} Gbit/s, matmul {rates['flops_per_s'] / 1e9:.0f} Gflop/s, elementwise "
+        f"{rates['bytes_per_s'] / 1e9:.1f} GB/s, gloo's CPU {record['cpu_seconds_per_byte'] * 1e9:.2f} ns/B"
     )
+
+
+def automatic_caps_lines(mode: str, rounds: list[dict[str, Any]]) -> list[str]:
+    """Rank 0's automatic caps of ``mode``, round by round (each round builds its DDP again, and an eager choice
+    follows that round's first backward): one line where every round chose alike."""
+    lines = [automatic_caps_line(r) for r in rounds]
+    if len(set(lines)) == 1:
+        return [f"{mode}: {lines[0]}"]
+    return [f"{mode}, round {i + 1}: {line}" for i, line in enumerate(lines)]
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -257,7 +272,7 @@ def table(summary: dict[str, Any]) -> str:
         if m.get("first_send") is not None:
             lines.append(f"{mode}: first all-reduce {m['first_send']['ms']:.0f} ms into backward ({m['first_send']['share']:.0%} of it)")
     for mode, per_rank in summary.get("auto_caps", {}).items():
-        lines.append(f"{mode}: {automatic_caps_line(per_rank[0])}")
+        lines += automatic_caps_lines(mode, per_rank[0])
     for mode, m in summary["modes"].items():
         if (pick := m.get("channels_pick")) is not None:
             steps = ", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in pick["predicted_s"].items())

@@ -82,11 +82,12 @@ def main(config_path: str) -> None:
             entry["times_s"] += [t for t, _ in timed]
             entry["phases_s"] += [phases for _, phases in timed]
             entry["round_of"] += [r] * iters
+            if (auto := automatic_caps(m)) is not None:  # every round: each builds its DDP, and may choose again
+                entry.setdefault("auto_caps", []).append(auto)
             if r == rounds - 1:
                 entry["timeline"] = record_timeline(m)
                 entry["buckets"] = bucket_layout(m)
                 entry["reduction"] = reduction_ran(m.ddp) if isinstance(m.ddp, graphddp.DDP) else None
-                entry["auto_caps"] = automatic_caps(m)
             results["batch_size"] = m.workload.batch_size
             results["params"] = [[n, p.numel() * p.element_size()] for n, p in m.workload.model.named_parameters() if p.requires_grad]
             say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)
@@ -251,8 +252,8 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
 
 
 def automatic_caps(m: PreparedMode) -> dict[str, Any] | None:
-    """An ``@auto`` mode's calibration and caps choices, as the DDP made them (``graphddp.DDP.automatic_caps``);
-    None for every other mode."""
+    """An ``@auto`` mode's calibration and caps choices this round, as its DDP made them
+    (``graphddp.DDP.automatic_caps``); None for every other mode."""
     auto = m.ddp.automatic_caps if isinstance(m.ddp, graphddp.DDP) else None
     return auto.as_record() if auto is not None else None
 

@@ -46,9 +46,14 @@ class AutoCaps:
     cpu_seconds_per_byte: float
     world: int
     rank: int
-    choices: list[CapsChoice] = dataclasses.field(default_factory=list, compare=False)
-    """Every choice made from this calibration so far, in order: the eager one at the first backward, one per
-    compiled graph (``as_record``: what a run chose, and from what)."""
+    _made: list[tuple[CapsChoice, dict[str, Any]]] = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+    # Each choice made so far, with what it was made for beyond the calibration (``choices``, ``as_record``).
+
+    @property
+    def choices(self) -> tuple[CapsChoice, ...]:
+        """Every choice made from this calibration so far, in order: the eager one at the first backward, one per
+        compiled graph (a recompiled graph keeps its first choice)."""
+        return tuple(choice for choice, _ in self._made)
 
     @classmethod
     def calibrate(cls, search: CapsSearch, group: dist.ProcessGroup, device: torch.device) -> AutoCaps:
@@ -70,7 +75,8 @@ class AutoCaps:
             self.world,
             standing=self.search.standing,
         )
-        self.choices.append(choice)
+        ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
+        self._made.append((choice, {"source": "first backward", "backward_s": backward_s, "ready_s": ready}))
         logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
         return choice.caps
 
@@ -81,30 +87,34 @@ class AutoCaps:
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks,
         )  # fmt: skip
-        self.choices.append(choice)
+        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks}))
         logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
         return choice.caps
 
     def as_record(self, top: int = 5) -> dict[str, Any]:
         """What this rank measured at construction and chose from it, as plain data (JSON): the link, the compute
-        rates, gloo's CPU cost per byte, and each choice with its ``top`` candidates, in MiB and ms. The bench keeps
-        it beside a run's times, so a choice can be recomputed from the inputs the run had."""
+        rates, gloo's CPU cost per byte, the standing caps, and each choice with what it was made for (eager: the
+        first backward's seconds and ready times by parameter; compiled: whether tables went as rows and big
+        gradients in blocks, the graph itself is not kept), the standing caps' prediction and the ``top``
+        candidates, in MiB and ms. The bench keeps it beside a run's times."""
 
         def caps(c: BucketCaps) -> dict[str, Any]:
             return {"mb": c.mb, **dataclasses.asdict(c)}
 
+        standing = self.search.standing
         return {
             "link": dataclasses.asdict(self.link),
             "rates": {**dataclasses.asdict(self.rates), "reducer_seconds_per_bucket": self.rates.reducer_seconds_per_bucket},
             "cpu_seconds_per_byte": self.cpu_seconds_per_byte,
             "world": self.world,
             "rank": self.rank,
-            "standing": caps(self.search.standing) if self.search.standing is not None else None,
+            "standing": caps(standing) if standing is not None else None,
             "choices": [
                 {
-                    "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
-                    "margin": c.margin, "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
+                    **made_for, "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
+                    "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
+                    "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
                 }
-                for c in self.choices
+                for c, made_for in self._made
             ],
         }  # fmt: skip

@@ -399,24 +399,41 @@ def test_the_chunked_step_ratio_is_calibrated_only_for_a_run_that_steps_in_backw
 
 
 def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
-    """What ``bucket_cap_mb="auto"`` measured and chose (``AutoCaps.as_record``, kept per rank in ``results.json``)
-    survives JSON and reads as one line: each choice, kept or chosen, with its runner-up, and the inputs."""
-    from graphddp.passes import BucketCaps, CapsChoice, CapsSearch, ComputeRates, LinkModel
+    """What ``bucket_cap_mb="auto"`` measured and chose (``AutoCaps.as_record``, kept per rank and round in
+    ``results.json``) survives JSON, says what each choice was made for, and reads as one line per mode."""
+    import torch
+
+    from graphddp.passes import BucketCaps, CapsSearch, ComputeRates, LinkModel, ParamSpec
     from graphddp.runtime.auto_caps import AutoCaps
 
-    defaults, small = BucketCaps(), BucketCaps.from_mb(4, 1, 4)
     auto = AutoCaps(
-        CapsSearch(standing=defaults), LinkModel(latency_s=4e-4, seconds_per_byte=8e-9),
+        CapsSearch(standing=BucketCaps()), LinkModel(latency_s=4e-4, seconds_per_byte=8e-9),
         ComputeRates(flops_per_s=5e10, bytes_per_s=4e9), 1.5e-9, world=2, rank=0,
     )  # fmt: skip
-    assert auto.as_record()["choices"] == []
-    auto.choices.append(CapsChoice(defaults, 0.100, ((small, 0.098), (defaults, 0.100)), kept_standing=True))
-    auto.choices.append(CapsChoice(small, 0.090, ((small, 0.090), (defaults, 0.100))))
+    assert auto.as_record()["choices"] == [] and auto.choices == ()
+    specs = [ParamSpec.of(f"layer{i}.weight", torch.empty(1024, 1024)) for i in range(4)]  # 4 MiB each
+    caps = auto.for_ready_times(specs, [0.01, 0.02, 0.03, 0.04], backward_s=0.05)
     record = json.loads(json.dumps(auto.as_record()))
-    assert record["standing"]["mb"] == "25/1/1" and record["link"]["latency_s"] == 4e-4
-    assert [c["kept_standing"] for c in record["choices"]] == [True, False]
-    assert record["choices"][1]["ranking"][1] == [record["standing"], pytest.approx(100.0)]
-    line = run.automatic_caps_line(record)
-    assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted, 4/1/4 MiB 98.0 ms); "), line
-    assert "chose 4/1/4 MiB (90.0 ms predicted, 25/1/1 MiB 100.0 ms)" in line, line
-    assert line.endswith("from α 0.40 ms, β 8.00 ns/B, 50 Gflop/s, 4.0 GB/s, gloo CPU 1.50 ns/B"), line
+    (choice,) = record["choices"]
+    assert auto.choices[0].caps == caps and choice["caps"]["mb"] == caps.mb and record["standing"]["mb"] == "25/1/1"
+    assert choice["source"] == "first backward" and choice["backward_s"] == 0.05
+    assert choice["ready_s"] == [["layer0.weight", 0.01], ["layer1.weight", 0.02], ["layer2.weight", 0.03], ["layer3.weight", 0.04]]
+    standing_ms = dict((c["mb"], ms) for c, ms in auto.as_record(top=100)["choices"][0]["ranking"])["25/1/1"]
+    assert choice["standing_ms"] == pytest.approx(standing_ms) and record["link"]["latency_s"] == 4e-4
+
+    link = {"latency_s": 1.5e-4, "seconds_per_byte": 8e-9, "algorithm": "ring"}
+    rates = {"flops_per_s": 5.1e10, "bytes_per_s": 2.06e10}
+    small, default = {"mb": "2/2/2"}, {"mb": "25/1/1"}
+    chose = {"caps": small, "predicted_ms": 1233.3, "standing_ms": 1332.0, "kept_standing": False, "margin": 0.05, "ranking": [[small, 1233.3]]}
+    kept = {"caps": default, "predicted_ms": 100.0, "standing_ms": 100.0, "kept_standing": True, "margin": 0.05, "ranking": [[small, 98.0], [default, 100.0]]}
+    base = {"link": link, "rates": rates, "cpu_seconds_per_byte": 7.7e-10, "standing": default}
+    line = run.automatic_caps_line({**base, "choices": [chose]})
+    assert line == (
+        "automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms); from a link of "
+        "150 µs and 1.00 Gbit/s, matmul 51 Gflop/s, elementwise 20.6 GB/s, gloo's CPU 0.77 ns/B"
+    ), line
+    line = run.automatic_caps_line({**base, "choices": [kept]})
+    assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted; best 2/2/2 MiB 98.0 ms, 2.0% faster; margin 5%); "), line
+    one, other = {**base, "choices": [chose]}, {**base, "choices": [kept]}
+    assert run.automatic_caps_lines("m", [one, one]) == [f"m: {run.automatic_caps_line(one)}"]  # rounds alike: once
+    assert [line.split(":")[0] for line in run.automatic_caps_lines("m", [one, other])] == ["m, round 1", "m, round 2"]

@@ -49,13 +49,17 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     for mode, layout in summary["buckets"].items():  # what each all-reduce lets step, and leaves to put together
         assert layout is None or all({"stepped", "assembled", "bucket"} <= set(b) for b in layout), mode
     assert summary["modes"]["graphddp-eager@auto+step"]["phases_s"]["optimizer"] < summary["modes"]["graphddp-eager"]["phases_s"]["optimizer"]
-    # The @auto mode's calibration and choice, per rank, as its DDP made them (AutoCaps.as_record); no other mode's.
+    # The @auto mode's calibration and choice, per rank and round, as its DDP made them (AutoCaps.as_record); no other
+    # mode's. The calibration is rank 0's, broadcast, and the eager choice follows the broadcast ready times: every
+    # rank's record is the same but for its rank.
     assert list(summary["auto_caps"]) == ["graphddp-eager@auto+step"], summary["auto_caps"]
-    records = summary["auto_caps"]["graphddp-eager@auto+step"]
-    assert [r["rank"] for r in records] == [0, 1] and all(r["link"] == records[0]["link"] for r in records)  # rank 0's, broadcast
-    (choice,) = records[0]["choices"]  # eager: one choice, from the first backward's ready times
-    assert choice["predicted_ms"] > 0 and choice["ranking"] and choice["caps"]["mb"].count("/") == 2, choice
-    assert any(line.startswith("graphddp-eager@auto+step: automatic caps ") for line in result.stdout.splitlines())
+    per_rank = summary["auto_caps"]["graphddp-eager@auto+step"]
+    assert [len(rounds) for rounds in per_rank] == [2, 2]  # --rounds 2: each round builds its DDP
+    for records in zip(*per_rank):
+        assert [r["rank"] for r in records] == [0, 1] and records[0] == {**records[1], "rank": 0}, records
+        (choice,) = records[0]["choices"]  # eager: one choice, from the first backward's ready times
+        assert choice["source"] == "first backward" and choice["predicted_ms"] > 0 and choice["standing_ms"] > 0, choice
+    assert any(line.startswith("graphddp-eager@auto+step") and ": automatic caps " in line for line in result.stdout.splitlines())
     assert set(summary["ratios"]) == set(summary["ratio_rounds"]) == {
         "graphddp-compiled / torch-compiled", "graphddp-eager / torch-eager", "graphddp-compiled / max(local-compiled, comm)"
     }
