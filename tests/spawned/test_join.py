@@ -67,6 +67,18 @@ def join_then_two_more(ddp: torch.nn.Module, model: torch.nn.Module, case: Case,
                 loss_for(model, case, batch_for(case, step, epoch, rank), rank).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        if epoch == 0 and type(ddp) is torch.nn.parallel.DistributedDataParallel:
+            settle_pytorchs_join()
+
+
+def settle_pytorchs_join() -> None:
+    """PyTorch's DDP, the reference here, is not deterministic after a ``join`` with ``find_unused_parameters`` on
+    gloo: now and then it trains another model from the same data (docs/reliability.md, "PyTorch's DDP after a
+    join"). Its joined rank all-reduces its usage map without waiting (``_DDPJoinHook.main_hook`` →
+    ``_match_unused_params_allreduce``), into the map the rank's next backward reports; a gloo barrier waits for
+    every collective issued before it, so none is left running when the training after the join begins.
+    graphddp's joined rank waits for what it sends (the plan agreement carries its usage): it gets no barrier."""
+    torch.distributed.barrier()
 
 
 def compiled_join_then_train(rank: int, world: int, steps_on_rank_0: int) -> list[str]:
