@@ -540,16 +540,35 @@ def render(rows: list[dict[str, Any]]) -> str:
     return tabulate(table, headers=headers, disable_numparse=True)
 
 
+def spawn_and_collect(fn: Callable[..., None], world_size: int, *args: Any) -> dict[int, Any]:
+    """Spawn ``fn(rank, world_size, *args, results)`` on ``world_size`` processes; each puts ``(rank, record)`` into
+    ``results``. The records are read *while* the ranks run: a record larger than a pipe's buffer (64 KiB; every
+    mode's per-step figures of a long run) blocks its rank in ``put`` until it is read, so reading only after the
+    ranks exit hangs both sides (seen: 19 modes x 4 rounds). A rank that fails raises here, as ``join`` does."""
+    results = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(fn, args=(world_size, *args, results), nprocs=world_size, join=False, start_method="spawn")
+    per_rank: dict[int, Any] = {}
+    while True:
+        while not results.empty():
+            rank, record = results.get()
+            per_rank[rank] = record
+        if ranks.join(timeout=0.5):  # every rank exited cleanly (a failed one raises)
+            break
+    while not results.empty():
+        rank, record = results.get()
+        per_rank[rank] = record
+    assert len(per_rank) == world_size, f"ranks {sorted(set(range(world_size)) - set(per_rank))} exited without a record"
+    return per_rank
+
+
 def run(o: OverheadOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     Path(o.out).mkdir(parents=True, exist_ok=True)
     for world_size in o.world_sizes:
         print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps, "
               f"interleaved by {o.interleave}", flush=True)
-        queue = mp.get_context("spawn").SimpleQueue()
         with mock.patch.dict(os.environ, allocator_env(o.allocator)):  # read by each rank's C library as it starts
-            mp.start_processes(run_rank, args=(world_size, free_port(), o, queue), nprocs=world_size, join=True, start_method="spawn")
-        per_rank = dict(queue.get() for _ in range(world_size))
+            per_rank = spawn_and_collect(run_rank, world_size, free_port(), o)
         rows += summarise(o, world_size, per_rank)
         Path(o.out, "overhead.json").write_text(json.dumps({"options": dataclasses.asdict(o), "rows": rows}, indent=1))
     return rows

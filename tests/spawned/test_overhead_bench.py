@@ -21,9 +21,22 @@ from bench.overhead import (
     main,
     minor_page_faults,
     round_spread,
+    spawn_and_collect,
     summarise,
     torch_peer_of,
 )
+
+
+def put_a_big_record(rank: int, world_size: int, nbytes: int, results: object) -> None:
+    results.put((rank, bytes([rank]) * nbytes))  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120, func_only=True)
+def test_records_larger_than_a_pipe_come_back_while_the_ranks_run() -> None:
+    """Each rank's record is read while the ranks run: one larger than a pipe's 64 KiB blocks its rank in ``put``
+    until it is read, and read only after the ranks exited, the bench hung (session 40: 19 modes x 4 rounds)."""
+    records = spawn_and_collect(put_a_big_record, 2, 1 << 20)
+    assert sorted(records) == [0, 1] and all(records[r] == bytes([r]) * (1 << 20) for r in records)
 
 
 def test_bad_options_are_refused_with_the_flag() -> None:
