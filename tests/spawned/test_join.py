@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from models import MLP
+from models import MLP, build_model
 from ranks import expect_failure_on_every_rank, run_on_ranks
 from training import CAPS, RAMPED, TINY_CAPS, Case, batch_for, loss_for, make_optimizer, state_of, wrap
 
@@ -67,18 +67,6 @@ def join_then_two_more(ddp: torch.nn.Module, model: torch.nn.Module, case: Case,
                 loss_for(model, case, batch_for(case, step, epoch, rank), rank).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        if epoch == 0 and type(ddp) is torch.nn.parallel.DistributedDataParallel:
-            settle_pytorchs_join()
-
-
-def settle_pytorchs_join() -> None:
-    """PyTorch's DDP, the reference here, is not deterministic after a ``join`` with ``find_unused_parameters`` on
-    gloo: now and then it trains another model from the same data (docs/reliability.md, "PyTorch's DDP after a
-    join"). Its joined rank all-reduces its usage map without waiting (``_DDPJoinHook.main_hook`` →
-    ``_match_unused_params_allreduce``), into the map the rank's next backward reports; a gloo barrier waits for
-    every collective issued before it, so none is left running when the training after the join begins.
-    graphddp's joined rank waits for what it sends (the plan agreement carries its usage): it gets no barrier."""
-    torch.distributed.barrier()
 
 
 def compiled_join_then_train(rank: int, world: int, steps_on_rank_0: int) -> list[str]:
@@ -109,22 +97,54 @@ def test_compiled_join_with_a_rank_that_has_no_batch_trains_on_as_pytorchs(world
     assert plans[0][0] == "graph", plans[0]  # the graph's plan was adopted, on every rank
 
 
+def join_definition(case: Case, world: int) -> list[dict[str, torch.Tensor]]:
+    """What ``zero_batch_join`` must end with on each rank, computed in one process from what a join means: rank r
+    trains ``2 * r`` steps inside the join, each step's gradient the sum over the ranks still training divided by
+    the initial world size (PyTorch's default), the joined ranks adding nothing and taking no step; at the join's
+    end every replica takes the last joiner's parameters (optimizer states stay each rank's own); then two steps
+    on every rank, averaged. A parameter no training rank used gets no gradient (a zero one where PyTorch gives
+    zeros changes nothing under SGD with momentum and no weight decay: a zero buffer stays zero).
+
+    The reference, not PyTorch's DDP: in about one run in a thousand, with the ranks sharing a CPU, PyTorch's DDP
+    (``find_unused_parameters``) returned ``trunk``'s gradients in the first step of the join summed over the ranks
+    instead of averaged (docs/reliability.md, "PyTorch's DDP inside a join"). In the usual run its model equals
+    this one bitwise at 2 ranks, as graphddp's does."""
+    replicas = [build_model(case.model) for _ in range(world)]
+    optimizers = [make_optimizer(m.parameters(), case) for m in replicas]
+
+    def step(training: list[int], epoch: int, index: int) -> None:
+        grads: dict[str, torch.Tensor] = {}
+        for r in training:  # each rank's gradient of its own batch on its own replica
+            replicas[r].zero_grad(set_to_none=True)
+            loss_for(replicas[r], case, batch_for(case, index, epoch, r), r).backward()
+            for name, p in replicas[r].named_parameters():
+                if p.grad is not None:
+                    grads[name] = grads[name] + p.grad / world if name in grads else p.grad / world
+        for r in training:
+            for name, p in replicas[r].named_parameters():
+                p.grad = grads[name].clone() if name in grads else None
+            optimizers[r].step()
+            optimizers[r].zero_grad(set_to_none=True)
+
+    for index in range(2 * (world - 1)):
+        step([r for r in range(world) if 2 * r > index], 0, index)
+    for m in replicas[:-1]:  # the last joiner (the rank with the most steps) is the authoritative copy
+        m.load_state_dict(replicas[-1].state_dict())
+    for index in range(2):
+        step(list(range(world)), 1, index)
+    return [state_of(m) for m in replicas]
+
+
 def zero_batch_join(rank: int, world: int, model: str, ours: tuple) -> int:
     """graphddp with the options ``ours``: rank r trains ``2 * r`` steps in a join (rank 0 none at all), then every
-    rank two steps more, against PyTorch's DDP finding unused parameters in ``branchy`` (with ``static_graph``
-    PyTorch's DDP aborts here: gloo's "collective mismatch"); returns how many parameters the usage policy
-    marks unused up front on this rank in the end (the static graph's frozen set)."""
+    rank two steps more, against what that means (``join_definition``); returns how many parameters the usage
+    policy marks unused up front on this rank in the end (the static graph's frozen set). (PyTorch's DDP with
+    ``static_graph`` aborts here: gloo's "collective mismatch".)"""
     case = Case(ddp=TINY_CAPS, graphddp=RAMPED, model=model, record_events=False)
-    searching = (*TINY_CAPS, ("find_unused_parameters", model == "branchy"))
-    states, frozen = [], 0
-    for impl, options in (("graphddp", (*TINY_CAPS, *ours)), ("torch", searching)):
-        ddp, model_ = wrap(impl, dataclasses.replace(case, ddp=options), rank)
-        join_then_two_more(ddp, model_, case, rank, 2 * rank)
-        states.append(state_of(ddp.module))
-        if impl == "graphddp":
-            frozen = len(ddp.reducer.usage.policy.locally_unused(None, {}))
-    torch.testing.assert_close(states[0], states[1])
-    return frozen
+    ddp, model_ = wrap("graphddp", dataclasses.replace(case, ddp=(*TINY_CAPS, *ours)), rank)
+    join_then_two_more(ddp, model_, case, rank, 2 * rank)
+    torch.testing.assert_close(state_of(ddp.module), join_definition(case, world)[rank])
+    return len(ddp.reducer.usage.policy.locally_unused(None, {}))
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
