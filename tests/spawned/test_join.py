@@ -1,4 +1,5 @@
-"""``join()`` on spawned gloo ranks: early termination raises on every rank."""
+"""``join()`` on spawned gloo ranks: early termination raises on every rank; replica checks, compiled graphs, a static
+graph and skipped buckets with ranks that run out of data (one with no batch at all), trained on after the join."""
 
 from __future__ import annotations
 
@@ -102,8 +103,10 @@ def join_definition(case: Case, world: int) -> list[dict[str, torch.Tensor]]:
     trains ``2 * r`` steps inside the join, each step's gradient the sum over the ranks still training divided by
     the initial world size (PyTorch's default), the joined ranks adding nothing and taking no step; at the join's
     end every replica takes the last joiner's parameters (optimizer states stay each rank's own); then two steps
-    on every rank, averaged. A parameter no training rank used gets no gradient (a zero one where PyTorch gives
-    zeros changes nothing under SGD with momentum and no weight decay: a zero buffer stays zero).
+    on every rank, averaged. A parameter no training rank used gets no gradient. Where a DDP gives it zeros instead,
+    nothing changes here: under SGD with momentum and no weight decay a zero gradient moves a parameter only
+    through a momentum buffer it already has, and these have none yet (``dead`` never gets a gradient; ``shared``
+    gets its first after the join at 2 ranks, and from rank 2 inside it at 3).
 
     The reference, not PyTorch's DDP: in about one run in a thousand, with the ranks sharing a CPU, PyTorch's DDP
     (``find_unused_parameters``) returned ``trunk``'s gradients in the first step of the join summed over the ranks
