@@ -548,15 +548,12 @@ def spawn_and_collect(fn: Callable[..., None], world_size: int, *args: Any) -> d
     results = mp.get_context("spawn").SimpleQueue()
     ranks = mp.start_processes(fn, args=(world_size, *args, results), nprocs=world_size, join=False, start_method="spawn")
     per_rank: dict[int, Any] = {}
-    while True:
-        while not results.empty():
+    exited = False
+    while not exited:
+        exited = ranks.join(timeout=0.5)  # True once every rank exited cleanly (a failed one raises)
+        while not results.empty():  # after the last exit too: what the ranks put before it
             rank, record = results.get()
             per_rank[rank] = record
-        if ranks.join(timeout=0.5):  # every rank exited cleanly (a failed one raises)
-            break
-    while not results.empty():
-        rank, record = results.get()
-        per_rank[rank] = record
     assert len(per_rank) == world_size, f"ranks {sorted(set(range(world_size)) - set(per_rank))} exited without a record"
     return per_rank
 

@@ -43,7 +43,7 @@ def one_try(rank: int, poison: bool, results: dict) -> None:
     usage_map = ddp.reducer._get_local_used_map().tolist()  # what rank 0 will send: never written
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
     with ddp.join():
-        if rank == 1:  # rank 1 never uses ``shared``: the map decides its fate, and only its
+        if rank == 1:  # rank 0 joins at once; rank 1 takes one step, without ``shared``
             F.mse_loss(ddp(x, use_shared=False), y).backward()
     if rank == 1:
         local = Branchy()

@@ -110,7 +110,8 @@ def join_definition(case: Case, world: int) -> list[dict[str, torch.Tensor]]:
 
     The reference, not PyTorch's DDP: in about one run in a thousand, with the ranks sharing a CPU, PyTorch's DDP
     (``find_unused_parameters``) returned ``trunk``'s gradients in the first step of the join summed over the ranks
-    instead of averaged (docs/reliability.md, "PyTorch's DDP inside a join"). In the usual run its model equals
+    instead of averaged: its joined rank sent an uninitialized usage map (docs/reliability.md, "PyTorch's DDP inside a
+    join"). In the usual run its model equals
     this one bitwise at 2 ranks, as graphddp's does."""
     replicas = [build_model(case.model) for _ in range(world)]
     optimizers = [make_optimizer(m.parameters(), case) for m in replicas]
