@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphddp.tools.launch import import_before_init
+
 MODES = ("local", "torch-eager", "graphddp-eager", "torch-compiled", "graphddp-compiled", "graphddp-compiled+split")
 """``graphddp-compiled`` reduces in-graph where it can (Note [In-graph reduction]); ``+split`` keeps the split and
 the Reducer, for the comparison."""
@@ -80,6 +82,7 @@ def wrapped(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
 
 def run_mode(mode: str, options: GpuRun, init_file: str, out: str, results: Any) -> None:
     torch.cuda.set_device(0)
+    import_before_init()  # Note [The default group outlives destroy_process_group]
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
     torch.backends.cuda.matmul.allow_tf32 = True
     model = gpt2_small().cuda()

@@ -90,7 +90,7 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 
 from graphddp.passes import BucketCaps
-from graphddp.tools.launch import free_port
+from graphddp.tools.launch import free_port, import_before_init
 
 from .allocator import ALLOCATORS, allocator_env
 from .as_ready import AsReady, bucket_layout, ready_order
@@ -280,6 +280,7 @@ def run_rank(rank: int, world_size: int, port: int, o: OverheadOptions, results:
     torch.set_num_threads(o.threads)
     if o.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    import_before_init()  # Note [The default group outlives destroy_process_group]
     dist.init_process_group("nccl" if o.device == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
         results.put((rank, measure(o, rank)))

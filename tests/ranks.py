@@ -39,6 +39,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     import torch
     import torch.distributed as dist
 
+    from graphddp.tools.launch import import_before_init
+
     # A rank killed by a signal (SIGSEGV, or SIGABRT from a heap check) otherwise shows only its exit code: print
     # every thread's Python stack to stderr, which pytest shows with the failure, to say which test and which line.
     faulthandler.enable(all_threads=True)
@@ -46,6 +48,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     torch.set_num_threads(1)  # 2 cores shared by up to 3 ranks: oversubscription only adds noise
     if torch.cuda.is_available():  # the GPU tests: rank r on GPU r (mod the count; gloo ranks may share one)
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    import_before_init()  # the group is freed at close (Note [The default group outlives destroy_process_group])
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
@@ -172,7 +175,10 @@ def _isolated_worker(rank: int, world_size: int, init_file: str, pg_timeout_s: f
     import torch
     import torch.distributed as dist
 
+    from graphddp.tools.launch import import_before_init
+
     torch.set_num_threads(1)
+    import_before_init()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),

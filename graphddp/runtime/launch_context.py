@@ -34,6 +34,9 @@ do not outlive their backward in the process group, and what may outlive it hold
   collectives (a hook may keep its futures on purpose, and send any tensor), the blocks of a backward abandoned
   before ``wait_blocks_`` and a delayed all-reduce whose backward raised before its callback (both dropped
   unwaited at the next backward). One of those caught by a barrier at exit could still abort as above (not seen).
+The abort also needs a worker thread alive during finalisation, which ``destroy_process_group`` prevents only if
+nothing holds the group; graphddp's launcher makes sure PyTorch itself does not (Note [The default group outlives
+destroy_process_group] in ``graphddp/tools/launch.py``).
 Tested in ``tests/spawned/test_launch_context.py`` and ``tests/one_process/test_lent.py``.
 """
 

@@ -14,17 +14,34 @@ Connection refused", or both ranks waiting for each other past the timeout (pyto
 process group is one more such race. ``init_process_group`` below gives each attempt keys of its own (a
 ``PrefixStore`` per ``TORCHELASTIC_RESTART_COUNT``); with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` torchrun itself
 gives each attempt a fresh store and plain env:// is safe. ``docs/reliability.md`` has the recipe and its test.
+
+Note [The default group outlives destroy_process_group]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A few of PyTorch's modules give functions the default group as a default argument, evaluated when the module is
+imported: ``torch.distributed.nn.functional`` (ten functions), ``torch.distributed.optim.zero_redundancy_optimizer``
+and ``torch.distributed.fsdp.sharded_grad_scaler``. Imported before ``init_process_group`` they bind ``None``;
+imported after it they hold the group for the life of the interpreter. ``torch._dynamo`` imports the first one, so
+the first ``torch.compile`` or DDP construction (PyTorch's, and graphddp's) after ``init_process_group`` does
+that. ``destroy_process_group`` then cannot free the group: its gloo worker threads live on into interpreter
+finalisation, the window in which a worker that releases a Python object aborts the process (Note [A collective
+holds no Python object] in ``graphddp/runtime/launch_context.py``; seen once, as SIGABRT of the demo's rank 0 at
+exit). ``import_before_init`` imports those modules first; every ``init_process_group`` graphddp's launcher, its
+benchmarks and its tests make calls it, so ``destroy_process_group`` frees the group and joins its threads while
+the interpreter runs. A script of one's own gets the same by importing ``torch._dynamo`` (or calling
+``import_before_init``) before ``init_process_group``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +50,32 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_MODULES_BINDING_THE_DEFAULT_GROUP = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+)
+"""PyTorch's modules whose functions take the default group as a default argument evaluated at import."""
+
+
+def import_before_init() -> None:
+    """Import the modules that would otherwise keep the default group alive past ``destroy_process_group``
+    (Note [The default group outlives destroy_process_group]); call it before ``init_process_group``.
+
+    Called after the default group exists it would bind that group itself, so it refuses then.
+    """
+    if dist.is_initialized():
+        unbound = [name for name in _MODULES_BINDING_THE_DEFAULT_GROUP if name not in sys.modules]
+        if unbound:
+            raise RuntimeError(
+                f"import_before_init() called after init_process_group(): importing {', '.join(unbound)} now would "
+                "bind the default group for the life of the interpreter; call it before init_process_group() "
+                "(Note [The default group outlives destroy_process_group] in graphddp/tools/launch.py)"
+            )
+        return
+    for name in _MODULES_BINDING_THE_DEFAULT_GROUP:
+        importlib.import_module(name)
+
 
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -40,7 +83,9 @@ def launched_by_torchrun() -> bool:
 
 def init_process_group(backend: str = "gloo", *, timeout: datetime.timedelta | None = None) -> None:
     """``torch.distributed.init_process_group`` from the environment that a torchrun restart can rejoin
-    (Note [Restarts]). ``timeout``: as PyTorch's (None: its default)."""
+    (Note [Restarts]), with the group freed again by ``destroy_process_group`` (Note [The default group outlives
+    destroy_process_group]). ``timeout``: as PyTorch's (None: its default)."""
+    import_before_init()
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no shared agent store: env:// is safe
         dist.init_process_group(backend, **kwargs)

@@ -104,7 +104,10 @@ def main() -> None:
 
     if args.init == "recipe":
         init_distributed("gloo")
-    else:
+    else:  # the classic call, as a user's script has it (with the import docs/reliability.md advises before it)
+        from graphddp.tools.launch import import_before_init
+
+        import_before_init()
         dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
     log("process group up")
