@@ -25,10 +25,12 @@ the first ``torch.compile`` or DDP construction (PyTorch's, and graphddp's) afte
 that. ``destroy_process_group`` then cannot free the group: its gloo worker threads live on into interpreter
 finalisation, the window in which a worker that releases a Python object aborts the process (Note [A collective
 holds no Python object] in ``graphddp/runtime/launch_context.py``; seen once, as SIGABRT of the demo's rank 0 at
-exit). ``import_before_init`` imports those modules first; every ``init_process_group`` graphddp's launcher, its
-benchmarks and its tests make calls it, so ``destroy_process_group`` frees the group and joins its threads while
-the interpreter runs. A script of one's own gets the same by importing ``torch._dynamo`` (or calling
-``import_before_init``) before ``init_process_group``.
+exit). ``import_before_init`` imports those modules first. ``init_process_group`` below calls it, and so do
+``bench.overhead``, ``bench.gpu``, the tests' rank pools and their one-process fixture. There
+``destroy_process_group`` frees the group and joins its threads while the interpreter runs, once nothing else
+holds the group (a live DDP does: PyTorch's, and graphddp's with its channels). A script of one's own gets the
+same by importing ``torch._dynamo`` (or calling ``import_before_init``) before ``init_process_group``; ``from
+graphddp import DDP`` at the top of a script already does, since it loads Dynamo.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_MODULES_BINDING_THE_DEFAULT_GROUP = (
+MODULES_BINDING_THE_DEFAULT_GROUP = (
     "torch.distributed.nn.functional",
     "torch.distributed.optim.zero_redundancy_optimizer",
     "torch.distributed.fsdp.sharded_grad_scaler",
@@ -65,7 +67,7 @@ def import_before_init() -> None:
     Called after the default group exists it would bind that group itself, so it refuses then.
     """
     if dist.is_initialized():
-        unbound = [name for name in _MODULES_BINDING_THE_DEFAULT_GROUP if name not in sys.modules]
+        unbound = [name for name in MODULES_BINDING_THE_DEFAULT_GROUP if name not in sys.modules]
         if unbound:
             raise RuntimeError(
                 f"import_before_init() called after init_process_group(): importing {', '.join(unbound)} now would "
@@ -73,7 +75,7 @@ def import_before_init() -> None:
                 "(Note [The default group outlives destroy_process_group] in graphddp/tools/launch.py)"
             )
         return
-    for name in _MODULES_BINDING_THE_DEFAULT_GROUP:
+    for name in MODULES_BINDING_THE_DEFAULT_GROUP:
         importlib.import_module(name)
 
 
@@ -85,7 +87,8 @@ def init_process_group(backend: str = "gloo", *, timeout: datetime.timedelta | N
     """``torch.distributed.init_process_group`` from the environment that a torchrun restart can rejoin
     (Note [Restarts]), with the group freed again by ``destroy_process_group`` (Note [The default group outlives
     destroy_process_group]). ``timeout``: as PyTorch's (None: its default)."""
-    import_before_init()
+    if not dist.is_initialized():  # a second init is PyTorch's error to raise
+        import_before_init()
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no shared agent store: env:// is safe
         dist.init_process_group(backend, **kwargs)
