@@ -29,8 +29,8 @@ exit). ``import_before_init`` imports those modules first. ``init_process_group`
 ``bench.overhead``, ``bench.gpu``, the tests' rank pools and their one-process fixture. There
 ``destroy_process_group`` frees the group and joins its threads while the interpreter runs, once nothing else
 holds the group (a live DDP does: PyTorch's, and graphddp's with its channels). A script of one's own gets the
-same by importing ``torch._dynamo`` (or calling ``import_before_init``) before ``init_process_group``; ``from
-graphddp import DDP`` at the top of a script already does, since it loads Dynamo.
+same by calling ``import_before_init`` before ``init_process_group``. Importing ``torch._dynamo`` there (as ``from
+graphddp import DDP`` at the top of a script does) covers only the module Dynamo brings in, the first.
 """
 
 from __future__ import annotations
