@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import signal
+import weakref
 
 import torch
 import transformers
@@ -74,9 +76,18 @@ def main() -> None:
         splits = [s.num_segments for s in ddp.reducer.splits] if args.impl == "graphddp" else []
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save({"state": state, "wrapper": wrapper, "splits": splits}, args.out)
+        del ddp
     # As PyTorch asks of every script (and plain_script.py does): leave together, with the group destroyed, not
     # one rank exiting while the other still saves. Without it a rank aborted once in CI at exit ("terminate called
     # without an active exception", SIGABRT) after training had finished on both ranks.
+    # Free the DDP while the group is still registered, then destroy the group. In the other order PyTorch's DDP
+    # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
+    # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
+    # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
+    wrapper_alive = weakref.ref(trainer.model_wrapped)
+    del trainer, model
+    gc.collect()
+    assert wrapper_alive() is None, "the Trainer's DDP outlived the Trainer: it would be freed after the group"
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

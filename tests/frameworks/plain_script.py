@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import signal
 
 import torch
@@ -39,6 +40,13 @@ def main() -> None:
         opt.step()
     if rank == 0:
         torch.save({"state": model.module.state_dict(), "wrapper": type(model).__module__}, args.out)
+    # Free the DDP while the group is still registered, then destroy the group. In the other order PyTorch's DDP
+    # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
+    # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
+    # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
