@@ -28,11 +28,12 @@ holds no Python object] in ``graphddp/runtime/launch_context.py``; seen once, as
 exit). ``import_before_init`` imports those modules first. ``init_process_group`` below calls it, and so do
 ``bench.overhead``, ``bench.gpu``, the tests' rank pools and their one-process fixture. There
 ``destroy_process_group`` frees the group and joins its threads while the interpreter runs, once nothing else
-holds the group (a live DDP does: PyTorch's, and graphddp's with its channels). A PyTorch DDP freed after
-``destroy_process_group`` then drops the group's last reference from C++ with the GIL held, which can deadlock
-with a gloo worker (docs/reliability.md, "A deadlock at exit"): free it first. A script of one's own gets the
+holds the group (a live DDP does: PyTorch's, and graphddp's with its channels). A script of one's own gets the
 same by calling ``import_before_init`` before ``init_process_group``. Importing ``torch._dynamo`` there (as ``from
-graphddp import DDP`` at the top of a script does) covers only the module Dynamo brings in, the first.
+graphddp import DDP`` at the top of a script does) covers only the module Dynamo brings in, the first. Where the
+group is freed this way, a PyTorch DDP freed after ``destroy_process_group`` drops the group's last reference
+from C++ with the GIL held, which can deadlock with a gloo worker (docs/reliability.md, "A deadlock at exit"):
+free it, and what holds it, first.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def main() -> None:
     # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
     # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
     # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
-    wrapper_alive = weakref.ref(trainer.model_wrapped)
+    wrapper_alive = weakref.ref(getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped))  # the DDP itself
     del trainer, model
     gc.collect()
     assert wrapper_alive() is None, "the Trainer's DDP outlived the Trainer: it would be freed after the group"

@@ -40,10 +40,10 @@ def main() -> None:
         opt.step()
     if rank == 0:
         torch.save({"state": model.module.state_dict(), "wrapper": type(model).__module__}, args.out)
-    # Free the DDP while the group is still registered, then destroy the group. In the other order PyTorch's DDP
-    # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
-    # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
-    # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
+    # Free the DDP while the group is still registered, then destroy the group, the order docs/reliability.md
+    # ("A deadlock at exit") gives every script. (Here PyTorch's modules bind the group at import, as Dynamo is
+    # imported after init_process_group, so this run could not deadlock that way; the order is kept for when they
+    # do not.)
     del model, opt
     gc.collect()
     dist.barrier()
