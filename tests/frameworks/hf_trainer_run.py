@@ -80,10 +80,8 @@ def main() -> None:
     # As PyTorch asks of every script (and plain_script.py does): leave together, with the group destroyed, not
     # one rank exiting while the other still saves. Without it a rank aborted once in CI at exit ("terminate called
     # without an active exception", SIGABRT) after training had finished on both ranks.
-    # Free the DDP while the group is still registered, then destroy the group. In the other order PyTorch's DDP
-    # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
-    # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
-    # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
+    # Free the DDP (and what holds it) while the group is still registered, then destroy the group: freed after it,
+    # PyTorch's DDP can deadlock at exit (seen in CI; the why is docs/reliability.md, "A deadlock at exit").
     wrapper_alive = weakref.ref(getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped))  # the DDP itself
     del trainer, model
     gc.collect()

@@ -173,10 +173,8 @@ def main() -> None:
     # Both ranks leave together: a rank destroying its group while the other still saves or reads can hang in
     # gloo's teardown (pytorch/pytorch#75097; seen once here in CI with PyTorch's DDP: rank 1 of the restarted
     # attempt stuck in destroy_process_group after "done").
-    # Free the DDP while the group is still registered, then destroy the group. In the other order PyTorch's DDP
-    # can deadlock at exit: its C++ Reducer, freed with the GIL held, drops the group's last reference, and the
-    # group's destructor joins a gloo worker that is waiting for the GIL to free a finished collective's Python
-    # tensors (seen in CI; docs/reliability.md, "A deadlock at exit").
+    # Free the DDP (and what holds it) while the group is still registered, then destroy the group: freed after it,
+    # PyTorch's DDP can deadlock at exit (seen in CI; the why is docs/reliability.md, "A deadlock at exit").
     del model, opt
     gc.collect()
     dist.barrier()
