@@ -47,7 +47,12 @@ def _init_world_of_one() -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads' names from /proc")
-@pytest.mark.parametrize("module", [*MODULES_BINDING_THE_DEFAULT_GROUP, "torch._dynamo"])
+@pytest.mark.parametrize(
+    "module",
+    # One fresh interpreter each (~3 s): the case that brings the trouble in stays in the default suite, the
+    # module-by-module record of PyTorch's behaviour runs with the slow tests.
+    [*(pytest.param(m, marks=pytest.mark.slow) for m in MODULES_BINDING_THE_DEFAULT_GROUP), "torch._dynamo"],
+)
 def test_pytorch_keeps_the_group_when_a_binding_module_is_imported_after_init(module: str) -> None:
     """The behaviour the mend is for, module by module (``torch._dynamo``: what brings the first in). If a PyTorch
     release stops one of them binding the group at import, its case fails and it can leave the list."""
