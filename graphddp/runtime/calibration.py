@@ -6,14 +6,44 @@ the link (the α-β fit of a short series of all-reduces on the group, cached pe
 
 Every rank measures, but clocks and noise differ; rank 0's figures are broadcast so every rank holds the same
 model (whatever is decided from it, such as bucket caps, must be the same on every rank).
+
+Note [What communication costs a CPU rank]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On a CPU host gloo's worker threads copy, reduce and push the bytes through the network stack on the processors
+the ranks compute on, so sending beside a backward slows it (``StepInputs.cpu_seconds_per_byte`` in
+``passes/cost.py``). Up to session 41 the figure was the slowdown itself: a matmul loop timed alone and beside
+all-reduces, the fastest of each, their difference per byte. That difference is a few percent of the window and
+the loop's own time varies by as much: on the 2-vCPU testbed at 1 Gbit/s, 60 pairs of 0.1 s windows gave a pair's
+slowdown per byte between 0.0 and 1.7 ns at its quartiles, 0.8-1.0 on average, and the fastest of two pairs,
+resampled, a median of 0.1-0.5 ns/B, biased low. Eight calls with construction's windows ranged over 0.14-1.96
+ns/B, eight with the benchmark's (5 of 0.8 s) over 0.0-1.3, on the same link and host. The automatic caps' choice
+for the matrix's GPT at 1 Gbit/s followed that figure (``docs/benchmarks.md``, session 40).
+
+What is measured now is the work itself: the CPU time of every thread of the process but the one that runs the
+loop (gloo's workers, and the caller's own wait, which blocks), beside the all-reduces, over the same beside the
+loop alone; the median of each over the windows, per byte each rank sends (``ring_bytes_sent``). On the same
+testbed its 60 pairs averaged 0.86-0.98 ns/B, level with the slowdown's mean, and eight calls ranged over
+0.54-1.13 ns/B with construction's windows, 0.48-0.88 with the benchmark's: a host whose processors the ranks
+keep busy loses to gloo the CPU gloo runs. A host with idle processors
+does not: gloo's threads run on them. So the figure is scaled by the share of a processor the host lacks while
+the loop runs alone: ``1 - idle``, 0 from one whole idle processor up, 1 where ``/proc/stat`` is not there to
+read, with ``idle`` the host's processors idle on average over the least idle alone window. The least: a
+window in which one rank's loop ends early and it waits at the barrier shows idle time a step does not have
+(on the testbed 0-0.34 of a processor, window by window; the least of two, 0-0.16). What this leaves out: the
+compute's own slowdown from sharing caches with gloo (not separable from the loop's noise at this length), and
+a container whose CPU quota is below the host's processors (``/proc/stat`` shows the host's).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -165,11 +195,12 @@ def python_call_seconds(calls: int = 5_000) -> float:
 def cpu_cost_of_communication(
     group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.1, repeats: int = 2
 ) -> float:
-    """Seconds of compute each byte a CPU rank sends costs it (gloo's copies and reductions, the network
-    stack): a fixed matmul loop timed alone and while all-reduces run beside it, ``repeats`` windows of
-    ``window_s`` each way (construction's default: ~0.5 s; the benchmark takes longer ones). Rank 0's figure,
-    broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's processor); measured
-    once per group and window."""
+    """Seconds of compute each byte a CPU rank sends costs it (Note [What communication costs a CPU rank]): the
+    CPU the process's other threads spend while all-reduces run beside a fixed matmul loop, over what they spend
+    beside the loop alone, per byte sent, times the share of it the host has no idle CPU for. ``repeats`` pairs of
+    windows of ``window_s`` (construction's default: ~0.5 s; the benchmark takes longer ones), the median of each.
+    Rank 0's figure, broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's
+    processor); measured once per group and window."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 2:
@@ -184,26 +215,78 @@ def cpu_cost_of_communication(
     a = torch.randn(512, 512)
     loops = max(1, int(window_s / max(best_of(lambda: torch.mm(a, a), torch.device("cpu")), 1e-6)))
 
-    def compute() -> float:
-        started = time.perf_counter()
+    def compute() -> None:
         for _ in range(loops):
             torch.mm(a, a)
-        return time.perf_counter() - started
 
     alone, beside = [], []
     for _ in range(repeats):
         dist.barrier(group=group)
-        alone.append(compute())
+        alone.append(measure_window(compute, lambda: []))
         dist.barrier(group=group)
-        works = [dist.all_reduce(b, group=group, async_op=True) for b in buffers]
-        beside.append(compute())
-        for w in works:
-            w.wait()
-    cost = torch.tensor([max(0.0, min(beside) - min(alone)) / ring_bytes_sent(sent, world)], dtype=torch.float64)
+        beside.append(measure_window(compute, lambda: [dist.all_reduce(b, group=group, async_op=True) for b in buffers]))
+    cost = torch.tensor([displaced_seconds_per_byte(alone, beside, ring_bytes_sent(sent, world))], dtype=torch.float64)
     dist.broadcast(cost, group=group, group_src=0)
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)
     _cpu_costs.setdefault(group, {})[(window_s, repeats)] = float(cost)
     return float(cost)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One timed run of the calibration's matmul loop, alone or beside all-reduces."""
+
+    others_cpu_s: float
+    """CPU seconds of every thread of the process but the caller's, from before the all-reduces were issued to
+    after the last one was waited for (gloo's workers; the wait itself blocks)."""
+    idle_cpus: float | None
+    """The host's processors idle on average over the window (``/proc/stat``); None where it cannot be read."""
+
+
+def measure_window(compute: Callable[[], None], issue: Callable[[], list[Any]]) -> Window:
+    """Run ``issue()`` (collectives, async), then ``compute()`` on this thread, then wait for what ``issue``
+    returned."""
+    idle_before, started = host_idle_seconds(), time.perf_counter()
+    process, thread = time.process_time(), time.thread_time()
+    works = issue()
+    compute()
+    for work in works:
+        work.wait()
+    thread = time.thread_time() - thread  # read inside the process clock's interval: the difference is >= 0
+    process = time.process_time() - process
+    wall, idle_after = time.perf_counter() - started, host_idle_seconds()
+    idle = None if idle_before is None or idle_after is None or wall <= 0 else (idle_after - idle_before) / wall
+    return Window(others_cpu_s=max(0.0, process - thread), idle_cpus=idle)
+
+
+def displaced_seconds_per_byte(alone: Sequence[Window], beside: Sequence[Window], sent_bytes: int) -> float:
+    """Compute seconds a byte sent takes from a rank (Note [What communication costs a CPU rank]): the median
+    extra CPU of the other threads beside the all-reduces, per byte each rank sent, times the share of a processor
+    the host lacked in the least idle window alone."""
+    if not alone or not beside:
+        raise ValueError("the CPU cost of communication needs at least one window alone and one beside all-reduces")
+    if sent_bytes <= 0:
+        raise ValueError(f"the CPU cost of communication needs bytes sent, got {sent_bytes}")
+    extra = statistics.median(w.others_cpu_s for w in beside) - statistics.median(w.others_cpu_s for w in alone)
+    idle = [w.idle_cpus for w in alone if w.idle_cpus is not None]
+    lacking = 1.0 if not idle else min(1.0, max(0.0, 1.0 - min(idle)))
+    return max(0.0, extra) * lacking / sent_bytes
+
+
+def host_idle_seconds(path: str = "/proc/stat") -> float | None:
+    """Seconds the host's processors have spent idle (idle and iowait, summed over processors) since boot; None
+    where ``/proc/stat`` cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 6:
+        return None
+    return (int(fields[4]) + int(fields[5])) / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 ASSEMBLY_BLOCKS = 16

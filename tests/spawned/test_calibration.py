@@ -59,3 +59,39 @@ def test_a_second_auto_ddp_on_a_group_measures_nothing() -> None:
     for first, second in run_on_ranks(collectives_of_a_second_auto_ddp, 2):
         assert first > 10, first  # the link series, the compute rates, the CPU cost of communication
         assert second == 0, second
+
+
+def communication_cpu_cost(rank: int, world: int) -> tuple[float, list[float]]:
+    """(the figure this rank holds, the figure each rank measured itself, by rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from graphddp.runtime import calibration
+
+    raw: list[float] = []
+    rule = calibration.displaced_seconds_per_byte
+
+    def kept(alone, beside, sent):  # noqa: ANN001 - the rule's own arguments, passed through
+        raw.append(rule(alone, beside, sent))
+        return raw[-1]
+
+    calibration.displaced_seconds_per_byte = kept
+    try:
+        cost = calibration.cpu_cost_of_communication(window_s=0.05, repeats=2)
+    finally:
+        calibration.displaced_seconds_per_byte = rule
+    assert len(raw) == 1, raw  # measured once, by this rank
+    mine = torch.tensor(raw, dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return cost, [float(t[0]) for t in everyone]
+
+
+def test_the_cpu_cost_of_communication_is_rank_0s_figure_on_every_rank() -> None:
+    # What each rank measured differs (clocks, load); what each holds is rank 0's, so choices made from it agree.
+    results = run_on_ranks(communication_cpu_cost, 2)
+    held = {cost for cost, _ in results}
+    assert len(held) == 1, results
+    (cost,) = held
+    measured = results[0][1]
+    assert cost == measured[0] and cost >= 0.0, results
