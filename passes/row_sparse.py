@@ -34,9 +34,10 @@ all-reduce of its own, early in backward, where its link time can hide behind th
 CPU per byte cannot (on a CPU rank it slows that compute), so the rows are charged each part's CPU, at
 ``PART_CPU_FACTOR`` (2) times the calibrated CPU per byte: sent beside a backward, gloo's bytes cost the compute
 about twice what the calibration measured (session 23: ~1.5 against 0.69 ns/B, when the calibration timed a matmul
-loop's slowdown; since session 42 it measures gloo's threads' CPU, 0.5-1.1 ns/B on the same testbed, Note [What
-communication costs a CPU rank] in ``graphddp/runtime/calibration.py``, and the factor stays: the matrix's
-verdicts below hold from 0.70 to 1.84 ns/B, ``tests/pure/test_rows_pay.py``). Charged at
+loop's slowdown; since session 42 it measures gloo's threads' CPU, 0.6-1.5 ns/B at construction on the same
+testbed, Note [What communication costs a CPU rank] in ``graphddp/runtime/calibration.py``, and the factor stays:
+the matrix's verdicts below hold from 0.70 to 1.84 ns/B, ``tests/pure/test_rows_pay.py``; at 5 Gbit/s the verdict
+turns to rows below 0.47-0.57 ns/B, the line it was near before). Charged at
 1x, the rule said rows by 9 ms at 5 Gbit/s for the bench GPT's tied table (16.8 MB), where dense was as fast or
 faster in every matrix run that had both (sessions 21-34, by up to ~110 ms a step); at 2x it says dense there
 (-3 ms at 0.70 ns/B) and rows at 1 Gbit/s (+49 ms), where rows won in most runs. A part's link time is not

@@ -19,19 +19,24 @@ resampled, a median of 0.1-0.5 ns/B, biased low. Eight calls with construction's
 ns/B, eight with the benchmark's (5 of 0.8 s) over 0.0-1.3, on the same link and host. The automatic caps' choice
 for the matrix's GPT at 1 Gbit/s followed that figure (``docs/benchmarks.md``, session 40).
 
-What is measured now is the work itself: the CPU time of every thread of the process but the one that runs the
-loop (gloo's workers, and the caller's own wait, which blocks), beside the all-reduces, over the same beside the
-loop alone; the median of each over the windows, per byte each rank sends (``ring_bytes_sent``). On the same
-testbed its 60 pairs averaged 0.86-0.98 ns/B, level with the slowdown's mean, and eight calls ranged over
-0.54-1.13 ns/B with construction's windows, 0.48-0.88 with the benchmark's: a host whose processors the ranks
-keep busy loses to gloo the CPU gloo runs. A host with idle processors
-does not: gloo's threads run on them. So the figure is scaled by the share of a processor the host lacks while
-the loop runs alone: ``1 - idle``, 0 from one whole idle processor up, 1 where ``/proc/stat`` is not there to
-read, with ``idle`` the host's processors idle on average over the least idle alone window. The least: a
-window in which one rank's loop ends early and it waits at the barrier shows idle time a step does not have
-(on the testbed 0-0.34 of a processor, window by window; the least of two, 0-0.16). What this leaves out: the
-compute's own slowdown from sharing caches with gloo (not separable from the loop's noise at this length), and
-a container whose CPU quota is below the host's processors (``/proc/stat`` shows the host's).
+What is measured now is the work itself: the CPU time gloo's threads run beside the all-reduces (by their names,
+from ``/proc/self/task/*/schedstat``; where ``/proc`` does not show them, every thread of the process but the one
+that runs the loop), over what they run beside the loop alone; the median of each over the windows (three at
+construction, so one disturbed window moves nothing), per byte each rank sends (``ring_bytes_sent``). On the same
+testbed its 60 pairs averaged 0.86-0.98 ns/B (every thread but the loop's), level with the slowdown's mean, and
+eight calls ranged over 0.62-1.54 ns/B with construction's windows, 0.67-0.86 with the benchmark's: a host whose
+processors the ranks keep busy loses to gloo the CPU gloo runs. A host with idle processors does not: gloo's threads run on them. So
+the figure is scaled by the share of a processor the host lacks while the loop runs alone: ``1 - idle``, with
+``idle`` the processors this process may run on (``sched_getaffinity``) idle on average over the least idle
+alone window (``/proc/stat``); 0 from one whole idle processor up, 1 where ``/proc/stat`` is not there to read.
+The ends are what the slowdown shows; the line between them is an interpolation, not a measurement. The least
+idle window: a window in which one rank's loop ends early and it waits at the barrier shows idle time a step
+does not have (on the testbed, unpinned, 0-0.34 of a processor window by window; the least of two, 0-0.16).
+
+What this leaves out: the compute's own slowdown from sharing caches with gloo (not separable from the loop's
+noise at this length); the kernel's network work that runs in softirq context on whatever thread it interrupts
+(the loop's among them) or in ``ksoftirqd``, which the slowdown caught and gloo's threads' CPU does not; and a
+container whose CPU quota is below the processors it may run on (``/proc/stat`` shows the host's).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,14 +198,16 @@ def python_call_seconds(calls: int = 5_000) -> float:
 
 
 def cpu_cost_of_communication(
-    group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.1, repeats: int = 2
+    group: dist.ProcessGroup | None = None, *, link: LinkModel | None = None, window_s: float = 0.1, repeats: int = 3
 ) -> float:
     """Seconds of compute each byte a CPU rank sends costs it (Note [What communication costs a CPU rank]): the
-    CPU the process's other threads spend while all-reduces run beside a fixed matmul loop, over what they spend
-    beside the loop alone, per byte sent, times the share of it the host has no idle CPU for. ``repeats`` pairs of
-    windows of ``window_s`` (construction's default: ~0.5 s; the benchmark takes longer ones), the median of each.
-    Rank 0's figure, broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's
-    processor); measured once per group and window."""
+    CPU gloo's threads spend while all-reduces run beside a fixed matmul loop, over what they spend beside the loop
+    alone, per byte sent, times the share of a processor the host lacks. ``repeats`` pairs of windows of
+    ``window_s`` (construction's default: ~0.7 s; the benchmark takes longer ones), the median of each. Rank 0's
+    figure, broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's processor);
+    measured once per group and window."""
+    if repeats < 1 or window_s <= 0:
+        raise ValueError(f"the CPU cost of communication needs repeats >= 1 and window_s > 0, got {repeats} and {window_s}")
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 2:
@@ -236,17 +243,24 @@ def cpu_cost_of_communication(
 class Window:
     """One timed run of the calibration's matmul loop, alone or beside all-reduces."""
 
-    others_cpu_s: float
-    """CPU seconds of every thread of the process but the caller's, from before the all-reduces were issued to
-    after the last one was waited for (gloo's workers; the wait itself blocks)."""
+    comm_cpu_s: float
+    """CPU seconds the collectives' threads ran, from before the all-reduces were issued to after the last one was
+    waited for: gloo's threads, by name, where ``/proc`` shows them; else every thread but the caller's (the
+    intra-op pool's too: the window alone subtracts them, with their noise)."""
     idle_cpus: float | None
-    """The host's processors idle on average over the window (``/proc/stat``); None where it cannot be read."""
+    """The processors this process may run on, idle on average over the window (``/proc/stat``); None where it
+    cannot be read."""
+
+
+GLOO_THREAD_PREFIXES = ("pt_gloo", "gloo")
+"""How gloo's threads name themselves (``/proc/self/task/*/comm``): its workers and its transport's loop."""
 
 
 def measure_window(compute: Callable[[], None], issue: Callable[[], list[Any]]) -> Window:
     """Run ``issue()`` (collectives, async), then ``compute()`` on this thread, then wait for what ``issue``
     returned."""
-    idle_before, started = host_idle_seconds(), time.perf_counter()
+    idle_before, started = idle_seconds(), time.perf_counter()
+    gloo_before = gloo_threads_cpu_s()
     process, thread = time.process_time(), time.thread_time()
     works = issue()
     compute()
@@ -254,39 +268,75 @@ def measure_window(compute: Callable[[], None], issue: Callable[[], list[Any]]) 
         work.wait()
     thread = time.thread_time() - thread  # read inside the process clock's interval: the difference is >= 0
     process = time.process_time() - process
-    wall, idle_after = time.perf_counter() - started, host_idle_seconds()
+    gloo_after = gloo_threads_cpu_s()
+    wall, idle_after = time.perf_counter() - started, idle_seconds()
     idle = None if idle_before is None or idle_after is None or wall <= 0 else (idle_after - idle_before) / wall
-    return Window(others_cpu_s=max(0.0, process - thread), idle_cpus=idle)
+    if gloo_before is not None and gloo_after is not None:
+        return Window(comm_cpu_s=max(0.0, gloo_after - gloo_before), idle_cpus=idle)
+    return Window(comm_cpu_s=max(0.0, process - thread), idle_cpus=idle)
 
 
-def displaced_seconds_per_byte(alone: Sequence[Window], beside: Sequence[Window], sent_bytes: int) -> float:
+def displaced_seconds_per_byte(alone: Sequence[Window], beside: Sequence[Window], sent_bytes: float) -> float:
     """Compute seconds a byte sent takes from a rank (Note [What communication costs a CPU rank]): the median
-    extra CPU of the other threads beside the all-reduces, per byte each rank sent, times the share of a processor
-    the host lacked in the least idle window alone."""
+    extra CPU of the collectives' threads beside the all-reduces, per byte each rank sent, times the share of a
+    processor the host lacked in the least idle window alone."""
     if not alone or not beside:
         raise ValueError("the CPU cost of communication needs at least one window alone and one beside all-reduces")
     if sent_bytes <= 0:
         raise ValueError(f"the CPU cost of communication needs bytes sent, got {sent_bytes}")
-    extra = statistics.median(w.others_cpu_s for w in beside) - statistics.median(w.others_cpu_s for w in alone)
+    extra = statistics.median(w.comm_cpu_s for w in beside) - statistics.median(w.comm_cpu_s for w in alone)
     idle = [w.idle_cpus for w in alone if w.idle_cpus is not None]
     lacking = 1.0 if not idle else min(1.0, max(0.0, 1.0 - min(idle)))
     return max(0.0, extra) * lacking / sent_bytes
 
 
-def host_idle_seconds(path: str = "/proc/stat") -> float | None:
-    """Seconds the host's processors have spent idle (idle and iowait, summed over processors) since boot; None
-    where ``/proc/stat`` cannot be read (not Linux)."""
+def gloo_threads_cpu_s(task_dir: str = "/proc/self/task") -> float | None:
+    """CPU seconds this process's gloo threads have run (``schedstat``, in nanoseconds); None where ``/proc`` does
+    not show them (not Linux, no schedstat) or there is no gloo thread."""
     try:
-        with open(path) as f:
-            fields = f.readline().split()
+        tids = os.listdir(task_dir)
     except OSError:
         return None
-    if not fields or fields[0] != "cpu" or len(fields) < 6:
-        return None
-    return (int(fields[4]) + int(fields[5])) / _CLOCK_TICKS
+    total_ns, found = 0, False
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/comm") as f:
+                if not f.read().startswith(GLOO_THREAD_PREFIXES):
+                    continue
+            with open(f"{task_dir}/{tid}/schedstat") as f:
+                total_ns += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile, or no schedstat
+            continue
+        found = True
+    return total_ns / 1e9 if found else None
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+"""``/proc/stat``'s unit: ticks per second."""
+
+
+def idle_seconds(path: str = "/proc/stat", cpus: Iterable[int] | None = None) -> float | None:
+    """Seconds the processors in ``cpus`` (default: those this process may run on) have spent idle (idle and
+    iowait, summed) since boot; None where ``/proc/stat`` cannot be read (not Linux) or shows none of them."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
+    try:
+        with open(path) as f:
+            lines = [line.split() for line in f if line.startswith("cpu")]
+    except OSError:
+        return None
+    ticks, found = 0, False
+    for fields in lines:
+        name = fields[0] if fields else ""
+        if (name != "cpu" if wanted is None else name not in wanted) or len(fields) < 6:
+            continue
+        try:
+            ticks += int(fields[4]) + int(fields[5])
+        except ValueError:
+            continue
+        found = True
+    return ticks / _CLOCK_TICKS if found else None
 
 
 ASSEMBLY_BLOCKS = 16
