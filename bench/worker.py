@@ -174,7 +174,8 @@ def calibrate(world: int, *, stepping: bool) -> dict[str, float] | None:
     measured = {
         "latency_s": link.latency_s,
         "seconds_per_byte": link.seconds_per_byte,
-        # Longer than construction's: with 3 windows of 0.4 s, two gpt 1 Gbit/s runs measured 4.2 and 10.8 ms/MB.
+        # Longer than construction's, and steadier: eight calls at 1 Gbit/s measured 0.67-0.86 ns/B against
+        # construction's 0.62-1.54 (Note [What communication costs a CPU rank]).
         "cpu_seconds_per_byte": cpu_cost_of_communication(link=link, window_s=0.8, repeats=5),
         "assembly_seconds_per_byte": assembly_seconds_per_byte(),
     }
