@@ -100,7 +100,7 @@ class RowsRule:
 def charges_gloo_cpu(module: nn.Module, ignored: frozenset[str], *, cpu_group: bool, automatic_caps: bool) -> bool:
     """Is gloo's CPU per byte charged in the rows verdicts? Where caps are chosen automatically, always: they measure
     it for every choice and hand it on. Otherwise only for a tied table's parts on a CPU group (the Note, "When rows
-    pay"): about 0.5 s, decided from the module's structure, which every rank shares. ``RowsRule.measure`` and
+    pay"): about 0.7 s, decided from the module's structure, which every rank shares. ``RowsRule.measure`` and
     ``graphddp inspect`` both ask here."""
     return automatic_caps or (cpu_group and bool(tied_tables(module) - ignored))
 
