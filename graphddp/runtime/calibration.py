@@ -20,8 +20,8 @@ ns/B, eight with the benchmark's (5 of 0.8 s) over 0.0-1.3, on the same link and
 for the matrix's GPT at 1 Gbit/s followed that figure (``docs/benchmarks.md``, session 40).
 
 What is measured now is the work itself: the CPU time gloo's threads run beside the all-reduces (by their names,
-from ``/proc/self/task/*/schedstat``; where ``/proc`` does not show them, every thread of the process but the one
-that runs the loop), over what they run beside the loop alone; the median of each over the windows (three at
+from ``/proc/self/task/*/schedstat``; where ``/proc`` does not show them in every window, every thread of the
+process but the one that runs the loop), over what they run beside the loop alone; the median of each over the windows (three at
 construction, so one disturbed window moves nothing), per byte each rank sends (``ring_bytes_sent``). On the same
 testbed its 60 pairs averaged 0.86-0.98 ns/B (every thread but the loop's), level with the slowdown's mean, and
 eight calls ranged over 0.62-1.54 ns/B with construction's windows, 0.67-0.86 with the benchmark's: a host whose
@@ -33,10 +33,15 @@ The ends are what the slowdown shows; the line between them is an interpolation,
 idle window: a window in which one rank's loop ends early and it waits at the barrier shows idle time a step
 does not have (on the testbed, unpinned, 0-0.34 of a processor window by window; the least of two, 0-0.16).
 
+``/proc/stat`` counts in ticks (10 ms): over a 0.1 s window on two processors the idle share is known to about
+±0.2 of a processor, and the least of three windows leans towards charging more. Where ``/proc/stat`` shows none
+of the processors ``sched_getaffinity`` names (a container that renumbers them), the whole figure is charged.
+
 What this leaves out: the compute's own slowdown from sharing caches with gloo (not separable from the loop's
 noise at this length); the kernel's network work that runs in softirq context on whatever thread it interrupts
-(the loop's among them) or in ``ksoftirqd``, which the slowdown caught and gloo's threads' CPU does not; and a
-container whose CPU quota is below the processors it may run on (``/proc/stat`` shows the host's).
+(the loop's among them) or in ``ksoftirqd``, which the slowdown caught and gloo's threads' CPU does not; gloo
+threads of the process's other groups, which count too (idle, they add little); and a container whose CPU quota
+is below the processors it may run on (``/proc/stat`` shows the host's).
 """
 
 from __future__ import annotations
@@ -241,12 +246,13 @@ def cpu_cost_of_communication(
 
 @dataclass(frozen=True)
 class Window:
-    """One timed run of the calibration's matmul loop, alone or beside all-reduces."""
+    """One timed run of the calibration's matmul loop, alone or beside all-reduces: the CPU seconds threads other
+    than the caller's ran, from before the all-reduces were issued to after the last one was waited for."""
 
-    comm_cpu_s: float
-    """CPU seconds the collectives' threads ran, from before the all-reduces were issued to after the last one was
-    waited for: gloo's threads, by name, where ``/proc`` shows them; else every thread but the caller's (the
-    intra-op pool's too: the window alone subtracts them, with their noise)."""
+    gloo_cpu_s: float | None
+    """gloo's threads, by name; None where ``/proc`` does not show them (not Linux, no schedstat, no gloo thread)."""
+    others_cpu_s: float
+    """Every thread but the caller's (the intra-op pool's too: the windows alone subtract them, with their noise)."""
     idle_cpus: float | None
     """The processors this process may run on, idle on average over the window (``/proc/stat``); None where it
     cannot be read."""
@@ -271,9 +277,8 @@ def measure_window(compute: Callable[[], None], issue: Callable[[], list[Any]]) 
     gloo_after = gloo_threads_cpu_s()
     wall, idle_after = time.perf_counter() - started, idle_seconds()
     idle = None if idle_before is None or idle_after is None or wall <= 0 else (idle_after - idle_before) / wall
-    if gloo_before is not None and gloo_after is not None:
-        return Window(comm_cpu_s=max(0.0, gloo_after - gloo_before), idle_cpus=idle)
-    return Window(comm_cpu_s=max(0.0, process - thread), idle_cpus=idle)
+    gloo = None if gloo_before is None or gloo_after is None else max(0.0, gloo_after - gloo_before)
+    return Window(gloo_cpu_s=gloo, others_cpu_s=max(0.0, process - thread), idle_cpus=idle)
 
 
 def displaced_seconds_per_byte(alone: Sequence[Window], beside: Sequence[Window], sent_bytes: float) -> float:
@@ -284,7 +289,13 @@ def displaced_seconds_per_byte(alone: Sequence[Window], beside: Sequence[Window]
         raise ValueError("the CPU cost of communication needs at least one window alone and one beside all-reduces")
     if sent_bytes <= 0:
         raise ValueError(f"the CPU cost of communication needs bytes sent, got {sent_bytes}")
-    extra = statistics.median(w.comm_cpu_s for w in beside) - statistics.median(w.comm_cpu_s for w in alone)
+    # One measure for every window: gloo's threads where every window saw them, else every thread but the caller's.
+    by_gloo = all(w.gloo_cpu_s is not None for w in (*alone, *beside))
+
+    def cpu(w: Window) -> float:
+        return (w.gloo_cpu_s or 0.0) if by_gloo else w.others_cpu_s
+
+    extra = statistics.median(map(cpu, beside)) - statistics.median(map(cpu, alone))
     idle = [w.idle_cpus for w in alone if w.idle_cpus is not None]
     lacking = 1.0 if not idle else min(1.0, max(0.0, 1.0 - min(idle)))
     return max(0.0, extra) * lacking / sent_bytes

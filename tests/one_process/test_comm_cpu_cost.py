@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import time
 
 import pytest
 
-from graphddp.runtime import calibration
 from graphddp.runtime.calibration import (
     Window,
     displaced_seconds_per_byte,
@@ -23,14 +21,23 @@ from graphddp.runtime.calibration import (
 MB = 1_000_000
 
 
-def windows(*others_ms: float, idle: float | None = 0.0) -> list[Window]:
-    return [Window(comm_cpu_s=ms / 1e3, idle_cpus=idle) for ms in others_ms]
+def windows(*gloo_ms: float, idle: float | None = 0.0, others_ms: float = 90.0) -> list[Window]:
+    """Windows in which gloo's threads ran ``gloo_ms`` each (and every thread but the caller's ``others_ms``)."""
+    return [Window(gloo_cpu_s=ms / 1e3, others_cpu_s=others_ms / 1e3, idle_cpus=idle) for ms in gloo_ms]
 
 
-def test_the_figure_is_the_other_threads_extra_cpu_per_byte_sent() -> None:
-    # 4 MB sent; gloo's threads ran 4 ms beside the loop where the process's other threads ran 0.3 ms alone.
+def test_the_figure_is_gloos_extra_cpu_per_byte_sent() -> None:
+    # 4 MB sent; gloo's threads ran 4.3 ms beside the loop, 0.3 ms beside it alone (the intra-op pool's 90 ms in
+    # every window is not gloo's).
     cost = displaced_seconds_per_byte(windows(0.3, 0.3), windows(4.3, 4.3), 4 * MB)
     assert cost == pytest.approx(1e-9)
+
+
+def test_a_window_without_gloos_threads_makes_every_window_count_every_thread() -> None:
+    # Two measures never mix: one window that could not read gloo's threads sends all of them to the other one.
+    alone = windows(0.3, 0.3, others_ms=90.0)
+    beside = [*windows(4.3, others_ms=96.0), Window(gloo_cpu_s=None, others_cpu_s=96.0e-3, idle_cpus=0.0)]
+    assert displaced_seconds_per_byte(alone, beside, 4 * MB) == pytest.approx(6e-3 / (4 * MB))
 
 
 def test_one_disturbed_window_does_not_set_the_figure() -> None:
@@ -48,7 +55,7 @@ def test_a_host_with_a_whole_idle_processor_loses_no_compute_to_the_collectives(
 def test_the_least_idle_window_alone_gives_the_share_the_host_lacks() -> None:
     # One rank's loop ended early in a window and it waited at the barrier: that window's idle time is not the
     # host's; the least idle window is (0.25 of a processor idle: 0.75 of gloo's CPU displaces compute).
-    alone = [Window(comm_cpu_s=0.3e-3, idle_cpus=0.25), Window(comm_cpu_s=0.3e-3, idle_cpus=0.9)]
+    alone = [Window(gloo_cpu_s=0.3e-3, others_cpu_s=0.3e-3, idle_cpus=0.25), Window(gloo_cpu_s=0.3e-3, others_cpu_s=0.3e-3, idle_cpus=0.9)]
     assert displaced_seconds_per_byte(alone, windows(4.3, 4.3), 4 * MB) == pytest.approx(0.75e-9)
 
 
@@ -139,17 +146,16 @@ def _loop() -> None:
         pass
 
 
-def test_without_gloo_threads_a_window_counts_every_thread_but_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(calibration, "gloo_threads_cpu_s", lambda: None)  # not Linux, or no gloo group alive
+def test_a_window_counts_every_thread_but_the_callers_as_the_fallback_measure() -> None:
     alone = measure_window(_loop, lambda: [])
     work = _BurningWork(0.04)
     beside = measure_window(_loop, lambda: [work.go()])
     work.close()
-    assert alone.comm_cpu_s < 0.02, alone  # the caller's 50 ms of loop are not in it
-    assert beside.comm_cpu_s >= 0.04 - 0.005, beside  # the worker's 40 ms are (clock granularity aside)
+    assert alone.others_cpu_s < 0.02, alone  # the caller's 50 ms of loop are not in it
+    assert beside.others_cpu_s >= 0.04 - 0.005, beside  # the worker's 40 ms are (clock granularity aside)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names threads with prctl, reads /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="names threads with prctl, reads schedstat")
 def test_with_gloo_threads_a_window_counts_theirs_and_not_the_intra_op_pools() -> None:
     # A thread named as gloo names its workers burns 40 ms; an unnamed one beside it (as the intra-op pool's
     # threads run the loop) burns 60 ms, which is compute, not communication.
@@ -157,4 +163,4 @@ def test_with_gloo_threads_a_window_counts_theirs_and_not_the_intra_op_pools() -
     beside = measure_window(_loop, lambda: [w.go() for w in works])
     for w in works:
         w.close()
-    assert 0.04 - 0.005 <= beside.comm_cpu_s < 0.06, beside
+    assert beside.gloo_cpu_s is not None and 0.04 - 0.005 <= beside.gloo_cpu_s < 0.06, beside
