@@ -21,17 +21,18 @@ for the matrix's GPT at 1 Gbit/s followed that figure (``docs/benchmarks.md``, s
 
 What is measured now is the work itself: the CPU time gloo's threads run beside the all-reduces (by their names,
 from ``/proc/self/task/*/schedstat``; where ``/proc`` does not show them in every window, every thread of the
-process but the one that runs the loop), over what they run beside the loop alone; the median of each over the windows (three at
-construction, so one disturbed window moves nothing), per byte each rank sends (``ring_bytes_sent``). On the same
-testbed its 60 pairs averaged 0.86-0.98 ns/B (every thread but the loop's), level with the slowdown's mean, and
-eight calls ranged over 0.62-1.54 ns/B with construction's windows, 0.67-0.86 with the benchmark's: a host whose
-processors the ranks keep busy loses to gloo the CPU gloo runs. A host with idle processors does not: gloo's threads run on them. So
-the figure is scaled by the share of a processor the host lacks while the loop runs alone: ``1 - idle``, with
-``idle`` the processors this process may run on (``sched_getaffinity``) idle on average over the least idle
-alone window (``/proc/stat``); 0 from one whole idle processor up, 1 where ``/proc/stat`` is not there to read.
-The ends are what the slowdown shows; the line between them is an interpolation, not a measurement. The least
-idle window: a window in which one rank's loop ends early and it waits at the barrier shows idle time a step
-does not have (on the testbed, unpinned, 0-0.34 of a processor window by window; the least of two, 0-0.16).
+process but the one that runs the loop), over what they run beside the loop alone; the median of each over the
+windows (three at construction, so one disturbed window moves nothing), per byte each rank sends
+(``ring_bytes_sent``). On the same testbed its 60 pairs averaged 0.86-0.98 ns/B (every thread but the loop's), level
+with the slowdown's mean, and eight calls ranged over 0.62-1.54 ns/B with construction's windows, 0.67-0.86 with the
+benchmark's: a host whose processors the ranks keep busy loses to gloo the CPU gloo runs. A host with idle
+processors does not: gloo's threads run on them. So the figure is scaled by the share of a processor the host lacks
+while the loop runs alone: ``1 - idle``, with ``idle`` the processors this process may run on
+(``sched_getaffinity``) idle on average over the least idle alone window (``/proc/stat``); 0 from one whole idle
+processor up, 1 where ``/proc/stat`` is not there to read. The ends are what the slowdown shows; the line between
+them is an interpolation, not a measurement. The least idle window: a window in which one rank's loop ends early and
+it waits at the barrier shows idle time a step does not have (on the testbed, unpinned, 0-0.34 of a processor window
+by window; the least of two, 0-0.16).
 
 ``/proc/stat`` counts in ticks (10 ms): over a 0.1 s window on two processors the idle share is known to about
 ±0.2 of a processor, and the least of three windows leans towards charging more. Where ``/proc/stat`` shows none
@@ -212,7 +213,9 @@ def cpu_cost_of_communication(
     figure, broadcast. Collective; CPU groups only (on a GPU, communication does not take compute's processor);
     measured once per group and window."""
     if repeats < 1 or window_s <= 0:
-        raise ValueError(f"the CPU cost of communication needs repeats >= 1 and window_s > 0, got {repeats} and {window_s}")
+        raise ValueError(
+            f"the CPU cost of communication needs repeats >= 1 and window_s > 0, got {repeats} and {window_s}"
+        )
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world < 2:
@@ -231,12 +234,15 @@ def cpu_cost_of_communication(
         for _ in range(loops):
             torch.mm(a, a)
 
+    def all_reduces() -> list[Any]:
+        return [dist.all_reduce(b, group=group, async_op=True) for b in buffers]
+
     alone, beside = [], []
     for _ in range(repeats):
         dist.barrier(group=group)
         alone.append(measure_window(compute, lambda: []))
         dist.barrier(group=group)
-        beside.append(measure_window(compute, lambda: [dist.all_reduce(b, group=group, async_op=True) for b in buffers]))
+        beside.append(measure_window(compute, all_reduces))
     cost = torch.tensor([displaced_seconds_per_byte(alone, beside, ring_bytes_sent(sent, world))], dtype=torch.float64)
     dist.broadcast(cost, group=group, group_src=0)
     logger.info("graphddp: communication costs %.2f ms of compute per MB (rank 0's measurement)", float(cost) * 1e9)

@@ -55,7 +55,7 @@ def test_a_host_with_a_whole_idle_processor_loses_no_compute_to_the_collectives(
 def test_the_least_idle_window_alone_gives_the_share_the_host_lacks() -> None:
     # One rank's loop ended early in a window and it waited at the barrier: that window's idle time is not the
     # host's; the least idle window is (0.25 of a processor idle: 0.75 of gloo's CPU displaces compute).
-    alone = [Window(gloo_cpu_s=0.3e-3, others_cpu_s=0.3e-3, idle_cpus=0.25), Window(gloo_cpu_s=0.3e-3, others_cpu_s=0.3e-3, idle_cpus=0.9)]
+    alone = [Window(gloo_cpu_s=0.3e-3, others_cpu_s=0.3e-3, idle_cpus=idle) for idle in (0.25, 0.9)]
     assert displaced_seconds_per_byte(alone, windows(4.3, 4.3), 4 * MB) == pytest.approx(0.75e-9)
 
 
@@ -95,7 +95,10 @@ def test_idle_seconds_reads_idle_and_iowait_of_the_processors_asked_for(tmp_path
 
 
 def test_gloo_threads_are_found_by_name(tmp_path) -> None:
-    for tid, name, ns in [("10", "python", 9_000_000_000), ("11", "pt_gloo_runloop", 2_000_000_000), ("12", "gloo_tcp_loop", 500_000_000)]:
+    threads = [
+        ("10", "python", 9_000_000_000), ("11", "pt_gloo_runloop", 2_000_000_000), ("12", "gloo_tcp_loop", 500_000_000)
+    ]
+    for tid, name, ns in threads:
         (tmp_path / tid).mkdir()
         (tmp_path / tid / "comm").write_text(name + "\n")
         (tmp_path / tid / "schedstat").write_text(f"{ns} 1000 7\n")

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from graphddp.runtime.calibration import GLOO_THREAD_PREFIXES
 from graphddp.tools.launch import MODULES_BINDING_THE_DEFAULT_GROUP
 
 _RANK = """
@@ -21,8 +22,8 @@ import torch, torch.distributed as dist
 
 def gloo_threads():
     names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    return sum(name.startswith("pt_gloo") or name.startswith("gloo") for name in names)
-"""
+    return sum(name.startswith(GLOO_THREAD_PREFIXES) for name in names)
+""" + f"GLOO_THREAD_PREFIXES = {GLOO_THREAD_PREFIXES!r}\n"
 
 _AFTER = """
 deadline = time.monotonic() + 30  # a thread names itself once it runs, which on a busy machine can be a while
