@@ -7,6 +7,7 @@ Nothing here imports ``torch.distributed`` or a graphddp runtime module: the dep
 from .blocks_in_place import arrange_reductions, write_blocks_in_place
 from .caps_choice import (
     CAPS_MARGIN,
+    COMPUTE_SPEEDS,
     CapsChoice,
     CapsSearch,
     choose_caps,
@@ -87,6 +88,7 @@ __all__ = [
     "ReductionChoice",
     "Bucket",
     "CAPS_MARGIN",
+    "COMPUTE_SPEEDS",
     "CapsChoice",
     "CapsSearch",
     "ComputeRates",

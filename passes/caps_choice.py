@@ -43,6 +43,21 @@ MiB, chosen on 2.4-3.8 %, ran 7-25 % slower; gpt at 1 Gbit/s, predicted ~10 % fa
 ``choose_channels`` and ``choose_optimizer_overlap`` keep their defaults below a margin for the same reason: what
 the model does not see (the CPUs gloo shares, a collective's fixed costs in-graph) moves a step by more than such a
 lead.
+
+**Robust to the compute rate.** The compute rate a run calibrates (or the backward it times) is what the machine
+did at that moment, not a fixed figure: the construction's 512³ matmul measured 51, 79 and 97 Gflop/s in three
+runs of the bench on one VM type, and 81-103 in twelve tries on a quiet machine, where each try's own spread was
+small. Where the link binds, the fastest candidate at one rate is often not the fastest at another, while many
+lie within a few percent of each other: gpt at 1 Gbit/s, two runs in session 42, chose 4/0.25/4 MiB at 79 Gflop/s
+and 8/1/8 at 97, each within 2 % of the other's choice, and the choice moved to 2/2/2, 2/1/2, 8/4/8, 16/0.25/16
+or the defaults as the same run's rate was scaled by 0.7-1.4. So the search predicts every candidate at each of
+``COMPUTE_SPEEDS`` (the calibrated rate times 1/1.4 to 1.4: compute durations divided by the factor, the link and
+gloo's CPU per byte as measured, ``StepInputs.at_compute_speed``) and chooses the candidate whose predicted step
+is the closest to the fastest one's at every speed: the smallest worst-case regret, ``max_s (t_c(s) / min_c'
+t_c'(s) - 1)``, ties to the earlier candidate. Both of session 42's runs then choose 4/1/4 MiB, at most 2.3 % off
+the fastest at any speed in either run, where their former choices were up to 2.9 % (4/0.25/4) and 4.3 % (8/1/8)
+off, and 0.4 % and 1.3 % slower than the fastest at their measured rates. The margin compares the chosen candidate with the standing caps
+at the measured rate, as before; no candidate is more than its worst regret behind the standing caps at any speed.
 """
 
 from __future__ import annotations
@@ -69,6 +84,11 @@ with the defaults or 13-38 % slower, and gpt at 1 Gbit/s, chosen on 8.6-10.9 %, 
 session 39, with a 3 % margin, cnn at 1 Gbit/s was still chosen (2/2/2 MiB, on a gain of 2.4-3.8 %: 2.4-2.7 % at the
 rates this VM measures, 3.8 % at the 1.5e11 flop/s a run's calibration can reach) and ran 7-25 % slower than the
 defaults, while the cells kept at the defaults ran level with them."""
+
+COMPUTE_SPEEDS = (1 / 1.4, 1 / 1.2, 1.0, 1.2, 1.4)
+"""The compute speeds, as multiples of the calibrated one, at which the search predicts every candidate (Note
+[Automatic caps], "Robust to the compute rate"): 1/1.4 to 1.4 spans the rates this VM type measured across runs
+(51-103 Gflop/s); 1.0, the measured rate, is where the margin is judged."""
 
 MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
 """Candidates for ``bucket_cap_mb``, largest first (ties go to larger caps)."""
@@ -112,17 +132,21 @@ class CapsChoice:
     predicted_s: float
     """Predicted seconds of the backward-and-communication part of the step with ``caps``."""
     ranking: tuple[tuple[BucketCaps, float], ...]
-    """Every candidate, and the standing caps where they are off the grid, with its prediction, fastest first (for
-    logs and tests)."""
+    """Every candidate, and the standing caps where they are off the grid, with its prediction at the measured
+    rates, fastest first (for logs and tests)."""
     kept_standing: bool = False
-    """The standing caps stayed: no candidate beat them by more than ``margin`` (Note [Automatic caps])."""
+    """The standing caps stayed: the chosen candidate was not predicted faster than them by more than ``margin``
+    (Note [Automatic caps])."""
     margin: float = CAPS_MARGIN
     """The share of the standing caps' step a candidate had to gain."""
+    worst_regret: float = 0.0
+    """How far the most robust candidate's predicted step is, at worst over the compute speeds searched, from the
+    fastest candidate's at that speed (a share of it; Note [Automatic caps], "Robust to the compute rate")."""
 
     def describe(self, top: int = 3) -> str:
         ranked = ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
         if not self.kept_standing:
-            return ranked
+            return f"{_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, within {self.worst_regret:.1%} of the fastest at every compute speed (fastest first: {ranked})"
         return f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, no candidate faster by more than {self.margin:.0%} ({ranked})"
 
 
@@ -134,20 +158,38 @@ def choose_caps(
     *,
     standing: BucketCaps | None = None,
     margin: float = CAPS_MARGIN,
+    speeds: Sequence[float] = COMPUTE_SPEEDS,
 ) -> CapsChoice:
-    """The candidate whose predicted step is shortest (the first such, on a tie); with ``standing``, those caps
-    unless the shortest is shorter by more than ``margin`` (a share of their step; Note [Automatic caps])."""
+    """The candidate whose predicted step stays closest to the fastest one's at every compute speed in ``speeds``
+    (the first such, on a tie; Note [Automatic caps], "Robust to the compute rate"); with ``standing``, those caps
+    unless the choice is shorter at the measured speed by more than ``margin`` (a share of their step)."""
     if not candidates:
         raise ValueError("choosing caps needs at least one candidate")
     check_margin(margin)
+    if 1.0 not in speeds:
+        raise ValueError(f"the compute speeds searched must include the measured one, 1.0; got {tuple(speeds)}")
     options = [*candidates, *([standing] if standing is not None and standing not in candidates else [])]
-    predicted = [(caps, predict_step(inputs_for(caps), link, world).step_s) for caps in options]
-    ranking = sorted(predicted, key=lambda cs: cs[1])  # stable: ties keep the candidates' order
+    steps = []  # per option: its predicted step at each speed
+    for caps in options:
+        inputs = inputs_for(caps)
+        steps.append([predict_step(inputs.at_compute_speed(speed), link, world).step_s for speed in speeds])
+    fastest_at = [min(column) for column in zip(*steps)]
+    regrets = [max(step / fastest - 1 for step, fastest in zip(row, fastest_at)) for row in steps]
+    robust = next(k for k, regret in enumerate(regrets) if regret <= min(regrets) + REGRET_TIE)
+    measured = list(speeds).index(1.0)
+    predicted = [(caps, row[measured]) for caps, row in zip(options, steps)]
+    ranking = tuple(sorted(predicted, key=lambda cs: cs[1]))  # stable: ties keep the candidates' order
+    chosen, chosen_s = predicted[robust]
     if standing is not None:
         standing_s = dict(predicted)[standing]
-        if ranking[0][1] >= standing_s * (1 - margin):
-            return CapsChoice(standing, standing_s, tuple(ranking), kept_standing=True, margin=margin)
-    return CapsChoice(ranking[0][0], ranking[0][1], tuple(ranking), margin=margin)
+        if chosen == standing or chosen_s >= standing_s * (1 - margin):
+            return CapsChoice(standing, standing_s, ranking, kept_standing=True, margin=margin, worst_regret=regrets[robust])
+    return CapsChoice(chosen, chosen_s, ranking, margin=margin, worst_regret=regrets[robust])
+
+
+REGRET_TIE = 1e-9
+"""Worst regrets closer than this are a tie (floating-point rounding of equal predictions), won by the earlier
+candidate: larger caps."""
 
 
 def step_inputs_from_ready_times(
@@ -227,6 +269,7 @@ def choose_graph_caps(
     row_sparse: bool,
     cpu_seconds_per_byte: float = 0.0,
     blocks: bool = False,
+    speeds: Sequence[float] = COMPUTE_SPEEDS,
 ) -> CapsChoice:
     """Caps for one captured graph: each candidate planned and cut as the backend would, its segments' backward
     estimated from the graph (Note [Automatic caps]); with ``blocks`` (the graph will be reduced in-graph, on more
@@ -243,7 +286,7 @@ def choose_graph_caps(
             return inputs
         return estimated_in_pieces(inputs, split.plan, params, node_seconds, rates)[0]
 
-    return choose_caps(search.candidates(), inputs_for, link, world, standing=search.standing)
+    return choose_caps(search.candidates(), inputs_for, link, world, standing=search.standing, speeds=speeds)
 
 
 def estimated_step_inputs(

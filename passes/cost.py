@@ -207,6 +207,23 @@ class StepInputs:
             if k and segment < self.completed_by[k - 1]:
                 raise ValueError(f"bucket {k} completes before bucket {k - 1}: buckets are numbered in ready order")
 
+    def at_compute_speed(self, speed: float) -> StepInputs:
+        """These inputs on a machine that computes ``speed`` times as fast: every compute duration (forward, the
+        segments' backward, the work after backward, per bucket and per block, the Python per bucket) divided by
+        ``speed``; the bytes, the channels and gloo's CPU per byte, measured on their own, stay (Note [Automatic
+        caps], "Robust to the compute rate")."""
+        if not speed > 0:
+            raise ValueError(f"a compute speed is a positive multiple of the measured one, got {speed}")
+
+        def scaled(seconds: Sequence[float]) -> tuple[float, ...]:
+            return tuple(s / speed for s in seconds)
+
+        return dataclasses.replace(
+            self, segment_backward_s=scaled(self.segment_backward_s), forward_s=self.forward_s / speed,
+            after_backward_s=self.after_backward_s / speed, cpu_seconds_per_bucket=self.cpu_seconds_per_bucket / speed,
+            step_per_bucket_s=scaled(self.step_per_bucket_s), tail_per_bucket_s=scaled(self.tail_per_bucket_s),
+        )  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:

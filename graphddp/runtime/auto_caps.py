@@ -112,7 +112,7 @@ class AutoCaps:
             "choices": [
                 {
                     **made_for, "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
-                    "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
+                    "worst_regret": c.worst_regret, "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
                     "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
                 }
                 for c, made_for in self._made

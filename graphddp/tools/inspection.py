@@ -390,8 +390,8 @@ def _channels_record(choice: tuple[int, dict[int, float]] | None) -> dict[str, A
 
 def _choice_text(choice: CapsChoice) -> str:
     return (
-        f"automatic caps (Note [Automatic caps]): {_mb(choice.caps)}; predicted backward with its all-reduces, "
-        f"{'' if choice.kept_standing else 'fastest first: '}{choice.describe()}"
+        f"automatic caps (Note [Automatic caps]): {_mb(choice.caps)}; predicted backward with its all-reduces: "
+        f"{choice.describe()}"
     )
 
 
@@ -402,7 +402,7 @@ def _choice_record(choice: CapsChoice | None) -> dict[str, Any]:
     return {
         "automatic_caps": {
             "caps": dataclasses.asdict(choice.caps), "predicted_s": choice.predicted_s, "ranking": ranking,
-            "kept_standing": choice.kept_standing,
+            "kept_standing": choice.kept_standing, "worst_regret": choice.worst_regret,
         }
     }  # fmt: skip
 

@@ -417,6 +417,7 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
     (choice,) = record["choices"]
     assert auto.choices[0].caps == caps and choice["caps"]["mb"] == caps.mb and record["standing"]["mb"] == "25/1/1"
     assert choice["source"] == "first backward" and choice["backward_s"] == 0.05
+    assert choice["worst_regret"] == auto.choices[0].worst_regret >= 0.0
     assert choice["ready_s"] == [["layer0.weight", 0.01], ["layer1.weight", 0.02], ["layer2.weight", 0.03], ["layer3.weight", 0.04]]
     standing_ms = dict((c["mb"], ms) for c, ms in auto.as_record(top=100)["choices"][0]["ranking"])["25/1/1"]
     assert choice["standing_ms"] == pytest.approx(standing_ms) and record["link"]["latency_s"] == 4e-4
@@ -432,6 +433,8 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
         "automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms); from a link of "
         "150 µs and 1.00 Gbit/s, matmul 51 Gflop/s, elementwise 20.6 GB/s, gloo's CPU 0.77 ns/B"
     ), line
+    line = run.automatic_caps_line({**base, "choices": [{**chose, "worst_regret": 0.0123}]})  # since session 43
+    assert line.startswith("automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms, within 1.2% of the fastest at every compute speed); "), line
     line = run.automatic_caps_line({**base, "choices": [kept]})
     assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted; best 2/2/2 MiB 98.0 ms, 2.0% faster; margin 5%); "), line
     one, other = {**base, "choices": [chose]}, {**base, "choices": [kept]}

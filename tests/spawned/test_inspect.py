@@ -258,12 +258,17 @@ def test_auto_caps_are_chosen_for_the_link_as_a_compiled_run_chooses_them(capsys
         (graph,) = record["graphs"]
         auto = graph["automatic_caps"]
         assert auto["caps"] == graph["caps"]  # the graph is planned with the choice
-        # The defaults, unless the fastest candidate beats them by more than the margin (Note [Automatic caps]).
+        # The defaults, unless the candidate closest to the fastest at every compute speed beats them by more than
+        # the margin at the measured one (Note [Automatic caps]); it is at most its worst regret behind the fastest.
         defaults = json.loads(json.dumps(dataclasses.asdict(BucketCaps())))
         (defaults_s,) = [c["predicted_s"] for c in auto["ranking"] if c["caps"] == defaults]
-        fastest = auto["ranking"][0]
-        assert auto["kept_standing"] == (fastest["predicted_s"] >= (1 - CAPS_MARGIN) * defaults_s), auto
-        assert auto["caps"] == (defaults if auto["kept_standing"] else fastest["caps"])
+        fastest_s = auto["ranking"][0]["predicted_s"]
+        if auto["kept_standing"]:
+            assert auto["caps"] == defaults and auto["predicted_s"] == defaults_s, auto
+        else:
+            (chosen_s,) = [c["predicted_s"] for c in auto["ranking"] if c["caps"] == auto["caps"]]
+            assert auto["predicted_s"] == chosen_s < (1 - CAPS_MARGIN) * defaults_s, auto
+            assert fastest_s <= chosen_s <= (1 + auto["worst_regret"]) * fastest_s, auto
         assert len(auto["ranking"]) == len(CapsSearch().candidates())  # the defaults are on the grid
         assert [c["predicted_s"] for c in auto["ranking"]] == sorted(c["predicted_s"] for c in auto["ranking"])
         expected = compiled_run_choice(link, 2)
