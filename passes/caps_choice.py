@@ -30,8 +30,10 @@ other plans; the plan agreement finds it (Note [Plan agreement] in ``graphddp/ru
 naming each rank's caps for that graph: every rank adopts rank 0's plan and reduces split, or, where the plans
 hold parts of tied tables, which name one rank's graph nodes, every rank raises (with
 ``find_unused_parameters``, warns and keeps the plan in force). Inputs of one shape on every rank, or fixed caps,
-avoid it. The blocks are predicted written in place; a compressing comm hook (fp16, bf16), whose blocks are cast
-for the wire and copied back after the last, is not modelled here.
+avoid it. The buckets are predicted as sent (``sent_bytes``): under a compressing comm hook (``fp16_compress_hook``,
+``bf16_compress_hook``: ``graphddp.runtime.reductions.CommHook.wire_dtype``) in its dtype, a big gradient's blocks
+cast for the wire and every one copied back after the last, not written in place (``step_inputs_in_pieces``); the
+casts themselves are not charged.
 
 **A margin, as the other planners keep.** The search returns the fastest candidate only where its predicted step
 beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for the
@@ -66,6 +68,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import fx
 
 from .cost import LinkModel, StepInputs, check_margin, predict_step
@@ -200,16 +203,26 @@ def step_inputs_from_ready_times(
     backward_s: float,
     cpu_seconds_per_byte: float = 0.0,
     cpu_seconds_per_bucket: float = 0.0,
+    wire: torch.dtype | None = None,
 ) -> StepInputs:
     """The step's inputs for buckets planned with ``caps`` over parameters whose gradients became ready
-    ``ready_s`` seconds into backward (measured; ``backward_s`` is the whole backward)."""
+    ``ready_s`` seconds into backward (measured; ``backward_s`` is the whole backward), sent in ``wire``
+    (``sent_bytes``)."""
     if len(specs_in_ready_order) != len(ready_s):
         raise ValueError("every parameter needs its ready time")
     buckets = [bucket.params for bucket in plan_buckets(specs_in_ready_order, caps=caps).buckets]
     return step_inputs_from_buckets(
         buckets, dict(zip((p.name for p in specs_in_ready_order), ready_s)), backward_s=backward_s,
-        cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket,
+        cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket, wire=wire,
     )  # fmt: skip
+
+
+def sent_bytes(params: Sequence[ParamSpec], wire: torch.dtype | None = None) -> int:
+    """Bytes one all-reduce of these gradients sends: their own, or every element in ``wire``, the dtype a
+    compressing comm hook casts the bucket to (``fp16_compress_hook``: half of fp32 gradients' bytes)."""
+    if wire is None:
+        return sum(p.nbytes for p in params)
+    return sum(p.numel for p in params) * wire.itemsize
 
 
 def step_inputs_from_buckets(
@@ -219,6 +232,7 @@ def step_inputs_from_buckets(
     backward_s: float,
     cpu_seconds_per_byte: float = 0.0,
     cpu_seconds_per_bucket: float = 0.0,
+    wire: torch.dtype | None = None,
 ) -> StepInputs:
     """The step's inputs for ``buckets`` (launch order; made by any rule, e.g. PyTorch's DDP's in the bench) over
     parameters whose gradients became ready ``ready_s[name]`` seconds into backward. A bucket is complete when
@@ -230,16 +244,21 @@ def step_inputs_from_buckets(
     for bucket in buckets:
         running = max([running, *(ready_s[p.name] for p in bucket)])
         completions.append(min(running, backward_s))
-    nbytes = [sum(p.nbytes for p in bucket) for bucket in buckets]
+    nbytes = [sent_bytes(bucket, wire) for bucket in buckets]
     inputs = step_inputs_from_completions(completions, nbytes, backward_s, cpu_seconds_per_byte)
     return dataclasses.replace(inputs, cpu_seconds_per_bucket=cpu_seconds_per_bucket)
 
 
 def step_inputs_from_split(
-    split: GraphSplit, segment_seconds: Sequence[float], *, cpu_seconds_per_byte: float = 0.0, cpu_seconds_per_bucket: float = 0.0
+    split: GraphSplit,
+    segment_seconds: Sequence[float],
+    *,
+    cpu_seconds_per_byte: float = 0.0,
+    cpu_seconds_per_bucket: float = 0.0,
+    wire: torch.dtype | None = None,
 ) -> StepInputs:
     """The step's inputs for a graph cut into ``split``: segment ``i``'s backward takes ``segment_seconds[i]``,
-    and backward runs the segments last to first."""
+    and backward runs the segments last to first; each bucket sent in ``wire`` (``sent_bytes``)."""
     count = split.num_segments
     completed_at = {}  # bucket -> its segment's position in backward order
     for segment in split.segments:
@@ -251,7 +270,7 @@ def step_inputs_from_split(
         positions.append(running)
     return StepInputs(
         segment_backward_s=tuple(segment_seconds[count - 1 - p] for p in range(count)),
-        bucket_bytes=tuple(b.nbytes for b in split.plan.buckets),
+        bucket_bytes=tuple(sent_bytes(b.params, wire) for b in split.plan.buckets),
         completed_by=tuple(positions),
         cpu_seconds_per_byte=cpu_seconds_per_byte,
         cpu_seconds_per_bucket=cpu_seconds_per_bucket,
@@ -270,17 +289,19 @@ def choose_graph_caps(
     cpu_seconds_per_byte: float = 0.0,
     blocks: bool = False,
     speeds: Sequence[float] = COMPUTE_SPEEDS,
+    wire: torch.dtype | None = None,
 ) -> CapsChoice:
     """Caps for one captured graph: each candidate planned and cut as the backend would, its segments' backward
     estimated from the graph (Note [Automatic caps]); with ``blocks`` (the graph will be reduced in-graph, on more
     than one rank), a gradient larger than its cap sent block by block as its matmul computes it, as the run
-    sends it (``step_inputs_in_pieces``, Note [Gradient pieces]): a smaller cap cuts it into more, earlier blocks."""
+    sends it (``step_inputs_in_pieces``, Note [Gradient pieces]): a smaller cap cuts it into more, earlier blocks.
+    ``wire``: the dtype a compressing comm hook sends in (``sent_bytes``)."""
     node_seconds = forward_seconds(gm, rates)
 
     def inputs_for(caps: BucketCaps) -> StepInputs:
         split = plan_graph(gm, params, caps, row_sparse=row_sparse)
         inputs = estimated_step_inputs(
-            split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
+            split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket, wire=wire
         )
         if not blocks or world < 2 or all(b.pieces is None for b in split.plan.buckets):  # one rank sends nothing
             return inputs
@@ -290,13 +311,18 @@ def choose_graph_caps(
 
 
 def estimated_step_inputs(
-    split: GraphSplit, node_seconds: Mapping[str, float], *, cpu_seconds_per_byte: float = 0.0, cpu_seconds_per_bucket: float = 0.0
+    split: GraphSplit,
+    node_seconds: Mapping[str, float],
+    *,
+    cpu_seconds_per_byte: float = 0.0,
+    cpu_seconds_per_bucket: float = 0.0,
+    wire: torch.dtype | None = None,
 ) -> StepInputs:
     """The step's inputs for a graph cut into ``split``, each segment's backward estimated from its nodes'
     forward seconds (``graphddp.passes.graph_cost``); forward and optimizer left out (the same for every cut)."""
     seconds = segment_backward_seconds(split.partition, node_seconds, split.num_segments)
     return step_inputs_from_split(
-        split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket
+        split, seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=cpu_seconds_per_bucket, wire=wire
     )
 
 

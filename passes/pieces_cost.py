@@ -10,7 +10,8 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
 gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
 block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
-in place]) runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
+in place]; every block where a compressing hook casts them for the wire, whose bucket's bytes are then fewer than
+its gradients') runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
 steps each block's rows after its wait and the bucket's other parameters with the last block's (its seconds shared
 out by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]; all with the last block where a compressing hook casts
 the blocks for the wire: they are not written in place). Every block goes on its bucket's channel (``StepInputs.bucket_of``).
@@ -129,9 +130,11 @@ def step_inputs_in_pieces(
             matmul = min(matmul_seconds[gradient.key], left)
             left -= matmul
             scale = inputs.bucket_bytes[bucket.index] / bucket.nbytes  # as sent (a compressing hook's wire dtype)
+            in_place = scale == 1  # blocks cast for the wire are copied back, every one, after the last
             sizes = [round(n * scale) for n in bucket.piece_bytes]
+            assembled = bucket.assembled_bytes if in_place else gradient.nbytes
             # each block's rows stepped once it is in (Note [Steps by rows]), where not cast for the wire
-            stepped = bucket.piece_stepped_bytes(blocks_in_place=inputs.bucket_bytes[bucket.index] == bucket.nbytes)
+            stepped = bucket.piece_stepped_bytes(blocks_in_place=in_place)
             for j, (r, size) in enumerate(zip(rows, sizes)):
                 segments.append(matmul * r / total)
                 segment_of.append((p, j))
@@ -140,7 +143,7 @@ def step_inputs_in_pieces(
                 bytes_.append(size)
                 sends.append((bucket.index, j))
                 last = j == len(rows) - 1
-                tails.append(tail + assembly_seconds_per_byte * bucket.assembled_bytes if last else 0.0)
+                tails.append(tail + assembly_seconds_per_byte * assembled if last else 0.0)
                 steps.append(step * stepped[j] / sum(stepped) if sum(stepped) else 0.0)
         segments.append(left)  # the segment's other work (all of it, without a big gradient)
         segment_of.append((p, None))

@@ -63,31 +63,36 @@ class AutoCaps:
         cpu = cpu_cost_of_communication(group, link=link) if device.type == "cpu" else 0.0
         return cls(search, link, rates, cpu, dist.get_world_size(group), dist.get_rank(group))
 
-    def for_ready_times(self, specs_in_ready_order: Sequence[ParamSpec], ready_s: Sequence[float], backward_s: float) -> BucketCaps:
-        """Caps for eager buckets, from the (agreed) ready times of one backward."""
+    def for_ready_times(
+        self, specs_in_ready_order: Sequence[ParamSpec], ready_s: Sequence[float], backward_s: float, *, wire: torch.dtype | None = None
+    ) -> BucketCaps:
+        """Caps for eager buckets, from the (agreed) ready times of one backward; ``wire``: the dtype a compressing
+        comm hook sends the buckets in (None: the gradients' own)."""
         choice = choose_caps(
             self.search.candidates(),
             lambda caps: step_inputs_from_ready_times(
                 specs_in_ready_order, ready_s, caps, backward_s=backward_s, cpu_seconds_per_byte=self.cpu_seconds_per_byte,
-                cpu_seconds_per_bucket=self.rates.reducer_seconds_per_bucket,
+                cpu_seconds_per_bucket=self.rates.reducer_seconds_per_bucket, wire=wire,
             ),
             self.link,
             self.world,
             standing=self.search.standing,
         )
         ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
-        self._made.append((choice, {"source": "first backward", "backward_s": backward_s, "ready_s": ready}))
+        self._made.append((choice, {"source": "first backward", "wire": _dtype_name(wire), "backward_s": backward_s, "ready_s": ready}))
         logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
         return choice.caps
 
-    def for_graph(self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool, blocks: bool = False) -> BucketCaps:
+    def for_graph(
+        self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool, blocks: bool = False, wire: torch.dtype | None = None
+    ) -> BucketCaps:
         """Caps for a captured graph, its backward estimated from its shapes, its big gradients sent in ``blocks``
-        where it will be reduced in-graph."""
+        where it will be reduced in-graph, in ``wire`` where a compressing comm hook casts them."""
         choice = choose_graph_caps(
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
-            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks,
+            row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks, wire=wire,
         )  # fmt: skip
-        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks}))
+        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire)}))
         logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
         return choice.caps
 
@@ -118,3 +123,8 @@ class AutoCaps:
                 for c, made_for in self._made
             ],
         }  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    """A dtype in a record (JSON): ``"float16"``, or None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")

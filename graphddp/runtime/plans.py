@@ -382,6 +382,7 @@ class PlanKeeper:
         self.ready_order = ReadyOrder()
         self._group, self._device = group, device
         self._auto_caps = auto_caps
+        self._wire: torch.dtype | None = None  # what the comm hook in force sends a bucket in (None: the gradients' own)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._agreement: PlanAgreement | None = None
         self._abandoned = False  # drained an abandoned backward since the last agreement (Note [Abandoned backward])
@@ -425,8 +426,10 @@ class PlanKeeper:
         dist.broadcast(count, group=self._group, group_src=src)
         self.training_forwards = int(count.item())
 
-    def comm_hook_registered(self) -> None:
-        """A comm hook now reduces every bucket dense: warn if tied tables' gradients were split into parts."""
+    def comm_hook_registered(self, wire: torch.dtype | None) -> None:
+        """A comm hook now reduces every bucket dense, sending it in ``wire`` (``CommHook.wire_dtype``; the automatic
+        caps predict those bytes): warn if tied tables' gradients were split into parts."""
+        self._wire = wire
         parts = {p.label for plan in (self.current, self.graph_plans.proposed) if plan is not None for p in plan.parts}
         if parts:
             logger.warning(
@@ -597,7 +600,7 @@ class PlanKeeper:
             if self.world_size > 1:
                 dist.broadcast(times, group=self._group, group_src=0)
             *ready_s, backward_s = times.tolist()
-            caps = self._auto_caps.for_ready_times(specs, ready_s, backward_s)
+            caps = self._auto_caps.for_ready_times(specs, ready_s, backward_s, wire=self._wire)
         self.ready_order.forget()
         plan = plan_buckets(specs, caps=caps, source="ready-order")
         if plan.fingerprint == self.current.fingerprint:

@@ -141,7 +141,7 @@ class Reducer(TorchReducerSurface):
         self._policy = launch_policy(hook)
         self._layout = self._layout.with_comm_hook()  # a hook gets every gradient in its bucket, on one rank too
         self.adopt(self.plans.current)  # a hook reduces dense buckets, as PyTorch hands them over
-        self.plans.comm_hook_registered()
+        self.plans.comm_hook_registered(self._hook.wire_dtype)
 
     def set_after_bucket(self, after: NoStep | StepPerBucket) -> None:
         """Once a bucket's averages are in ``.grad``: nothing, or its optimizer step (Note [Optimizer overlap])."""

@@ -128,6 +128,16 @@ class CommHook:
         state.divisor = 1
         return cls(state, average_allreduce_hook, custom=False)
 
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype the hook sends a bucket in, where it is known: PyTorch's ``fp16_compress_hook`` and
+        ``bf16_compress_hook`` cast it; None for the gradients' own (graphddp's averaging, ``allreduce_hook``, or a
+        hook of the user's, whose wire graphddp cannot know). The automatic caps predict the bytes so sent."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        compressing = {default_hooks.fp16_compress_hook: torch.float16, default_hooks.bf16_compress_hook: torch.bfloat16}
+        return compressing.get(self.fn) if self.custom else None
+
     def prescale(self, divisor: Callable[[], int]) -> float | None:
         """What gradients are multiplied by while copied into their buckets: ``1 / divisor()`` for graphddp's
         averaging, which only sums; None for a custom hook (it averages itself) or a divisor of 1."""
@@ -149,9 +159,8 @@ def in_graph_wire(hook: CommHook, group: dist.ProcessGroup) -> torch.dtype | Non
     # a subgroup the hook reduces over every rank, which the in-graph all-reduce (on the DDP's group) would not.
     if (hook.state if hook.state is not None else dist.group.WORLD) is not group:
         return False
-    wires = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: torch.float16,
-             default_hooks.bf16_compress_hook: torch.bfloat16}  # fmt: skip
-    return wires.get(hook.fn, False)
+    traceable = (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+    return hook.wire_dtype if hook.fn in traceable else False
 
 
 class HookReduction:

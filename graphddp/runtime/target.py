@@ -109,7 +109,8 @@ class ReducerTarget:
         choice for this graph (its big gradients sent in ``blocks`` where it will be reduced in-graph)."""
         if self._auto_caps is None:
             return self.caps
-        return self._auto_caps.for_graph(gm, params, row_sparse=row_sparse, blocks=blocks)
+        wire = self._reducer().comm_hook.wire_dtype  # a compressing hook's blocks and buckets, as sent
+        return self._auto_caps.for_graph(gm, params, row_sparse=row_sparse, blocks=blocks, wire=wire)
 
     def rows_for_graph(self, params: Sequence[GraphParam]) -> bool:
         """Are a newly captured graph's tables planned as rows (``graphddp.runtime.rows_rule``)?"""

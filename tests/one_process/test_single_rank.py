@@ -487,6 +487,14 @@ def test_a_builtin_hook_without_state_is_traced_only_on_the_default_group() -> N
     assert in_graph_wire(CommHook(None, fp16_compress_hook, custom=True), dist.group.WORLD) is torch.float16
     assert in_graph_wire(CommHook(None, allreduce_hook, custom=True), other) is False
     assert in_graph_wire(CommHook(other, allreduce_hook, custom=True), other) is None
+    # What the automatic caps predict a bucket is sent in (Note [Automatic caps]): the hook's wire where known.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    assert CommHook(None, bf16_compress_hook, custom=True).wire_dtype is torch.bfloat16
+    assert CommHook(other, fp16_compress_hook, custom=True).wire_dtype is torch.float16  # another group: still fp16
+    assert CommHook(None, allreduce_hook, custom=True).wire_dtype is None
+    assert CommHook(None, lambda state, bucket: None, custom=True).wire_dtype is None  # the user's: not known
+    assert CommHook.averaging(dist.group.WORLD).wire_dtype is None
 
 
 @pytest.mark.parametrize("options", [{}, {"static_graph": True}, {"find_unused_parameters": True}])

@@ -32,6 +32,7 @@ from graphddp.passes import (
     matmul_seconds_of_pieces,
     plan_graph,
     predict_step,
+    sent_bytes,
     step_inputs_from_buckets,
     step_inputs_from_ready_times,
     step_inputs_in_pieces,
@@ -317,6 +318,39 @@ def test_a_graphs_estimate_at_scaled_rates_is_its_estimate_at_that_compute_speed
             assert getattr(scaled, name) == pytest.approx(getattr(measured, name)), name
         assert (scaled.forward_s, scaled.cpu_seconds_per_bucket) == pytest.approx((measured.forward_s, measured.cpu_seconds_per_bucket))
         assert predict_step(scaled, link, 2).step_s == pytest.approx(predict_step(measured, link, 2).step_s)
+
+
+def test_a_compressing_hooks_bytes_and_blocks_are_predicted_as_it_sends_them() -> None:
+    """Note [Automatic caps]: under ``fp16_compress_hook`` a bucket sends every element in two bytes, and a big
+    gradient's blocks, cast for the wire, are copied back every one after the last (not written in place)."""
+    fp32, bf16 = ParamSpec("w", (256, 256), torch.float32, "cpu"), ParamSpec("b", (256,), torch.bfloat16, "cpu")
+    assert sent_bytes([fp32, bf16]) == fp32.nbytes + bf16.nbytes == 256 * 256 * 4 + 256 * 2
+    assert sent_bytes([fp32, bf16], torch.float16) == (256 * 256 + 256) * 2
+    params = specs(*[1] * 8)  # eager: the buckets of measured ready times
+    whole = step_inputs_from_ready_times(params, [0.01 * (i + 1) for i in range(8)], BucketCaps.from_mb(2, 2, 2), backward_s=0.1)
+    half = step_inputs_from_ready_times(params, [0.01 * (i + 1) for i in range(8)], BucketCaps.from_mb(2, 2, 2), backward_s=0.1, wire=torch.float16)
+    assert half.bucket_bytes == tuple(n // 2 for n in whole.bucket_bytes) and half.segment_backward_s == whole.segment_backward_s
+
+    model = BigHead()  # compiled: the head's 4 MiB gradient in blocks of at most 1 MiB
+    (captured,) = capture_graphs(model, torch.randn(512, 256))
+    graph_params = find_graph_params(captured.gm, captured.example_inputs, parameter_names(model))
+    rates, link = ComputeRates(flops_per_s=1e11, bytes_per_s=1e10), LinkModel(latency_s=1e-4, seconds_per_byte=8 / 1e9)
+    cut = BucketCaps.from_mb(1, 1, 1)
+    split = plan_graph(captured.gm, graph_params, cut, row_sparse=False)
+    (head,) = [b for b in split.plan.buckets if b.pieces is not None]
+    node_seconds = forward_seconds(captured.gm, rates)
+    blocks = {}
+    for wire in (None, torch.float16):
+        inputs = estimated_step_inputs(split, node_seconds, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket, wire=wire)
+        blocks[wire] = estimated_in_pieces(inputs, split.plan, graph_params, node_seconds, rates)[0]
+        chosen = choose_graph_caps(captured.gm, graph_params, CapsSearch(), rates=rates, link=link, world=2, row_sparse=False, blocks=True, wire=wire)
+        assert dict(chosen.ranking)[cut] == pytest.approx(predict_step(blocks[wire], link, 2).step_s)
+    assert sum(blocks[torch.float16].bucket_bytes) == sum(blocks[None].bucket_bytes) // 2
+    head_weight = head.params[head.pieces[0]]
+    assembly = 2 / rates.bytes_per_s  # each byte read and written once
+    assert max(blocks[None].tail_per_bucket_s) == pytest.approx(assembly * head.assembled_bytes)  # block 0 alone
+    assert max(blocks[torch.float16].tail_per_bucket_s) == pytest.approx(assembly * head_weight.nbytes)  # every block
+    assert head.assembled_bytes < head_weight.nbytes
 
 
 # Two runs' calibrations of the bench's gpt at 1 Gbit/s (session 42, rank 0's records: docs/benchmarks.md): the

@@ -37,8 +37,8 @@ def measured_as(link: LinkModel | None, rates: ComputeRates = RATES) -> Iterator
         graphddp.runtime.auto_caps.link_of, graphddp.runtime.auto_caps.compute_rates, graphddp.runtime.auto_caps.cpu_cost_of_communication = saved
 
 
-def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None) -> dict:
-    case = Case(model=MODEL, steps=3, graphddp=AUTO, compile=compile)
+def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None, hook: str | None = None) -> dict:
+    case = Case(model=MODEL, steps=3, graphddp=AUTO, compile=compile, hook=hook)
     with measured_as(link):
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
@@ -47,7 +47,7 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
     planned = list(run.ddp.reducer.plans.graph_plans.caps_by_graph().values()) if compile else [plan.caps.mb]
     return {
         "state": state_of(run.ddp.module), "fingerprint": plan.fingerprint, "caps": plan.caps, "source": plan.source,
-        "buckets": len(plan.buckets), "chosen": chosen, "planned": planned,
+        "buckets": len(plan.buckets), "chosen": chosen, "planned": planned, "records": run.ddp.automatic_caps.as_record()["choices"],
     }  # fmt: skip
 
 
@@ -81,6 +81,17 @@ def test_the_choice_follows_the_link(compile: str | None) -> None:
     assert few[0]["buckets"] == 1, few[0]
     assert many[0]["buckets"] > 1, many[0]
     assert all(r["fingerprint"] == many[0]["fingerprint"] for r in many), many
+
+
+def test_a_compressing_hooks_buckets_are_predicted_as_it_sends_them() -> None:
+    """Note [Automatic caps]: under ``fp16_compress_hook`` every choice is made on the bytes the hook sends, half
+    the fp32 gradients' (compiled, from the same mocked rates: the standing caps' step predicted shorter)."""
+    link = LinkModel(latency_s=1e-4, seconds_per_byte=8 / 1e8)  # 100 Mbit/s: the bytes weigh
+    for compile in (None, "torch.compile"):
+        (record,) = run_on_ranks(train_auto, 2, compile, link, "fp16")[0]["records"]
+        assert record["wire"] == "float16" and record["source"] == ("graph" if compile else "first backward"), record
+    (whole,) = run_on_ranks(train_auto, 2, "torch.compile", link)[0]["records"]
+    assert whole["wire"] is None and record["standing_ms"] < 0.75 * whole["standing_ms"], (record, whole)
 
 
 # Ranks whose first compiled inputs differ in shape estimate other backwards from their graphs. Stood in for here
