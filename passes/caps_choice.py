@@ -7,9 +7,10 @@ rarely but leave more to send after backward. Which wins depends on the link (α
 in backward the gradients become ready, all of which the step cost model (Note [Step cost model] in
 ``passes/cost.py``) takes. So each cap the user leaves to ``"auto"`` is searched over a fixed grid
 (``MIDDLE_MB`` for ``bucket_cap_mb``, ``EDGE_MB`` for the first and last), every combination is planned exactly
-as a run would plan it, its step predicted, and the fastest kept where it beats the caps that stand without a
-choice by more than ``CAPS_MARGIN`` ("A margin", below); ties go to the earlier candidate, whose caps are larger
-(fewer collectives, less per-bucket overhead the model does not see).
+as a run would plan it, its step predicted at several compute speeds, and the candidate closest to the fastest at
+every speed ("Robust to the compute rate", below) kept where it beats the caps that stand without a choice by more
+than ``CAPS_MARGIN`` ("A margin", below); ties go to the earlier candidate, whose caps are larger (fewer
+collectives, less per-bucket overhead the model does not see).
 
 Where the gradients become ready comes from one of two sources:
 
@@ -30,12 +31,13 @@ other plans; the plan agreement finds it (Note [Plan agreement] in ``graphddp/ru
 naming each rank's caps for that graph: every rank adopts rank 0's plan and reduces split, or, where the plans
 hold parts of tied tables, which name one rank's graph nodes, every rank raises (with
 ``find_unused_parameters``, warns and keeps the plan in force). Inputs of one shape on every rank, or fixed caps,
-avoid it. The buckets are predicted as sent (``sent_bytes``): under a compressing comm hook (``fp16_compress_hook``,
+avoid it. A rank's own too: the comm hook it registered, whose wire dtype the prediction takes (below); ranks that
+register different hooks issue different collectives anyway. The buckets are predicted as sent (``sent_bytes``): under a compressing comm hook (``fp16_compress_hook``,
 ``bf16_compress_hook``: ``graphddp.runtime.reductions.CommHook.wire_dtype``) in its dtype, a big gradient's blocks
 cast for the wire and every one copied back after the last, not written in place (``step_inputs_in_pieces``); the
 casts themselves are not charged.
 
-**A margin, as the other planners keep.** The search returns the fastest candidate only where its predicted step
+**A margin, as the other planners keep.** The search returns its candidate only where its predicted step
 beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for the
 others) by more than ``CAPS_MARGIN`` of that step; otherwise the standing caps stay. Where the link does not bind,
 every candidate predicts within a fraction of a percent of every other, and the fastest of them is chosen by the
@@ -49,17 +51,23 @@ lead.
 **Robust to the compute rate.** The compute rate a run calibrates (or the backward it times) is what the machine
 did at that moment, not a fixed figure: the construction's 512³ matmul measured 51, 79 and 97 Gflop/s in three
 runs of the bench on one VM type, and 81-103 in twelve tries on a quiet machine, where each try's own spread was
-small. Where the link binds, the fastest candidate at one rate is often not the fastest at another, while many
+small. gloo's CPU per byte, measured beside it, held within 0.67-0.86 ns/B over the same runs (Note [What
+communication costs a CPU rank]), so it is not varied. Where the link binds, the fastest candidate at one rate is often not the fastest at another, while many
 lie within a few percent of each other: gpt at 1 Gbit/s, two runs in session 42, chose 4/0.25/4 MiB at 79 Gflop/s
 and 8/1/8 at 97, each within 2 % of the other's choice, and the choice moved to 2/2/2, 2/1/2, 8/4/8, 16/0.25/16
 or the defaults as the same run's rate was scaled by 0.7-1.4. So the search predicts every candidate at each of
 ``COMPUTE_SPEEDS`` (the calibrated rate times 1/1.4 to 1.4: compute durations divided by the factor, the link and
 gloo's CPU per byte as measured, ``StepInputs.at_compute_speed``) and chooses the candidate whose predicted step
 is the closest to the fastest one's at every speed: the smallest worst-case regret, ``max_s (t_c(s) / min_c'
-t_c'(s) - 1)``, ties to the earlier candidate. Both of session 42's runs then choose 4/1/4 MiB, at most 2.3 % off
-the fastest at any speed in either run, where their former choices were up to 2.9 % (4/0.25/4) and 4.3 % (8/1/8)
-off, and 0.4 % and 1.3 % slower than the fastest at their measured rates. The margin compares the chosen candidate with the standing caps
-at the measured rate, as before; no candidate is more than its worst regret behind the standing caps at any speed.
+t_c'(s) - 1)``, ties to the earlier candidate. Both of session 42's runs then choose the same caps (4/1/4 MiB
+with the model of session 43), at most 2.3 % off the fastest at any speed in either run, where their former
+choices were up to 2.9 % (4/0.25/4) and 4.3 % (8/1/8) off, and 0.4 % and 1.3 % slower than the fastest at their
+measured rates. Two runs whose rates differ by more than the band (51 and 97 Gflop/s: their bands do not meet)
+may still choose differently. The margin compares that candidate, not the fastest, with the standing caps at the
+measured rate (``CapsChoice.robust``, which the record keeps beside a kept choice); once chosen, it is at most its
+worst regret behind the standing caps at any speed searched. Five speeds cost the search about twice its time (the
+plans are made once per candidate, only the predictions five times): 0.95-1.13 s against 0.44-0.52 s for the bench
+gpt's 102 candidates, once per compiled graph and once at the first backward (each choice records ``search_s``).
 """
 
 from __future__ import annotations
@@ -90,8 +98,9 @@ defaults, while the cells kept at the defaults ran level with them."""
 
 COMPUTE_SPEEDS = (1 / 1.4, 1 / 1.2, 1.0, 1.2, 1.4)
 """The compute speeds, as multiples of the calibrated one, at which the search predicts every candidate (Note
-[Automatic caps], "Robust to the compute rate"): 1/1.4 to 1.4 spans the rates this VM type measured across runs
-(51-103 Gflop/s); 1.0, the measured rate, is where the margin is judged."""
+[Automatic caps], "Robust to the compute rate"): a band of 1.4 either way, wide enough to hold session 42's two
+runs' rates (79 and 97 Gflop/s) in each other's band, not every rate this VM type measured (51-103); 1.0, the
+measured rate, is where the margin is judged."""
 
 MIDDLE_MB = (100.0, 64.0, 25.0, 16.0, 8.0, 4.0, 2.0, 1.0)
 """Candidates for ``bucket_cap_mb``, largest first (ties go to larger caps)."""
@@ -109,8 +118,8 @@ class CapsSearch:
     ramps: bool = True
     standing: BucketCaps | None = None
     """The caps planned until a choice is made (``BucketOptions.caps``: the fixed ones, the defaults for the
-    others), kept unless a candidate beats them by more than ``CAPS_MARGIN`` (Note [Automatic caps]). None: the
-    fastest candidate, however small its lead."""
+    others), kept unless the search's candidate beats them by more than ``CAPS_MARGIN`` (Note [Automatic caps]).
+    None: the search's candidate, however small its lead."""
 
     def searched(self) -> tuple[str, ...]:
         """The options left to ``"auto"``, as users write them."""
@@ -138,19 +147,28 @@ class CapsChoice:
     """Every candidate, and the standing caps where they are off the grid, with its prediction at the measured
     rates, fastest first (for logs and tests)."""
     kept_standing: bool = False
-    """The standing caps stayed: the chosen candidate was not predicted faster than them by more than ``margin``
-    (Note [Automatic caps])."""
+    """The standing caps stayed: the search's candidate (``robust``) was not predicted faster than them by more
+    than ``margin`` (Note [Automatic caps])."""
     margin: float = CAPS_MARGIN
     """The share of the standing caps' step a candidate had to gain."""
+    robust: BucketCaps | None = None
+    """The search's candidate: the one closest to the fastest at every compute speed (Note [Automatic caps],
+    "Robust to the compute rate"). ``caps`` unless the standing caps were kept."""
     worst_regret: float = 0.0
-    """How far the most robust candidate's predicted step is, at worst over the compute speeds searched, from the
-    fastest candidate's at that speed (a share of it; Note [Automatic caps], "Robust to the compute rate")."""
+    """How far ``robust``'s predicted step is, at worst over the compute speeds searched, from the fastest
+    candidate's at that speed (a share of it)."""
 
     def describe(self, top: int = 3) -> str:
         ranked = ", ".join(f"{_mb(c)} -> {s * 1e3:.1f} ms" for c, s in self.ranking[:top])
+        robust = f"within {self.worst_regret:.1%} of the fastest at every compute speed"
         if not self.kept_standing:
-            return f"{_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, within {self.worst_regret:.1%} of the fastest at every compute speed (fastest first: {ranked})"
-        return f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, no candidate faster by more than {self.margin:.0%} ({ranked})"
+            return f"{_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms, {robust} (fastest first: {ranked})"
+        assert self.robust is not None
+        gain = 1 - dict(self.ranking)[self.robust] / self.predicted_s
+        return (
+            f"kept {_mb(self.caps)} -> {self.predicted_s * 1e3:.1f} ms: {_mb(self.robust)}, {robust}, is faster by "
+            f"{gain:.1%}, not more than {self.margin:.0%} (fastest first: {ranked})"
+        )
 
 
 def choose_caps(
@@ -177,17 +195,25 @@ def choose_caps(
         inputs = inputs_for(caps)
         steps.append([predict_step(inputs.at_compute_speed(speed), link, world).step_s for speed in speeds])
     fastest_at = [min(column) for column in zip(*steps)]
-    regrets = [max(step / fastest - 1 for step, fastest in zip(row, fastest_at)) for row in steps]
+    regrets = [max(_regret(step, fastest) for step, fastest in zip(row, fastest_at)) for row in steps]
     robust = next(k for k, regret in enumerate(regrets) if regret <= min(regrets) + REGRET_TIE)
     measured = list(speeds).index(1.0)
     predicted = [(caps, row[measured]) for caps, row in zip(options, steps)]
     ranking = tuple(sorted(predicted, key=lambda cs: cs[1]))  # stable: ties keep the candidates' order
     chosen, chosen_s = predicted[robust]
+    found = {"ranking": ranking, "margin": margin, "robust": chosen, "worst_regret": regrets[robust]}
     if standing is not None:
         standing_s = dict(predicted)[standing]
-        if chosen == standing or chosen_s >= standing_s * (1 - margin):
-            return CapsChoice(standing, standing_s, ranking, kept_standing=True, margin=margin, worst_regret=regrets[robust])
-    return CapsChoice(chosen, chosen_s, ranking, margin=margin, worst_regret=regrets[robust])
+        if chosen_s >= standing_s * (1 - margin):  # the standing caps themselves too: a margin is never negative
+            return CapsChoice(standing, standing_s, kept_standing=True, **found)
+    return CapsChoice(chosen, chosen_s, **found)
+
+
+def _regret(step: float, fastest: float) -> float:
+    """How far ``step`` is from the fastest at one speed, a share of the fastest (0 where both are 0)."""
+    if fastest > 0:
+        return step / fastest - 1
+    return 0.0 if step == fastest else float("inf")
 
 
 REGRET_TIE = 1e-9
@@ -220,9 +246,7 @@ def step_inputs_from_ready_times(
 def sent_bytes(params: Sequence[ParamSpec], wire: torch.dtype | None = None) -> int:
     """Bytes one all-reduce of these gradients sends: their own, or every element in ``wire``, the dtype a
     compressing comm hook casts the bucket to (``fp16_compress_hook``: half of fp32 gradients' bytes)."""
-    if wire is None:
-        return sum(p.nbytes for p in params)
-    return sum(p.numel for p in params) * wire.itemsize
+    return sum(p.nbytes_in(wire) for p in params)
 
 
 def step_inputs_from_buckets(
@@ -305,7 +329,7 @@ def choose_graph_caps(
         )
         if not blocks or world < 2 or all(b.pieces is None for b in split.plan.buckets):  # one rank sends nothing
             return inputs
-        return estimated_in_pieces(inputs, split.plan, params, node_seconds, rates)[0]
+        return estimated_in_pieces(inputs, split.plan, params, node_seconds, rates, wire=wire)[0]
 
     return choose_caps(search.candidates(), inputs_for, link, world, standing=search.standing, speeds=speeds)
 

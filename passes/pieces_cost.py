@@ -10,8 +10,7 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
 gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
 block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
-in place]; every block where a compressing hook casts them for the wire, whose bucket's bytes are then fewer than
-its gradients') runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
+in place]; every block where a compressing hook casts them for the wire, ``Bucket.blocks_in_place``) runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
 steps each block's rows after its wait and the bucket's other parameters with the last block's (its seconds shared
 out by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]; all with the last block where a compressing hook casts
 the blocks for the wire: they are not written in place). Every block goes on its bucket's channel (``StepInputs.bucket_of``).
@@ -27,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+
+import torch
 
 from .cost import StepInputs
 from .graph_cost import ComputeRates
@@ -58,7 +59,13 @@ class PiecesLayout:
 
 
 def estimated_in_pieces(
-    inputs: StepInputs, plan: BucketPlan, params: Sequence[GraphParam], node_seconds: Mapping[str, float], rates: ComputeRates
+    inputs: StepInputs,
+    plan: BucketPlan,
+    params: Sequence[GraphParam],
+    node_seconds: Mapping[str, float],
+    rates: ComputeRates,
+    *,
+    wire: torch.dtype | None = None,
 ) -> tuple[StepInputs, PiecesLayout]:
     """``step_inputs_in_pieces`` for a captured graph whose compute is estimated (``node_seconds`` at ``rates``,
     ``graphddp.passes.graph_cost``): the blocks' matmuls from ``matmul_seconds_of_pieces``; copying the first block
@@ -66,7 +73,7 @@ def estimated_in_pieces(
     ``graphddp.runtime.calibration.assembly_seconds_per_byte``). What ``graphddp inspect`` predicts and the
     automatic caps search (Note [Automatic caps])."""
     matmuls = matmul_seconds_of_pieces(plan, params, node_seconds)
-    return step_inputs_in_pieces(inputs, plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s)
+    return step_inputs_in_pieces(inputs, plan, matmuls, assembly_seconds_per_byte=2 / rates.bytes_per_s, wire=wire)
 
 
 def matmul_seconds_of_pieces(plan: BucketPlan, params: Sequence[GraphParam], node_seconds: Mapping[str, float]) -> dict[tuple[str, str], float]:
@@ -89,12 +96,14 @@ def step_inputs_in_pieces(
     matmul_seconds: Mapping[tuple[str, str], float],
     *,
     assembly_seconds_per_byte: float = 0.0,
+    wire: torch.dtype | None = None,
 ) -> tuple[StepInputs, PiecesLayout]:
     """``inputs`` (one all-reduce per bucket of ``plan``, as ``step_inputs_from_split`` makes them) with each
     bucket that has ``pieces`` sent block by block (see the module docstring). ``matmul_seconds``: the backward
     seconds of the matmul that makes each big gradient, by ``ParamSpec.key`` (a tied table's part is its own
     matmul's), capped at its segment's; ``assembly_seconds_per_byte``: the copy after the last block's wait
-    (``graphddp.runtime.calibration.assembly_seconds_per_byte``)."""
+    (``graphddp.runtime.calibration.assembly_seconds_per_byte``); ``wire``: the dtype a compressing comm hook
+    sends in, whose bytes ``inputs`` already count (``Bucket.blocks_in_place`` says which blocks are copied back)."""
     if len(inputs.bucket_bytes) != len(plan.buckets) or inputs.bucket_of:
         raise ValueError(
             f"step_inputs_in_pieces takes one all-reduce per bucket of the plan ({len(plan.buckets)}), got "
@@ -130,7 +139,7 @@ def step_inputs_in_pieces(
             matmul = min(matmul_seconds[gradient.key], left)
             left -= matmul
             scale = inputs.bucket_bytes[bucket.index] / bucket.nbytes  # as sent (a compressing hook's wire dtype)
-            in_place = scale == 1  # blocks cast for the wire are copied back, every one, after the last
+            in_place = bucket.blocks_in_place(wire)
             sizes = [round(n * scale) for n in bucket.piece_bytes]
             assembled = bucket.assembled_bytes if in_place else gradient.nbytes
             # each block's rows stepped once it is in (Note [Steps by rows]), where not cast for the wire

@@ -170,6 +170,10 @@ class ParamSpec:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    def nbytes_in(self, wire: torch.dtype | None) -> int:
+        """Bytes of this gradient as sent in ``wire``, the dtype a compressing comm hook casts it to (None: its own)."""
+        return self.nbytes if wire is None else self.numel * _itemsize(wire)
+
     @property
     def key(self) -> tuple[str, str]:
         """What identifies a slot of the plan: a parameter has one whole gradient and at most one part per node."""
@@ -412,6 +416,12 @@ class Bucket:
         per_row = self.params[big].nbytes // sum(rows)
         early = [per_row * r if blocks_in_place else 0 for r in rows[:-1]]
         return (*early, self.params[big].nbytes - sum(early))
+
+    def blocks_in_place(self, wire: torch.dtype | None) -> bool:
+        """Are this bucket's blocks written in place (Note [Blocks written in place]) when it is sent in ``wire``
+        (a compressing comm hook's dtype; None: its own)? Not where they are cast for the wire: those are copied
+        back, every one, after the last (``write_blocks_in_place`` leaves a cast block to ``wait_blocks_``)."""
+        return wire is None or wire == self.dtype
 
     @property
     def assembled_bytes(self) -> int:

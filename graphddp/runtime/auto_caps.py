@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,7 @@ class AutoCaps:
     ) -> BucketCaps:
         """Caps for eager buckets, from the (agreed) ready times of one backward; ``wire``: the dtype a compressing
         comm hook sends the buckets in (None: the gradients' own)."""
+        started = time.perf_counter()
         choice = choose_caps(
             self.search.candidates(),
             lambda caps: step_inputs_from_ready_times(
@@ -79,8 +81,12 @@ class AutoCaps:
             standing=self.search.standing,
         )
         ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
-        self._made.append((choice, {"source": "first backward", "wire": _dtype_name(wire), "backward_s": backward_s, "ready_s": ready}))
-        logger.info("[rank %d] graphddp: automatic caps from the first backward (%.0f ms): %s", self.rank, backward_s * 1e3, choice.describe())
+        search_s = time.perf_counter() - started
+        self._made.append((choice, {"source": "first backward", "wire": _dtype_name(wire), "search_s": search_s, "backward_s": backward_s, "ready_s": ready}))
+        logger.info(
+            "[rank %d] graphddp: automatic caps from the first backward (%.0f ms; searched in %.2f s): %s",
+            self.rank, backward_s * 1e3, search_s, choice.describe(),
+        )  # fmt: skip
         return choice.caps
 
     def for_graph(
@@ -88,12 +94,14 @@ class AutoCaps:
     ) -> BucketCaps:
         """Caps for a captured graph, its backward estimated from its shapes, its big gradients sent in ``blocks``
         where it will be reduced in-graph, in ``wire`` where a compressing comm hook casts them."""
+        started = time.perf_counter()
         choice = choose_graph_caps(
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks, wire=wire,
         )  # fmt: skip
-        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire)}))
-        logger.info("[rank %d] graphddp: automatic caps for a compiled graph: %s", self.rank, choice.describe())
+        search_s = time.perf_counter() - started
+        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire), "search_s": search_s}))
+        logger.info("[rank %d] graphddp: automatic caps for a compiled graph (searched in %.2f s): %s", self.rank, search_s, choice.describe())
         return choice.caps
 
     def as_record(self, top: int = 5) -> dict[str, Any]:
@@ -117,7 +125,8 @@ class AutoCaps:
             "choices": [
                 {
                     **made_for, "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
-                    "worst_regret": c.worst_regret, "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
+                    "robust": caps(c.robust) if c.robust is not None else None, "worst_regret": c.worst_regret,
+                    "robust_ms": next((s * 1e3 for r, s in c.ranking if r == c.robust), None), "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
                     "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
                 }
                 for c, made_for in self._made

@@ -25,7 +25,7 @@ import torch
 from .buckets import FlatBucket
 from .launch_context import no_backward_context
 from .profiling import labelled, profiling
-from .reductions import InFlight
+from .reductions import InFlight, builtin_hook
 
 POLL_S = 0.0005
 """How often ``reduced_as_completed`` looks for a finished reduction while none is (half a millisecond: a
@@ -59,10 +59,7 @@ def _nothing() -> None:
 
 def launch_policy(hook: Any) -> EagerLaunch | ChainedLaunch:
     """How buckets reduced by the comm hook function ``hook`` may be launched (see the module docstring)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    single = (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
-    return EagerLaunch() if hook in single else ChainedLaunch()
+    return EagerLaunch() if builtin_hook(hook)[0] else ChainedLaunch()
 
 
 class Launcher:

@@ -363,6 +363,16 @@ def planned_specs(named_params: Sequence[tuple[str, torch.nn.Parameter]], plan: 
     return [planned.get(n) or ParamSpec.of(n, p) for n, p in named_params]
 
 
+def _warn_chosen_for_another_wire(rank: int, auto_caps: AutoCaps, *, chosen_for: torch.dtype | None, now: torch.dtype | None) -> None:
+    """A comm hook that sends buckets in ``now`` came after the automatic caps were chosen for ``chosen_for``."""
+    logger.warning(
+        "[rank %d] graphddp: a comm hook that sends buckets in %s was registered after the automatic caps were "
+        "chosen (%s) for buckets sent in %s; those caps stay. Register the hook before the first backward (and the "
+        "first compiled forward) for the caps to be chosen on what it sends.",
+        rank, now or "the gradients' dtype", ", ".join(c.caps.mb + " MiB" for c in auto_caps.choices), chosen_for or "the gradients' dtype",
+    )  # fmt: skip
+
+
 class PlanKeeper:
     """Holds the plan in force and decides, at the start of each forward, whether to switch (see the Note)."""
 
@@ -428,7 +438,10 @@ class PlanKeeper:
 
     def comm_hook_registered(self, wire: torch.dtype | None) -> None:
         """A comm hook now reduces every bucket dense, sending it in ``wire`` (``CommHook.wire_dtype``; the automatic
-        caps predict those bytes): warn if tied tables' gradients were split into parts."""
+        caps predict those bytes): warn if tied tables' gradients were split into parts, or if caps were chosen
+        already on other bytes."""
+        if wire != self._wire and self._auto_caps is not None and self._auto_caps.choices:
+            _warn_chosen_for_another_wire(self.rank, self._auto_caps, chosen_for=self._wire, now=wire)
         self._wire = wire
         parts = {p.label for plan in (self.current, self.graph_plans.proposed) if plan is not None for p in plan.parts}
         if parts:

@@ -133,10 +133,7 @@ class CommHook:
         """The dtype the hook sends a bucket in, where it is known: PyTorch's ``fp16_compress_hook`` and
         ``bf16_compress_hook`` cast it; None for the gradients' own (graphddp's averaging, ``allreduce_hook``, or a
         hook of the user's, whose wire graphddp cannot know). The automatic caps predict the bytes so sent."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        compressing = {default_hooks.fp16_compress_hook: torch.float16, default_hooks.bf16_compress_hook: torch.bfloat16}
-        return compressing.get(self.fn) if self.custom else None
+        return builtin_hook(self.fn)[1] if self.custom else None
 
     def prescale(self, divisor: Callable[[], int]) -> float | None:
         """What gradients are multiplied by while copied into their buckets: ``1 / divisor()`` for graphddp's
@@ -147,20 +144,32 @@ class CommHook:
         return 1.0 / by if by != 1 else None
 
 
+def builtin_hook(fn: Any) -> tuple[bool, torch.dtype | None]:
+    """Whether ``fn`` is one of PyTorch's built-in hooks that reduce a bucket with one all-reduce
+    (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``: launched as soon as ready, traceable
+    in-graph), and the dtype it sends the bucket in (None: the gradients' own). By identity: a hook may be any
+    callable, hashable or not."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for builtin, wire in ((default_hooks.allreduce_hook, None), (default_hooks.fp16_compress_hook, torch.float16),
+                          (default_hooks.bf16_compress_hook, torch.bfloat16)):  # fmt: skip
+        if fn is builtin:
+            return True, wire
+    return False, None
+
+
 def in_graph_wire(hook: CommHook, group: dist.ProcessGroup) -> torch.dtype | None | bool:
     """How a compiled backward can run ``hook`` itself (Note [In-graph reduction]): None (graphddp's averaging, or
     PyTorch's ``allreduce_hook``: average in the gradients' dtype), a dtype (``fp16_compress_hook``,
     ``bf16_compress_hook``: cast, average, cast back), or False: a Python hook it cannot trace."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     if not hook.custom:
         return None
     # The built-in hooks' state is the group they reduce on; None means the default group (WORLD), so on a DDP of
     # a subgroup the hook reduces over every rank, which the in-graph all-reduce (on the DDP's group) would not.
     if (hook.state if hook.state is not None else dist.group.WORLD) is not group:
         return False
-    traceable = (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
-    return hook.wire_dtype if hook.fn in traceable else False
+    traceable, wire = builtin_hook(hook.fn)
+    return wire if traceable else False
 
 
 class HookReduction:

@@ -403,6 +403,7 @@ def _choice_record(choice: CapsChoice | None) -> dict[str, Any]:
         "automatic_caps": {
             "caps": dataclasses.asdict(choice.caps), "predicted_s": choice.predicted_s, "ranking": ranking,
             "kept_standing": choice.kept_standing, "worst_regret": choice.worst_regret,
+            "robust": dataclasses.asdict(choice.robust) if choice.robust is not None else None,
         }
     }  # fmt: skip
 

@@ -417,7 +417,8 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
     (choice,) = record["choices"]
     assert auto.choices[0].caps == caps and choice["caps"]["mb"] == caps.mb and record["standing"]["mb"] == "25/1/1"
     assert choice["source"] == "first backward" and choice["backward_s"] == 0.05
-    assert choice["worst_regret"] == auto.choices[0].worst_regret >= 0.0
+    assert choice["worst_regret"] == auto.choices[0].worst_regret >= 0.0 and choice["wire"] is None
+    assert choice["robust"]["mb"] == auto.choices[0].robust.mb and choice["robust_ms"] > 0 and choice["search_s"] > 0
     assert choice["ready_s"] == [["layer0.weight", 0.01], ["layer1.weight", 0.02], ["layer2.weight", 0.03], ["layer3.weight", 0.04]]
     standing_ms = dict((c["mb"], ms) for c, ms in auto.as_record(top=100)["choices"][0]["ranking"])["25/1/1"]
     assert choice["standing_ms"] == pytest.approx(standing_ms) and record["link"]["latency_s"] == 4e-4
@@ -437,6 +438,9 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
     assert line.startswith("automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms, within 1.2% of the fastest at every compute speed); "), line
     line = run.automatic_caps_line({**base, "choices": [kept]})
     assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted; best 2/2/2 MiB 98.0 ms, 2.0% faster; margin 5%); "), line
+    robust = {**kept, "robust": {"mb": "4/1/4"}, "robust_ms": 99.0, "worst_regret": 0.01}  # since session 43: the search's candidate
+    line = run.automatic_caps_line({**base, "choices": [robust]})
+    assert line.startswith("automatic caps kept 25/1/1 MiB (100.0 ms predicted; candidate 4/1/4 MiB 99.0 ms, 1.0% faster; margin 5%); "), line
     one, other = {**base, "choices": [chose]}, {**base, "choices": [kept]}
     assert run.automatic_caps_lines("m", [one, one]) == [f"m: {run.automatic_caps_line(one)}"]  # rounds alike: once
     assert [line.split(":")[0] for line in run.automatic_caps_lines("m", [one, other])] == ["m, round 1", "m, round 2"]

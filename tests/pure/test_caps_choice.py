@@ -151,10 +151,15 @@ def test_the_standing_caps_stay_unless_a_candidate_beats_them_by_more_than_the_m
     assert fastest.caps != standing and 0 < gain < CAPS_MARGIN, (fastest.describe(), gain)
     kept = choice(fast)
     assert kept.caps == standing and kept.kept_standing and kept.predicted_s == dict(kept.ranking)[standing]
-    assert kept.describe().startswith(f"kept 100/100/100 MiB -> {kept.predicted_s * 1e3:.1f} ms, no candidate faster by more than 5%")
+    assert kept.robust is not None and kept.robust != standing
+    robust_gain = 1 - dict(kept.ranking)[kept.robust] / kept.predicted_s
+    assert kept.describe().startswith(
+        f"kept 100/100/100 MiB -> {kept.predicted_s * 1e3:.1f} ms: {kept.robust.mb} MiB, within {kept.worst_regret:.1%} of the "
+        f"fastest at every compute speed, is faster by {robust_gain:.1%}, not more than 5%"
+    ), kept.describe()
     # A margin above the gain keeps them too, and says which margin; with none the fastest wins again.
     wide = choice(fast, margin=0.5).describe()
-    assert wide.startswith("kept 100/100/100 MiB") and "by more than 50%" in wide
+    assert wide.startswith("kept 100/100/100 MiB") and "not more than 50%" in wide
     assert choice(fast, margin=0.0).caps == fastest.caps
     # A latency-bound link gains far more than the margin from one bucket.
     small = BucketCaps(bucket=MiB, first=MiB, last=MiB, ramps=False)  # 32 buckets of 50 ms latency each
@@ -279,18 +284,24 @@ def test_the_choice_is_the_candidate_closest_to_the_fastest_at_every_compute_spe
             assert predict_step(inputs_for(caps).at_compute_speed(speed), link, 2).step_s == pytest.approx(step(caps, speed))
     chosen = choose_caps(list(shapes), inputs_for, link, 2)
     regret = {c: max(step(c, v) / min(step(o, v) for o in shapes) - 1 for v in COMPUTE_SPEEDS) for c in shapes}
-    assert chosen.caps == robust == min(regret, key=regret.__getitem__)
+    assert chosen.caps == chosen.robust == robust == min(regret, key=regret.__getitem__)
     assert chosen.worst_regret == pytest.approx(regret[robust]) and regret[robust] < 0.045 < 0.06 < regret[fastest_here]
     assert chosen.predicted_s == pytest.approx(step(robust, 1.0)) and chosen.ranking[0] == (fastest_here, pytest.approx(1.5))
     assert chosen.describe(1) == "8/1/1 MiB -> 1510.0 ms, within 4.4% of the fastest at every compute speed (fastest first: 25/1/1 MiB -> 1500.0 ms)"
     # At the measured speed alone, the fastest there; on a slow machine alone, the one that fares best there.
     assert choose_caps(list(shapes), inputs_for, link, 2, speeds=(1.0,)).caps == fastest_here
     assert choose_caps(list(shapes), inputs_for, link, 2, speeds=(1.0, 1 / 1.4)).caps != fastest_here
-    # The margin is judged at the measured speed: 8/1/1 gains 2.6 % on 2/1/1 there, kept under 5 %, taken under 1 %.
-    kept = choose_caps(list(shapes), inputs_for, link, 2, standing=slow_friendly)
+    # The margin is judged at the measured speed, on the candidate the search found, not on the fastest there:
+    # against 2/1/1, 8/1/1 gains 2.6 % (kept under 3 %, though 25/1/1 gains 3.2 %), taken under 1 %.
+    kept = choose_caps(list(shapes), inputs_for, link, 2, standing=slow_friendly, margin=0.03)
     assert kept.kept_standing and kept.caps == slow_friendly and kept.predicted_s == pytest.approx(1.55)
+    assert kept.robust == robust and kept.worst_regret == pytest.approx(regret[robust])
+    assert kept.describe(1) == (
+        "kept 2/1/1 MiB -> 1550.0 ms: 8/1/1 MiB, within 4.4% of the fastest at every compute speed, is faster by 2.6%, "
+        "not more than 3% (fastest first: 25/1/1 MiB -> 1500.0 ms)"
+    )
     assert choose_caps(list(shapes), inputs_for, link, 2, standing=slow_friendly, margin=0.01).caps == robust
-    assert choose_caps(list(shapes), inputs_for, link, 2, standing=robust, margin=0.0).kept_standing  # chosen: itself
+    assert choose_caps(list(shapes), inputs_for, link, 2, standing=robust, margin=0.0).kept_standing  # the standing caps themselves
     with pytest.raises(ValueError, match=r"must include the measured one, 1.0; got \(0.5, 2.0\)"):
         choose_caps(list(shapes), inputs_for, link, 2, speeds=(0.5, 2.0))
 
@@ -342,7 +353,7 @@ def test_a_compressing_hooks_bytes_and_blocks_are_predicted_as_it_sends_them() -
     blocks = {}
     for wire in (None, torch.float16):
         inputs = estimated_step_inputs(split, node_seconds, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket, wire=wire)
-        blocks[wire] = estimated_in_pieces(inputs, split.plan, graph_params, node_seconds, rates)[0]
+        blocks[wire] = estimated_in_pieces(inputs, split.plan, graph_params, node_seconds, rates, wire=wire)[0]
         chosen = choose_graph_caps(captured.gm, graph_params, CapsSearch(), rates=rates, link=link, world=2, row_sparse=False, blocks=True, wire=wire)
         assert dict(chosen.ranking)[cut] == pytest.approx(predict_step(blocks[wire], link, 2).step_s)
     assert sum(blocks[torch.float16].bucket_bytes) == sum(blocks[None].bucket_bytes) // 2
@@ -378,7 +389,7 @@ def test_two_runs_of_the_bench_gpt_choose_the_same_caps_whatever_their_measured_
         return choose_graph_caps(captured.gm, params, search, rates=rates, link=link, world=2, row_sparse=True, cpu_seconds_per_byte=cpu, blocks=True, speeds=speeds)
 
     at_measured = {run: choose(run, (1.0,)).caps for run in SESSION_42_RUNS}
-    assert at_measured["matrix"] != at_measured["again"], at_measured
+    assert at_measured["matrix"] != at_measured["again"], f"the rule at the measured rate alone no longer flips here: {at_measured}"
     robust = {run: choose(run) for run in SESSION_42_RUNS}
     assert robust["matrix"].caps == robust["again"].caps, {run: c.describe() for run, c in robust.items()}
     for choice in robust.values():

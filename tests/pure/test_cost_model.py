@@ -331,7 +331,7 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
     assert stepped.step_per_bucket_s == pytest.approx((0.001, 0.002 * 8800 / 25856, 0.002 * 8400 / 25856, 0.002 * 8656 / 25856))
     # Sent as bf16 (a compressing hook): the blocks in proportion. On two channels every block goes on its bucket's.
     half, _ = step_inputs_in_pieces(
-        dataclasses.replace(whole, bucket_bytes=(1000, 12928), step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064}
+        dataclasses.replace(whole, bucket_bytes=(1000, 12928), step_per_bucket_s=(0.001, 0.002)), plan, {("w", ""): 0.0064}, wire=torch.bfloat16
     )
     assert half.bucket_bytes == (1000, (25856 - 400 * 42) // 2, 4200, 4200)
     assert half.step_per_bucket_s == (0.001, 0.0, 0.0, 0.002)  # cast blocks are not written in place: stepped last

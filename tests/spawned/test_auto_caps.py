@@ -37,9 +37,9 @@ def measured_as(link: LinkModel | None, rates: ComputeRates = RATES) -> Iterator
         graphddp.runtime.auto_caps.link_of, graphddp.runtime.auto_caps.compute_rates, graphddp.runtime.auto_caps.cpu_cost_of_communication = saved
 
 
-def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None, hook: str | None = None) -> dict:
-    case = Case(model=MODEL, steps=3, graphddp=AUTO, compile=compile, hook=hook)
-    with measured_as(link):
+def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None, hook: str | None = None, hook_at: int = 0) -> dict:
+    case = Case(model=MODEL, steps=3, graphddp=AUTO, compile=compile, hook=hook, hook_at=hook_at)
+    with measured_as(link), graphddp_warnings() as warnings:
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
     chosen = [c.caps.mb for c in run.ddp.automatic_caps.choices]  # each choice made, kept for the bench and logs
@@ -48,6 +48,7 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
     return {
         "state": state_of(run.ddp.module), "fingerprint": plan.fingerprint, "caps": plan.caps, "source": plan.source,
         "buckets": len(plan.buckets), "chosen": chosen, "planned": planned, "records": run.ddp.automatic_caps.as_record()["choices"],
+        "warnings": warnings,
     }  # fmt: skip
 
 
@@ -87,11 +88,18 @@ def test_a_compressing_hooks_buckets_are_predicted_as_it_sends_them() -> None:
     """Note [Automatic caps]: under ``fp16_compress_hook`` every choice is made on the bytes the hook sends, half
     the fp32 gradients' (compiled, from the same mocked rates: the standing caps' step predicted shorter)."""
     link = LinkModel(latency_s=1e-4, seconds_per_byte=8 / 1e8)  # 100 Mbit/s: the bytes weigh
+    records = {}
     for compile in (None, "torch.compile"):
-        (record,) = run_on_ranks(train_auto, 2, compile, link, "fp16")[0]["records"]
-        assert record["wire"] == "float16" and record["source"] == ("graph" if compile else "first backward"), record
+        (records[compile],) = run_on_ranks(train_auto, 2, compile, link, "fp16")[0]["records"]
+        assert records[compile]["wire"] == "float16" and records[compile]["source"] == ("graph" if compile else "first backward"), records
     (whole,) = run_on_ranks(train_auto, 2, "torch.compile", link)[0]["records"]
-    assert whole["wire"] is None and record["standing_ms"] < 0.75 * whole["standing_ms"], (record, whole)
+    assert whole["wire"] is None and records["torch.compile"]["standing_ms"] < 0.75 * whole["standing_ms"], (records, whole)
+    # A hook registered once the caps were chosen changes nothing, and says so.
+    late = run_on_ranks(train_auto, 2, None, link, "fp16", 2)
+    for rank, run in enumerate(late):
+        (record,) = run["records"]
+        assert record["wire"] is None, record
+        assert any(f"[rank {rank}] graphddp: a comm hook that sends buckets in torch.float16 was registered after the automatic caps" in w for w in run["warnings"]), run["warnings"]
 
 
 # Ranks whose first compiled inputs differ in shape estimate other backwards from their graphs. Stood in for here

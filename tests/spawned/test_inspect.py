@@ -265,10 +265,12 @@ def test_auto_caps_are_chosen_for_the_link_as_a_compiled_run_chooses_them(capsys
         fastest_s = auto["ranking"][0]["predicted_s"]
         if auto["kept_standing"]:
             assert auto["caps"] == defaults and auto["predicted_s"] == defaults_s, auto
+            (robust_s,) = [c["predicted_s"] for c in auto["ranking"] if c["caps"] == auto["robust"]]
+            assert robust_s >= (1 - CAPS_MARGIN) * defaults_s, auto
         else:
             (chosen_s,) = [c["predicted_s"] for c in auto["ranking"] if c["caps"] == auto["caps"]]
             assert auto["predicted_s"] == chosen_s < (1 - CAPS_MARGIN) * defaults_s, auto
-            assert fastest_s <= chosen_s <= (1 + auto["worst_regret"]) * fastest_s, auto
+            assert fastest_s <= chosen_s <= (1 + auto["worst_regret"]) * fastest_s * (1 + 1e-12), auto
         assert len(auto["ranking"]) == len(CapsSearch().candidates())  # the defaults are on the grid
         assert [c["predicted_s"] for c in auto["ranking"]] == sorted(c["predicted_s"] for c in auto["ranking"])
         expected = compiled_run_choice(link, 2)
