@@ -31,11 +31,12 @@ other plans; the plan agreement finds it (Note [Plan agreement] in ``graphddp/ru
 naming each rank's caps for that graph: every rank adopts rank 0's plan and reduces split, or, where the plans
 hold parts of tied tables, which name one rank's graph nodes, every rank raises (with
 ``find_unused_parameters``, warns and keeps the plan in force). Inputs of one shape on every rank, or fixed caps,
-avoid it. A rank's own too: the comm hook it registered, whose wire dtype the prediction takes (below); ranks that
-register different hooks issue different collectives anyway. The buckets are predicted as sent (``sent_bytes``): under a compressing comm hook (``fp16_compress_hook``,
-``bf16_compress_hook``: ``graphddp.runtime.reductions.CommHook.wire_dtype``) in its dtype, a big gradient's blocks
-cast for the wire and every one copied back after the last, not written in place (``step_inputs_in_pieces``); the
-casts themselves are not charged.
+avoid it. A rank's own too: the comm hook it registered, whose wire dtype the prediction takes; ranks that register
+different hooks issue different collectives anyway. The buckets are predicted as sent (``sent_bytes``): under a
+compressing comm hook (``fp16_compress_hook``, ``bf16_compress_hook``:
+``graphddp.runtime.reductions.CommHook.wire_dtype``) in its dtype, a big gradient's blocks cast for the wire and
+every one copied back after the last, not written in place (``step_inputs_in_pieces``); the casts themselves are
+not charged. A hook registered after the choice leaves the caps as chosen, and says so.
 
 **A margin, as the other planners keep.** The search returns its candidate only where its predicted step
 beats the caps that stand without a choice (``CapsSearch.standing``: the user's fixed caps and the defaults for the
@@ -51,9 +52,10 @@ lead.
 **Robust to the compute rate.** The compute rate a run calibrates (or the backward it times) is what the machine
 did at that moment, not a fixed figure: the construction's 512³ matmul measured 51, 79 and 97 Gflop/s in three
 runs of the bench on one VM type, and 81-103 in twelve tries on a quiet machine, where each try's own spread was
-small. gloo's CPU per byte, measured beside it, held within 0.67-0.86 ns/B over the same runs (Note [What
-communication costs a CPU rank]), so it is not varied. Where the link binds, the fastest candidate at one rate is often not the fastest at another, while many
-lie within a few percent of each other: gpt at 1 Gbit/s, two runs in session 42, chose 4/0.25/4 MiB at 79 Gflop/s
+small. gloo's CPU per byte is measured on its own (Note [What communication costs a CPU rank]) and not varied
+here: offline, over all eight combinations of session 42's two runs' inputs, the rates alone moved the choice.
+Where the link binds, the fastest candidate at one rate is often not the fastest at another, while many lie within
+a few percent of each other: gpt at 1 Gbit/s, two runs in session 42, chose 4/0.25/4 MiB at 79 Gflop/s
 and 8/1/8 at 97, each within 2 % of the other's choice, and the choice moved to 2/2/2, 2/1/2, 8/4/8, 16/0.25/16
 or the defaults as the same run's rate was scaled by 0.7-1.4. So the search predicts every candidate at each of
 ``COMPUTE_SPEEDS`` (the calibrated rate times 1/1.4 to 1.4: compute durations divided by the factor, the link and

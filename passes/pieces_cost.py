@@ -10,7 +10,8 @@ segment (weight gradients first: ``launch_collectives_early``), so block ``j`` g
 with block ``j`` taking ``W * rows_j / R`` (its share of the gradient's ``R`` rows). The bucket's other
 gradients (a bias) go with block 0, as ``_average_in_pieces`` sends them (``Bucket.piece_bytes``); the copy of
 block 0 into the gradient (``Bucket.assembled_bytes``; the other blocks are written in place, Note [Blocks written
-in place]; every block where a compressing hook casts them for the wire, ``Bucket.blocks_in_place``) runs after the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
+in place]; every block where a compressing hook casts them for the wire, ``Bucket.blocks_in_place``) runs after
+the last block's wait (``StepInputs.tail_per_bucket_s``); an optimizer stepping in backward
 steps each block's rows after its wait and the bucket's other parameters with the last block's (its seconds shared
 out by ``Bucket.piece_stepped_bytes``, Note [Steps by rows]; all with the last block where a compressing hook casts
 the blocks for the wire: they are not written in place). Every block goes on its bucket's channel (``StepInputs.bucket_of``).

@@ -82,7 +82,8 @@ class AutoCaps:
         )
         ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
         search_s = time.perf_counter() - started
-        self._made.append((choice, {"source": "first backward", "wire": _dtype_name(wire), "search_s": search_s, "backward_s": backward_s, "ready_s": ready}))
+        made_for = {"source": "first backward", "wire": _dtype_name(wire), "search_s": search_s, "backward_s": backward_s, "ready_s": ready}
+        self._made.append((choice, made_for))
         logger.info(
             "[rank %d] graphddp: automatic caps from the first backward (%.0f ms; searched in %.2f s): %s",
             self.rank, backward_s * 1e3, search_s, choice.describe(),
@@ -100,8 +101,11 @@ class AutoCaps:
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks, wire=wire,
         )  # fmt: skip
         search_s = time.perf_counter() - started
-        self._made.append((choice, {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire), "search_s": search_s}))
-        logger.info("[rank %d] graphddp: automatic caps for a compiled graph (searched in %.2f s): %s", self.rank, search_s, choice.describe())
+        made_for = {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire), "search_s": search_s}
+        self._made.append((choice, made_for))
+        logger.info(
+            "[rank %d] graphddp: automatic caps for a compiled graph (searched in %.2f s): %s", self.rank, search_s, choice.describe()
+        )
         return choice.caps
 
     def as_record(self, top: int = 5) -> dict[str, Any]:
@@ -126,7 +130,8 @@ class AutoCaps:
                 {
                     **made_for, "caps": caps(c.caps), "predicted_ms": c.predicted_s * 1e3, "kept_standing": c.kept_standing,
                     "robust": caps(c.robust) if c.robust is not None else None, "worst_regret": c.worst_regret,
-                    "robust_ms": next((s * 1e3 for r, s in c.ranking if r == c.robust), None), "margin": c.margin, "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
+                    "robust_ms": next((s * 1e3 for r, s in c.ranking if r == c.robust), None), "margin": c.margin,
+                    "standing_ms": next((s * 1e3 for r, s in c.ranking if r == standing), None),
                     "ranking": [[caps(r), s * 1e3] for r, s in c.ranking[:top]],
                 }
                 for c, made_for in self._made
