@@ -69,7 +69,8 @@ may still choose differently. The margin compares that candidate, not the fastes
 measured rate (``CapsChoice.robust``, which the record keeps beside a kept choice); once chosen, it is at most its
 worst regret behind the standing caps at any speed searched. Five speeds cost the search about twice its time (the
 plans are made once per candidate, only the predictions five times): 0.95-1.13 s against 0.44-0.52 s for the bench
-gpt's 102 candidates, once per compiled graph and once at the first backward (each choice records ``search_s``).
+gpt's 102 candidates, once per compiled graph and once at the first backward (each choice logs its search time; the
+record leaves it out, so that every rank's record is the same but for its rank).
 """
 
 from __future__ import annotations

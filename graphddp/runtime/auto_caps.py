@@ -82,7 +82,7 @@ class AutoCaps:
         )
         ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
         search_s = time.perf_counter() - started
-        made_for = {"source": "first backward", "wire": _dtype_name(wire), "search_s": search_s, "backward_s": backward_s, "ready_s": ready}
+        made_for = {"source": "first backward", "wire": _dtype_name(wire), "backward_s": backward_s, "ready_s": ready}
         self._made.append((choice, made_for))
         logger.info(
             "[rank %d] graphddp: automatic caps from the first backward (%.0f ms; searched in %.2f s): %s",
@@ -101,7 +101,7 @@ class AutoCaps:
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks, wire=wire,
         )  # fmt: skip
         search_s = time.perf_counter() - started
-        made_for = {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire), "search_s": search_s}
+        made_for = {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire)}
         self._made.append((choice, made_for))
         logger.info(
             "[rank %d] graphddp: automatic caps for a compiled graph (searched in %.2f s): %s", self.rank, search_s, choice.describe()

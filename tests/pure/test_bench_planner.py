@@ -418,7 +418,7 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line() -> None:
     assert auto.choices[0].caps == caps and choice["caps"]["mb"] == caps.mb and record["standing"]["mb"] == "25/1/1"
     assert choice["source"] == "first backward" and choice["backward_s"] == 0.05
     assert choice["worst_regret"] == auto.choices[0].worst_regret >= 0.0 and choice["wire"] is None
-    assert choice["robust"]["mb"] == auto.choices[0].robust.mb and choice["robust_ms"] > 0 and choice["search_s"] > 0
+    assert choice["robust"]["mb"] == auto.choices[0].robust.mb and choice["robust_ms"] > 0
     assert choice["ready_s"] == [["layer0.weight", 0.01], ["layer1.weight", 0.02], ["layer2.weight", 0.03], ["layer3.weight", 0.04]]
     standing_ms = dict((c["mb"], ms) for c, ms in auto.as_record(top=100)["choices"][0]["ranking"])["25/1/1"]
     assert choice["standing_ms"] == pytest.approx(standing_ms) and record["link"]["latency_s"] == 4e-4
