@@ -52,7 +52,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
             {
                 "index": b.index,
                 "bytes": b.nbytes,
-                "dtype": _dtype(b.dtype),
+                "dtype": dtype_name(b.dtype),
                 "device": b.device,
                 "segment": segment.get(b.index),
                 "row_sparse": b.row_sparse,
@@ -60,7 +60,7 @@ def plan_record(plan: BucketPlan, split: GraphSplit | None, *, graph: str, versi
                     "param": b.params[b.pieces[0]].name, "rows": list(b.pieces[1]), "blocks": b.blocks_layout,
                 },
                 "params": [
-                    {"name": p.name, "part": p.part, "shape": list(p.shape), "dtype": _dtype(p.dtype), "bytes": p.nbytes}
+                    {"name": p.name, "part": p.part, "shape": list(p.shape), "dtype": dtype_name(p.dtype), "bytes": p.nbytes}
                     for p in b.params
                 ],
             }
@@ -91,5 +91,6 @@ def _bytes(value: int | sympy.Expr) -> int | str:
     return value
 
 
-def _dtype(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """A dtype as the dump and records write it: ``"float32"``."""
     return str(dtype).replace("torch.", "")

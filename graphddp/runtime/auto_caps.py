@@ -32,6 +32,7 @@ from ..passes import (
     choose_graph_caps,
     step_inputs_from_ready_times,
 )
+from ..passes.report import dtype_name
 from .calibration import compute_rates, cpu_cost_of_communication, link_of
 
 logger = logging.getLogger(__name__)
@@ -81,14 +82,8 @@ class AutoCaps:
             standing=self.search.standing,
         )
         ready = [[spec.name, t] for spec, t in zip(specs_in_ready_order, ready_s)]
-        search_s = time.perf_counter() - started
         made_for = {"source": "first backward", "wire": _dtype_name(wire), "backward_s": backward_s, "ready_s": ready}
-        self._made.append((choice, made_for))
-        logger.info(
-            "[rank %d] graphddp: automatic caps from the first backward (%.0f ms; searched in %.2f s): %s",
-            self.rank, backward_s * 1e3, search_s, choice.describe(),
-        )  # fmt: skip
-        return choice.caps
+        return self._keep(choice, made_for, started, f"from the first backward ({backward_s * 1e3:.0f} ms)")
 
     def for_graph(
         self, gm: fx.GraphModule, params: Sequence[GraphParam], *, row_sparse: bool, blocks: bool = False, wire: torch.dtype | None = None
@@ -100,11 +95,15 @@ class AutoCaps:
             gm, params, self.search, rates=self.rates, link=self.link, world=self.world,
             row_sparse=row_sparse, cpu_seconds_per_byte=self.cpu_seconds_per_byte, blocks=blocks, wire=wire,
         )  # fmt: skip
-        search_s = time.perf_counter() - started
         made_for = {"source": "graph", "row_sparse": row_sparse, "blocks": blocks, "wire": _dtype_name(wire)}
+        return self._keep(choice, made_for, started, "for a compiled graph")
+
+    def _keep(self, choice: CapsChoice, made_for: dict[str, Any], started: float, source: str) -> BucketCaps:
+        """Keep a choice with what it was made for (``as_record``) and log it with its search time, which the record
+        leaves out so that every rank's record is the same but for its rank."""
         self._made.append((choice, made_for))
         logger.info(
-            "[rank %d] graphddp: automatic caps for a compiled graph (searched in %.2f s): %s", self.rank, search_s, choice.describe()
+            "[rank %d] graphddp: automatic caps %s, searched in %.2f s: %s", self.rank, source, time.perf_counter() - started, choice.describe()
         )
         return choice.caps
 
@@ -140,5 +139,5 @@ class AutoCaps:
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    """A dtype in a record (JSON): ``"float16"``, or None."""
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    """A dtype in a record (JSON) as the debug dump writes it (``"float16"``), or None."""
+    return None if dtype is None else dtype_name(dtype)
