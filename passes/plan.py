@@ -556,7 +556,7 @@ class BucketPlan:
     def table_rows(self) -> list[list[object]]:
         """Rows for a tabulate table: index, bytes, parameter count, dtype, device, names."""
         return [
-            [b.index, b.nbytes, len(b.params), str(b.dtype).replace("torch.", ""), b.device, ", ".join(b.names)]
+            [b.index, b.nbytes, len(b.params), dtype_name(b.dtype), b.device, ", ".join(b.names)]
             for b in self.buckets
         ]
 
@@ -678,6 +678,11 @@ def _fitting(items: Sequence[list[ParamSpec]], cap: int, *, over: bool = False) 
 
 def _flat(items: Sequence[list[ParamSpec]]) -> list[ParamSpec]:
     return [p for members in items for p in members]
+
+
+def dtype_name(dtype: Any) -> str:
+    """A dtype as the plan's table, the dump and the records write it: ``"float32"``."""
+    return str(dtype).replace("torch.", "")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .plan import BucketPlan
+from .plan import BucketPlan, dtype_name
 from .split import GraphSplit, is_symbolic
 
 if TYPE_CHECKING:
@@ -89,8 +89,3 @@ def _bytes(value: int | sympy.Expr) -> int | str:
     if is_symbolic(value):
         return int(value) if value.is_number else str(value)
     return value
-
-
-def dtype_name(dtype: Any) -> str:
-    """A dtype as the dump and records write it: ``"float32"``."""
-    return str(dtype).replace("torch.", "")

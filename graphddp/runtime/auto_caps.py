@@ -32,7 +32,7 @@ from ..passes import (
     choose_graph_caps,
     step_inputs_from_ready_times,
 )
-from ..passes.report import dtype_name
+from ..passes.plan import dtype_name
 from .calibration import compute_rates, cpu_cost_of_communication, link_of
 
 logger = logging.getLogger(__name__)
