@@ -38,10 +38,12 @@ bucket sent once backward's compute is over costs nothing while the CPU only wai
 it has work of its own (its step, its copy), that work runs meanwhile and gets the cost (the CPU it shares with
 gloo); a bucket with none (a gradient's first pieces: its step runs with its last) leaves the CPU waiting (an
 approximation: work of earlier buckets still running then is not charged).
-And each bucket costs the Reducer's Python a fixed time (``cpu_seconds_per_bucket``: gather, launch, wait and
-write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at this machine's cost per call),
-added to the segment that completes it: on a launch-bound backward that is what many small buckets cost. (Reduced
-in-graph, a bucket costs no Python; the estimate keeps the Reducer's figure, an upper bound.) The longest path
+And each bucket costs the thread that runs the backward a fixed time (``cpu_seconds_per_bucket``): the Reducer's
+Python (gather, launch, wait and write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at
+this machine's cost per call) and the collective's launch, measured on the ranks (``ComputeRates.launch_s``: with
+gloo ~0.1-0.2 ms on the 2-vCPU testbed, a hundred times the Python, session 44), added to the segment that
+completes it: on a launch-bound backward that is what many small buckets cost. (Reduced in-graph, a bucket costs
+no Python but the same launch; the estimate keeps the Reducer's figure, an upper bound.) The longest path
 through the DAG is the predicted step time; the timeline gives each node's start and end.
 
 **Channels** (``StepInputs.channels``, Note [Channels] in ``graphddp/runtime/channels.py``): each bucket's

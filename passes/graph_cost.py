@@ -38,17 +38,22 @@ class ComputeRates:
     python_call_s: float = 0.0
     """Seconds of one Python function call: graphddp's per-bucket work is counted in calls
     (``graphddp.passes.cost.REDUCER_CALLS_PER_BUCKET``); 0: not measured."""
+    launch_s: float = 0.0
+    """Seconds the thread that issues one collective spends in the call while its process group is idle (gloo
+    wakes a worker; NCCL enqueues a kernel), as ``graphddp.runtime.calibration.launch_seconds`` measures it on the
+    ranks; 0: not measured (one rank, or ``graphddp inspect``, which has no group)."""
 
     def __post_init__(self) -> None:
-        if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0:
-            raise ValueError(f"compute rates must be > 0, got {self}")
+        if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0 or self.launch_s < 0:
+            raise ValueError(f"compute rates must be > 0 (a call's and a launch's seconds >= 0), got {self}")
 
     @property
     def reducer_seconds_per_bucket(self) -> float:
-        """What one bucket costs the Reducer's Python at these rates (Note [Step cost model])."""
+        """What one bucket costs the thread that runs the backward at these rates: the Reducer's Python and the
+        collective's launch (Note [Step cost model])."""
         from .cost import REDUCER_CALLS_PER_BUCKET
 
-        return REDUCER_CALLS_PER_BUCKET * self.python_call_s
+        return REDUCER_CALLS_PER_BUCKET * self.python_call_s + self.launch_s
 
 
 _MATMULS = {torch.matmul, torch.mm, torch.bmm, operator.matmul, F.linear, torch._C._nn.linear, torch.addmm, torch.baddbmm}

@@ -1,6 +1,7 @@
 """Measure what the step cost model (Note [Step cost model] in ``passes/cost.py``) needs, on the ranks themselves:
 the link (the α-β fit of a short series of all-reduces on the group, cached per group), how fast a rank computes
-(``compute_rates``, for estimating graphs), how much compute communication takes away on a CPU host
+(``compute_rates``, for estimating graphs; with it what launching one collective costs the issuing thread,
+``launch_seconds``), how much compute communication takes away on a CPU host
 (``cpu_cost_of_communication``), and what putting a gradient sent in pieces back together costs
 (``assembly_seconds_per_byte``).
 
@@ -74,6 +75,11 @@ a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/c
 
 CONSTRUCTION_MATMUL = 512
 """The matmul ``compute_rates`` times at construction (512³: ~1 ms on a CPU core, near the large-matmul rate)."""
+
+LAUNCH_SAMPLES = 9
+"""All-reduces ``launch_seconds`` times at construction (the median of nine: one descheduled call moves nothing)."""
+LAUNCH_SPACING_MATMUL = 256
+"""The matmul run between two timed launches, four times (256³: a few tenths of a ms each on a CPU core)."""
 
 _fitted: weakref.WeakKeyDictionary[dist.ProcessGroup, LinkModel] = weakref.WeakKeyDictionary()
 _rates: weakref.WeakKeyDictionary[dist.ProcessGroup, ComputeRates] = weakref.WeakKeyDictionary()
@@ -163,12 +169,47 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
         return _rates[group]
     device = device or torch.device("cpu")
     here = measure_compute_rates(device, matmul_size=CONSTRUCTION_MATMUL)
-    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s], dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
+    several = dist.get_world_size(group) > 1
+    launch = launch_seconds(group, device=device) if several else 0.0  # one rank launches no collective
+    agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s, launch], dtype=torch.float64, device=device)
+    if several:
         dist.broadcast(agreed, group=group, group_src=0)
-    flops, moved, call = (float(v) for v in agreed)
-    _rates[group] = rates = ComputeRates(flops_per_s=flops, bytes_per_s=moved, python_call_s=call)
+    flops, moved, call, launch = (float(v) for v in agreed)
+    _rates[group] = rates = ComputeRates(flops_per_s=flops, bytes_per_s=moved, python_call_s=call, launch_s=launch)
+    if several:  # `graphddp inspect --launch-us` takes this figure
+        logger.info("graphddp: launching a collective costs %.0f us of the calling thread (rank 0's median of %d, %d-rank group)",
+                    launch * 1e6, LAUNCH_SAMPLES, dist.get_world_size(group))  # fmt: skip
     return rates
+
+
+def launch_seconds(
+    group: dist.ProcessGroup, *, device: torch.device | None = None, samples: int = LAUNCH_SAMPLES, nbytes: int = 1 << 20
+) -> float:
+    """Seconds of wall time the calling thread spends issuing one asynchronous all-reduce of ``nbytes`` while the
+    group is idle, as a DDP issues a bucket between spans of backward: the median of ``samples`` calls, each after
+    a span of compute long enough for the group's workers to go back to sleep (the previous all-reduce waited
+    for). Issued back to back the calls are several times cheaper (gloo, 2 vCPUs: 115 µs of the caller's CPU
+    spaced, 17 µs back to back; ``docs/benchmarks.md``, session 44): the spaced figure is what a bucket pays.
+    This rank's own figure (``compute_rates`` broadcasts rank 0's). Collective: every rank issues ``samples + 1``
+    all-reduces."""
+    if samples < 1 or nbytes < 4:
+        raise ValueError(f"timing a launch needs samples >= 1 and nbytes >= 4, got {samples} and {nbytes}")
+    device = device or torch.device("cpu")
+    buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    a = torch.randn(LAUNCH_SPACING_MATMUL, LAUNCH_SPACING_MATMUL, device=device)
+    dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
+    times = []
+    for _ in range(samples):
+        for _ in range(4):  # the span before the launch: ~1 ms of a CPU core
+            torch.mm(a, a)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the launch's own cost, not a wait for the queue
+        started = time.perf_counter()
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        times.append(time.perf_counter() - started)
+        assert work is not None
+        work.wait()
+    return statistics.median(times)
 
 
 def measure_compute_rates(

@@ -205,11 +205,14 @@ def inspect_target(
     reduction: str = "auto",
     channels: int | str = 1,
     comm_cpu_ms_per_mb: float = 0.0,
+    launch_us: float = 0.0,
 ) -> Inspection:
     """The plan and split of ``target`` as a run with these options makes them (the CLI's flags, by name).
     ``comm_cpu_ms_per_mb``: the compute each MB sent costs a rank, as a CPU run measures and logs it ("communication
     costs X ms of compute per MB"); charged, on ``link``, to a tied table's part (the rows verdict), to automatic
-    caps and to the predictions. 0: not charged (without ranks nothing measures it)."""
+    caps and to the predictions. 0: not charged (without ranks nothing measures it). ``launch_us``: what launching
+    one collective costs the backward's thread, as a run logs it ("launching a collective costs X us"), charged to
+    every bucket by automatic caps (``ComputeRates.launch_s``); 0: not charged."""
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps, bucket_cap_mb_list=bucket_cap_mb_list, sparse_embedding_grads=sparse_embedding_grads,
@@ -222,6 +225,7 @@ def inspect_target(
         raise ValueError(f"world size must be >= 1, got {world_size}")
     link_model = parse_link(link) if link is not None else None
     cpu = _comm_cpu_seconds_per_byte(comm_cpu_ms_per_mb, link_model)
+    launch = _launch_seconds(launch_us, link_model)
     # As graphddp.DDP decides: one rank communicates nothing, so its automatic caps keep the stand-ins.
     search = options.caps_search if world_size > 1 else None
     fixed_channels = options.channels if isinstance(options.channels, int) else None  # None: "auto", per graph
@@ -244,7 +248,7 @@ def inspect_target(
     # As graphddp.DDP decides for a CPU model under the default comm hook; "auto" on the link given (without one,
     # rows wherever they apply, as True: Note [Row-sparse gradients], "When rows pay").
     rows_on = rows_apply(enabled=sparse_embedding_grads is not False, world_size=world_size, device="cpu", custom_comm_hook=False)
-    rates = measure_compute_rates() if link_model is not None else None
+    rates = dataclasses.replace(measure_compute_rates(), launch_s=launch) if link_model is not None else None
     measured = link_model if not isinstance(sparse_embedding_grads, bool) else None
     # gloo's CPU where a CPU run charges it: measured by automatic caps, else for a tied table's part only.
     charged = measured is not None and charges_gloo_cpu(model, frozenset(), cpu_group=True, automatic_caps=search is not None)
@@ -334,6 +338,20 @@ def _comm_cpu_seconds_per_byte(ms_per_mb: float, link: LinkModel | None) -> floa
             "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"
         )
     return ms_per_mb * 1e-9  # 1 ms per MB (1e6 B) is 1 ns per byte
+
+
+def _launch_seconds(launch_us: float, link: LinkModel | None) -> float:
+    """``--launch-us`` checked: µs of one collective's launch, as seconds."""
+    if isinstance(launch_us, bool) or not isinstance(launch_us, (int, float)):
+        raise TypeError(f"--launch-us must be a number of microseconds, got {type(launch_us).__name__} {launch_us!r}")
+    if not 0 <= launch_us < float("inf"):
+        raise ValueError(f"--launch-us must be a finite number of microseconds >= 0, got {launch_us}")
+    if launch_us and link is None:
+        raise InspectError(
+            "--launch-us is charged by automatic caps on a link: give the link to plan for with --link RATE[:LATENCY] "
+            "(e.g. --link 5gbit)"
+        )
+    return launch_us * 1e-6
 
 
 def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module, tuple]:

@@ -350,3 +350,28 @@ def test_a_big_gradient_sent_in_pieces_goes_block_by_block_as_its_matmul_compute
         step_inputs_in_pieces(StepInputs(segment_backward_s=(0.01,), bucket_bytes=(1,), completed_by=(0,)), plan, {})
     with pytest.raises(ValueError, match="no matmul seconds for w"):
         step_inputs_in_pieces(whole, plan, {("w", "logits"): 0.1})
+
+
+def test_a_measured_launch_is_charged_to_every_bucket_and_can_turn_the_choice() -> None:
+    # A slow link: 4 KiB buckets sent as their gradients come (one every 0.1 ms) are hidden, one 256 KiB bucket sent
+    # at the end is not (2.6 ms exposed). Launching 64 collectives at 0.15 ms each costs more than that.
+    specs = [ParamSpec.of(f"p{i}", torch.zeros(1024)) for i in range(64)]
+    ready = [0.0001 * (i + 1) for i in range(64)]
+    link = LinkModel(latency_s=5e-6, seconds_per_byte=1e-8)
+    unmeasured = ComputeRates(flops_per_s=1e10, bytes_per_s=1e10, python_call_s=1e-8)
+    measured = dataclasses.replace(unmeasured, launch_s=1.5e-4)
+    assert measured.reducer_seconds_per_bucket == pytest.approx(REDUCER_CALLS_PER_BUCKET * 1e-8 + 1.5e-4)
+    small, large = BucketCaps(bucket=4096, first=4096, last=4096), BucketCaps(bucket=1 << 20, first=1 << 20, last=1 << 20)
+
+    def choice(rates: ComputeRates) -> BucketCaps:
+        def inputs_for(caps: BucketCaps) -> StepInputs:
+            return step_inputs_from_ready_times(
+                specs, ready, caps, backward_s=0.0064, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
+            )
+
+        return choose_caps([small, large], inputs_for, link, 2).caps
+
+    assert choice(unmeasured) == small
+    assert choice(measured) == large
+    with pytest.raises(ValueError, match="compute rates"):
+        dataclasses.replace(unmeasured, launch_s=-1e-6)

@@ -99,3 +99,40 @@ def test_the_cpu_cost_of_communication_is_rank_0s_figure_on_every_rank() -> None
     measured = results[0][1]
     assert all(figure > 0.0 for figure in measured), results  # sending costs gloo's threads some CPU on every rank
     assert cost == measured[0], results
+
+
+def launch_costs(rank: int, world: int) -> tuple[float, float, list[float]]:
+    """(the launch this rank's compute rates hold, what they charge a bucket, what each rank measured itself)."""
+    import torch
+    import torch.distributed as dist
+
+    from graphddp.runtime import calibration
+
+    raw: list[float] = []
+    measure = calibration.launch_seconds
+
+    def kept(*args, **kwargs):  # noqa: ANN002, ANN003 - the measurement's own arguments, passed through
+        raw.append(measure(*args, **kwargs))
+        return raw[-1]
+
+    calibration.launch_seconds = kept
+    try:
+        rates = calibration.compute_rates(dist.new_group(list(range(world))))
+    finally:
+        calibration.launch_seconds = measure
+    assert len(raw) == 1, raw  # measured once, by this rank
+    everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor(raw, dtype=torch.float64))
+    return rates.launch_s, rates.reducer_seconds_per_bucket, [float(t[0]) for t in everyone]
+
+
+def test_a_collectives_launch_is_measured_on_the_ranks_and_charged_to_every_bucket() -> None:
+    from graphddp.passes.cost import REDUCER_CALLS_PER_BUCKET
+
+    results = run_on_ranks(launch_costs, 2)
+    assert len({(launch, per_bucket) for launch, per_bucket, _ in results}) == 1, results  # rank 0's, on every rank
+    launch, per_bucket, measured = results[0]
+    assert all(figure > 0.0 for figure in measured), results  # issuing a collective takes its caller some time
+    assert launch == measured[0], results
+    # Each bucket pays its launch beside the Reducer's Python (which is what it paid alone before).
+    assert per_bucket > launch > 0.0 and per_bucket - launch < REDUCER_CALLS_PER_BUCKET * 1e-5, results
