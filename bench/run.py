@@ -245,10 +245,11 @@ def automatic_caps_line(record: dict[str, Any]) -> str:
             against = f", {1 - mine / theirs:.1%} faster than {record['standing']['mb']} MiB's {theirs:.1f} ms" if theirs else ""
             robust = f", within {c['worst_regret']:.1%} of the fastest at every compute speed" if "worst_regret" in c else ""
             choices.append(f"chose {c['caps']['mb']} MiB ({mine:.1f} ms predicted{against}{robust})")
+    launch = f"a launch {rates['launch_s'] * 1e6:.0f} µs, " if "launch_s" in rates else ""  # recorded since session 45
     return (
         f"automatic caps {'; '.join(choices) or 'not chosen yet'}; from a link of {link['latency_s'] * 1e6:.0f} µs and "
         f"{8 / link['seconds_per_byte'] / 1e9:.2f} Gbit/s, matmul {rates['flops_per_s'] / 1e9:.0f} Gflop/s, elementwise "
-        f"{rates['bytes_per_s'] / 1e9:.1f} GB/s, gloo's CPU {record['cpu_seconds_per_byte'] * 1e9:.2f} ns/B"
+        f"{rates['bytes_per_s'] / 1e9:.1f} GB/s, {launch}gloo's CPU {record['cpu_seconds_per_byte'] * 1e9:.2f} ns/B"
     )
 
 

@@ -41,7 +41,7 @@ approximation: work of earlier buckets still running then is not charged).
 And each bucket costs the thread that runs the backward a fixed time (``cpu_seconds_per_bucket``): the Reducer's
 Python (gather, launch, wait and write-back, ``REDUCER_CALLS_PER_BUCKET`` calls counted by ``bench.overhead`` at
 this machine's cost per call) and the collective's launch, measured on the ranks (``ComputeRates.launch_s``: with
-gloo ~0.1-0.2 ms on the 2-vCPU testbed, a hundred times the Python, session 44), added to the segment that
+gloo 0.1-0.2 ms on the 2-vCPU testbed, a hundred times the Python, sessions 44-45), added to the segment that
 completes it: on a launch-bound backward that is what many small buckets cost. (Reduced in-graph, a bucket costs
 no Python but the same launch; the estimate keeps the Reducer's figure, an upper bound.) The longest path
 through the DAG is the predicted step time; the timeline gives each node's start and end.
@@ -175,7 +175,8 @@ class StepInputs:
     """Compute time each byte a rank sends costs it (CPU hosts: gloo and the network stack share the CPU); a ring
     all-reduce of ``n`` bytes sends ``2 (w - 1) / w · n`` per rank."""
     cpu_seconds_per_bucket: float = 0.0
-    """Compute time each bucket costs the rank (the Reducer's Python per bucket), on the segment completing it."""
+    """Compute time each bucket costs the rank (the Reducer's Python and the collective's launch per bucket,
+    ``ComputeRates.reducer_seconds_per_bucket``), on the segment completing it."""
     step_per_bucket_s: tuple[float, ...] = ()
     """With the optimizer stepped per bucket inside backward (Note [Optimizer overlap]): each bucket's step, run
     on the compute side once backward's compute is over and the bucket's all-reduce is done, in bucket order."""

@@ -41,7 +41,7 @@ class ComputeRates:
     launch_s: float = 0.0
     """Seconds the thread that issues one collective spends in the call while its process group is idle (gloo
     wakes a worker; NCCL enqueues a kernel), as ``graphddp.runtime.calibration.launch_seconds`` measures it on the
-    ranks; 0: not measured (one rank, or ``graphddp inspect``, which has no group)."""
+    ranks; 0: not measured (one rank; ``graphddp inspect``, which has no group, takes it as ``--launch-us``)."""
 
     def __post_init__(self) -> None:
         if not (self.flops_per_s > 0 and self.bytes_per_s > 0) or self.python_call_s < 0 or self.launch_s < 0:

@@ -73,17 +73,23 @@ BANDWIDTH_BOUND_S = 0.1
 speed (the benchmark's token bucket holds 10 ms of traffic, a switch's buffers do the same): a series that stops at
 a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/cost.py``)."""
 
-CONSTRUCTION_MATMUL = 512
-"""The matmul ``compute_rates`` times at construction (512³: ~1 ms on a CPU core, near the large-matmul rate)."""
-
 LAUNCH_SAMPLES = 9
 """All-reduces ``launch_seconds`` times at construction (the median of nine: one descheduled call moves nothing)."""
 LAUNCH_SPACING_MATMUL = 256
 """The matmul run between two timed launches, four times (256³: a few tenths of a ms each on a CPU core)."""
 
+CONSTRUCTION_MATMUL = 512
+"""The matmul ``compute_rates`` times at construction (512³: ~1 ms on a CPU core, near the large-matmul rate)."""
+
 _fitted: weakref.WeakKeyDictionary[dist.ProcessGroup, LinkModel] = weakref.WeakKeyDictionary()
 _rates: weakref.WeakKeyDictionary[dist.ProcessGroup, ComputeRates] = weakref.WeakKeyDictionary()
 _cpu_costs: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[float, int], float]] = weakref.WeakKeyDictionary()
+
+
+def _random(*shape: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random operands for the timed kernels, from a generator of their own: building a DDP with automatic caps
+    must not move the random state a user's script draws from next (PyTorch's DDP leaves it alone)."""
+    return torch.randn(*shape, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(0))
 
 
 def link_of(
@@ -161,9 +167,10 @@ def grow_series(
 
 
 def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> ComputeRates:
-    """How fast this rank computes (a matmul's flop rate, an elementwise op's byte rate), rank 0's measurement
-    broadcast so every rank estimates graphs alike (``graphddp.passes.graph_cost``). Collective; measured once per
-    group (a second DDP on it costs nothing)."""
+    """How fast this rank computes (a matmul's flop rate, an elementwise op's byte rate, a Python call) and, on more
+    than one rank, what launching a collective costs (``launch_seconds``: ten more all-reduces), rank 0's
+    measurement broadcast so every rank estimates graphs and charges buckets alike (``graphddp.passes.graph_cost``).
+    Collective; measured once per group (a second DDP on it costs nothing)."""
     group = group if group is not None else dist.group.WORLD
     if group in _rates:
         return _rates[group]
@@ -183,24 +190,29 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
 
 
 def launch_seconds(
-    group: dist.ProcessGroup, *, device: torch.device | None = None, samples: int = LAUNCH_SAMPLES, nbytes: int = 1 << 20
+    group: dist.ProcessGroup, *, device: torch.device | None = None, samples: int = LAUNCH_SAMPLES, nbytes: int = SERIES_START_BYTES
 ) -> float:
     """Seconds of wall time the calling thread spends issuing one asynchronous all-reduce of ``nbytes`` while the
     group is idle, as a DDP issues a bucket between spans of backward: the median of ``samples`` calls, each after
     a span of compute long enough for the group's workers to go back to sleep (the previous all-reduce waited
-    for). Issued back to back the calls are several times cheaper (gloo, 2 vCPUs: 115 µs of the caller's CPU
-    spaced, 17 µs back to back; ``docs/benchmarks.md``, session 44): the spaced figure is what a bucket pays.
+    for). Issued back to back the calls are several times cheaper (gloo, 2 vCPUs: 166 µs of wall spaced, 25 µs back
+    to back; ``docs/benchmarks.md``, session 44): the spaced figure is what a bucket pays.
+
+    4 KiB by default: the part of a launch that does not grow with the bucket. Where gloo's worker shares the
+    caller's processor (each rank pinned to one, as the benchmark runs them), a bigger all-reduce's call also holds
+    the worker's work on its bytes (1 MiB: 0.3-2.6 ms a call against 0.1-0.3 ms for 4 KiB, session 45), which the
+    model charges per byte already (``cpu_cost_of_communication``).
     This rank's own figure (``compute_rates`` broadcasts rank 0's). Collective: every rank issues ``samples + 1``
     all-reduces."""
     if samples < 1 or nbytes < 4:
         raise ValueError(f"timing a launch needs samples >= 1 and nbytes >= 4, got {samples} and {nbytes}")
     device = device or torch.device("cpu")
     buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    a = torch.randn(LAUNCH_SPACING_MATMUL, LAUNCH_SPACING_MATMUL, device=device)
+    a = _random(LAUNCH_SPACING_MATMUL, LAUNCH_SPACING_MATMUL, device=device)
     dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
     times = []
     for _ in range(samples):
-        for _ in range(4):  # the span before the launch: ~1 ms of a CPU core
+        for _ in range(4):  # the span before the launch: 1-2 ms of a CPU core
             torch.mm(a, a)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the launch's own cost, not a wait for the queue
@@ -219,8 +231,8 @@ def measure_compute_rates(
     ``dtype``, best of 5 (a GPU under bf16 autocast: ``dtype=torch.bfloat16`` and a size its matmuls reach)."""
     device = device or torch.device("cpu")
     n = matmul_size
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    x, y = torch.randn(1 << 22, device=device, dtype=dtype), torch.randn(1 << 22, device=device, dtype=dtype)
+    a, b = _random(n, n, device=device, dtype=dtype), _random(n, n, device=device, dtype=dtype)
+    x, y = _random(1 << 22, device=device, dtype=dtype), _random(1 << 22, device=device, dtype=dtype)
     matmul_s = best_of(lambda: torch.mm(a, b), device)
     add_s = best_of(lambda: torch.add(x, y), device)
     return ComputeRates(
@@ -268,7 +280,7 @@ def cpu_cost_of_communication(
     per_byte = 2 * (world - 1) / world * link.seconds_per_byte
     buffers = [torch.zeros(1 << 20) for _ in range(max(1, int(0.5 * window_s / max(per_byte, 1e-12)) >> 22))]
     sent = sum(b.nbytes for b in buffers)
-    a = torch.randn(512, 512)
+    a = _random(512, 512)
     loops = max(1, int(window_s / max(best_of(lambda: torch.mm(a, a), torch.device("cpu")), 1e-6)))
 
     def compute() -> None:
@@ -411,7 +423,7 @@ def assembly_seconds_per_byte(device: torch.device | None = None, *, nbytes: int
     bench's calibrations of one session ranged over 0.13-1.01 ms per MB, the low end below the copy alone: the
     memory does not always come fresh)."""
     device = device or torch.device("cpu")
-    blocks = [torch.randn(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
+    blocks = [_random(nbytes // 4 // ASSEMBLY_BLOCKS, device=device) for _ in range(ASSEMBLY_BLOCKS)]
     return best_of(lambda: torch.cat(blocks), device) / nbytes
 
 

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dump", default=None, metavar="DIR", help="also write the debug dump (with AOT graphs) to DIR")
     inspect.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="also predict the step on this link, e.g. 2gbit or 10gbit:20us (Note [Step cost model]); compute is estimated from the graph at this machine's rates")
     inspect.add_argument("--comm-cpu", type=float, default=0.0, metavar="MS_PER_MB", help="compute each MB sent costs a rank, as a CPU run logs it ('communication costs X ms of compute per MB'): charged on --link to a tied table's part, automatic caps and the predictions (default 0: not charged)")
-    inspect.add_argument("--launch-us", type=float, default=0.0, metavar="US", help="what launching one collective costs the backward's thread, as a run logs it ('launching a collective costs X us'): charged to every bucket by automatic caps on --link (default 0: not charged)")
+    inspect.add_argument("--launch-us", type=float, default=0.0, metavar="US", help="what launching one collective costs the backward's thread, as a run logs it ('launching a collective costs X us'): charged on --link to every bucket, by automatic caps and in the predictions (default 0: not charged)")
     inspect.add_argument("--reduction", choices=REDUCTIONS, default="auto", help="how a compiled run reduces each graph: in-graph where it can (auto), split, in_graph (Note [In-graph reduction])")
     inspect.add_argument("--format", choices=("table", "json"), default="table")
     inspect.add_argument("--verbose", action="store_true", help="show the traceback of an error in TARGET")

@@ -96,10 +96,13 @@ def graph_step_inputs(
     gm: fx.GraphModule, split: GraphSplit, rates: ComputeRates, *, channels: int = 1, cpu_seconds_per_byte: float = 0.0
 ) -> StepInputs:
     """The step cost model's inputs for one graph: compute estimated from the graph at this machine's rates
-    (Note [Step cost model]), each byte sent costing the compute ``cpu_seconds_per_byte``; the optimizer is not
-    in them."""
+    (Note [Step cost model]), each byte sent costing the compute ``cpu_seconds_per_byte`` and each bucket
+    ``rates.reducer_seconds_per_bucket`` (its Python and its launch), as the automatic caps search charges them;
+    the optimizer is not in them."""
     node_seconds = forward_seconds(gm, rates)
-    inputs = estimated_step_inputs(split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte)
+    inputs = estimated_step_inputs(
+        split, node_seconds, cpu_seconds_per_byte=cpu_seconds_per_byte, cpu_seconds_per_bucket=rates.reducer_seconds_per_bucket
+    )
     return dataclasses.replace(inputs, forward_s=sum(node_seconds.values()), channels=channels)
 
 
@@ -211,8 +214,9 @@ def inspect_target(
     ``comm_cpu_ms_per_mb``: the compute each MB sent costs a rank, as a CPU run measures and logs it ("communication
     costs X ms of compute per MB"); charged, on ``link``, to a tied table's part (the rows verdict), to automatic
     caps and to the predictions. 0: not charged (without ranks nothing measures it). ``launch_us``: what launching
-    one collective costs the backward's thread, as a run logs it ("launching a collective costs X us"), charged to
-    every bucket by automatic caps (``ComputeRates.launch_s``); 0: not charged."""
+    one collective costs the backward's thread, as a run logs it ("launching a collective costs X us"), charged, on
+    ``link``, to every bucket, by automatic caps and in the predictions (``ComputeRates.launch_s``); 0: not
+    charged."""
     options = BucketOptions(
         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, last_bucket_cap_mb=last_bucket_cap_mb,
         bucket_ramps=bucket_ramps, bucket_cap_mb_list=bucket_cap_mb_list, sparse_embedding_grads=sparse_embedding_grads,
@@ -329,29 +333,26 @@ class GraphCapsChooser:
 
 def _comm_cpu_seconds_per_byte(ms_per_mb: float, link: LinkModel | None) -> float:
     """``--comm-cpu`` checked: ms of compute per MB sent, as seconds per byte (the same number, 1e-9 apart)."""
-    if isinstance(ms_per_mb, bool) or not isinstance(ms_per_mb, (int, float)):
-        raise TypeError(f"--comm-cpu must be a number of ms per MB, got {type(ms_per_mb).__name__} {ms_per_mb!r}")
-    if not 0 <= ms_per_mb < float("inf"):
-        raise ValueError(f"--comm-cpu must be a finite number of ms per MB >= 0, got {ms_per_mb}")
-    if ms_per_mb and link is None:
-        raise InspectError(
-            "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"
-        )
-    return ms_per_mb * 1e-9  # 1 ms per MB (1e6 B) is 1 ns per byte
+    return _charged_on_link(ms_per_mb, flag="--comm-cpu", unit="ms per MB", link=link) * 1e-9  # 1 ms per MB is 1 ns/B
 
 
 def _launch_seconds(launch_us: float, link: LinkModel | None) -> float:
     """``--launch-us`` checked: µs of one collective's launch, as seconds."""
-    if isinstance(launch_us, bool) or not isinstance(launch_us, (int, float)):
-        raise TypeError(f"--launch-us must be a number of microseconds, got {type(launch_us).__name__} {launch_us!r}")
-    if not 0 <= launch_us < float("inf"):
-        raise ValueError(f"--launch-us must be a finite number of microseconds >= 0, got {launch_us}")
-    if launch_us and link is None:
+    return _charged_on_link(launch_us, flag="--launch-us", unit="microseconds", link=link) * 1e-6
+
+
+def _charged_on_link(value: float, *, flag: str, unit: str, link: LinkModel | None) -> float:
+    """A cost a run measures on its ranks and inspect is given (``flag``, in ``unit``): a finite number >= 0, and
+    only with a link to charge it on."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{flag} must be a number of {unit}, got {type(value).__name__} {value!r}")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{flag} must be a finite number of {unit} >= 0, got {value}")
+    if value and link is None:
         raise InspectError(
-            "--launch-us is charged by automatic caps on a link: give the link to plan for with --link RATE[:LATENCY] "
-            "(e.g. --link 5gbit)"
+            f"{flag} is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"
         )
-    return launch_us * 1e-6
+    return value
 
 
 def load_target(target: str, *, batch: int | None, size: str) -> tuple[nn.Module, tuple]:

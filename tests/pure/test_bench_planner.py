@@ -439,6 +439,8 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line(caplog: pytest.Log
         "automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms); from a link of "
         "150 µs and 1.00 Gbit/s, matmul 51 Gflop/s, elementwise 20.6 GB/s, gloo's CPU 0.77 ns/B"
     ), line
+    line = run.automatic_caps_line({**base, "rates": {**rates, "launch_s": 1.41e-4}, "choices": [chose]})  # since session 45
+    assert line.endswith("elementwise 20.6 GB/s, a launch 141 µs, gloo's CPU 0.77 ns/B"), line
     line = run.automatic_caps_line({**base, "choices": [{**chose, "worst_regret": 0.0123}]})  # since session 43
     assert line.startswith("automatic caps chose 2/2/2 MiB (1233.3 ms predicted, 7.4% faster than 25/1/1 MiB's 1332.0 ms, within 1.2% of the fastest at every compute speed); "), line
     line = run.automatic_caps_line({**base, "choices": [kept]})

@@ -101,8 +101,9 @@ def test_the_cpu_cost_of_communication_is_rank_0s_figure_on_every_rank() -> None
     assert cost == measured[0], results
 
 
-def launch_costs(rank: int, world: int) -> tuple[float, float, list[float]]:
-    """(the launch this rank's compute rates hold, what they charge a bucket, what each rank measured itself)."""
+def launch_costs(rank: int, world: int) -> tuple[float, float, list[float], float]:
+    """(the launch this rank's compute rates hold, what they charge a bucket, what each rank measured itself, the
+    launch held for a group of this rank alone)."""
     import torch
     import torch.distributed as dist
 
@@ -118,21 +119,44 @@ def launch_costs(rank: int, world: int) -> tuple[float, float, list[float]]:
     calibration.launch_seconds = kept
     try:
         rates = calibration.compute_rates(dist.new_group(list(range(world))))
+        alone, _ = dist.new_subgroups(group_size=1)  # one rank launches no collective: nothing to measure
+        solo = calibration.compute_rates(alone).launch_s
     finally:
         calibration.launch_seconds = measure
     assert len(raw) == 1, raw  # measured once, by this rank
     everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(everyone, torch.tensor(raw, dtype=torch.float64))
-    return rates.launch_s, rates.reducer_seconds_per_bucket, [float(t[0]) for t in everyone]
+    return rates.launch_s, rates.reducer_seconds_per_bucket, [float(t[0]) for t in everyone], solo
 
 
 def test_a_collectives_launch_is_measured_on_the_ranks_and_charged_to_every_bucket() -> None:
     from graphddp.passes.cost import REDUCER_CALLS_PER_BUCKET
 
     results = run_on_ranks(launch_costs, 2)
-    assert len({(launch, per_bucket) for launch, per_bucket, _ in results}) == 1, results  # rank 0's, on every rank
-    launch, per_bucket, measured = results[0]
+    assert len({(launch, per_bucket) for launch, per_bucket, *_ in results}) == 1, results  # rank 0's, on every rank
+    launch, per_bucket, measured, _ = results[0]
+    assert all(solo == 0.0 for *_, solo in results), results
     assert all(figure > 0.0 for figure in measured), results  # issuing a collective takes its caller some time
     assert launch == measured[0], results
     # Each bucket pays its launch beside the Reducer's Python (which is what it paid alone before).
     assert per_bucket > launch > 0.0 and per_bucket - launch < REDUCER_CALLS_PER_BUCKET * 1e-5, results
+
+
+def random_state_moved_by_an_auto_ddp(rank: int, world: int) -> bool:
+    """Whether building a DDP with automatic caps (every calibration, on a group of its own) moved the global random
+    state a script draws from next."""
+    import torch
+    import torch.distributed as dist
+
+    import graphddp
+
+    group = dist.new_group(list(range(world)))
+    model = torch.nn.Linear(8, 8)  # its initialisation draws from the state, as it should
+    before = torch.get_rng_state()
+    graphddp.DDP(model, process_group=group, bucket_cap_mb="auto", init_sync=False)
+    return not torch.equal(before, torch.get_rng_state())
+
+
+def test_calibrating_at_construction_leaves_the_scripts_random_state_alone() -> None:
+    # PyTorch's DDP draws no random number; a drop-in that times kernels on random operands must not either.
+    assert run_on_ranks(random_state_moved_by_an_auto_ddp, 2) == [False, False]

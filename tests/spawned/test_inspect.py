@@ -370,15 +370,25 @@ def test_a_bad_comm_cpu_is_one_line_and_exit_2(args: tuple[str, ...], message: s
 def test_a_launch_cost_given_is_charged_to_every_bucket_by_automatic_caps(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--launch-us``: what launching one collective costs the backward's thread, as a run measures and logs it
     (``ComputeRates.launch_s``). Automatic caps charge it to every bucket, as a run's do: 5 ms a launch leaves the
-    small GPT at 10 Gbit/s fewer buckets than none does."""
+    small GPT at 10 Gbit/s fewer buckets than none does; under fixed caps the plan stays and each bucket's launch
+    is in the predicted step."""
+    from graphddp.tools.inspection import inspect_target
+
     monkeypatch.setattr("graphddp.tools.inspection.measure_compute_rates", lambda: RATES)
     args = ("gpt", "--size", "small", "--link", "10gbit", *AUTO)
     free, charged = (len(inspect_json(capsys, *args, "--launch-us", us)["buckets"]) for us in ("0", "5000"))
     assert 1 <= charged < free, (charged, free)
+    fixed = {us: inspect_target("gpt", size="small", world_size=2, link="10gbit", launch_us=us) for us in (0.0, 5000.0)}
+    assert fixed[0.0].plan.fingerprint == fixed[5000.0].plan.fingerprint
+    (graph,), (launched,) = fixed[0.0].graphs, fixed[5000.0].graphs
+    # The backward's thread runs the launches between its segments: at least one lies on the step's path, and
+    # the step grows by no more than all of them.
+    grown = launched.prediction.step_s - graph.prediction.step_s
+    assert 5e-3 <= grown <= 5e-3 * len(graph.plan.buckets) + 1e-9, (grown, len(graph.plan.buckets))
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--launch-us", "100"), "--launch-us is charged by automatic caps on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
+    (("--launch-us", "100"), "--launch-us is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
     (("--launch-us", "-1", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got -1.0"),
     (("--launch-us", "nan", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got nan"),
 ])  # fmt: skip
