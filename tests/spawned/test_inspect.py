@@ -361,13 +361,16 @@ def test_the_cpu_communication_costs_is_not_charged_to_an_untied_table_under_fix
     (("--comm-cpu", "1"), "--comm-cpu is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
     (("--comm-cpu", "-1", "--link", "1gbit"), "--comm-cpu must be a finite number of ms per MB >= 0, got -1.0"),
     (("--comm-cpu", "inf", "--link", "1gbit"), "--comm-cpu must be a finite number of ms per MB >= 0, got inf"),
+    (("--launch-us", "100"), "--launch-us is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
+    (("--launch-us", "-1", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got -1.0"),
+    (("--launch-us", "nan", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got nan"),
 ])  # fmt: skip
-def test_a_bad_comm_cpu_is_one_line_and_exit_2(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture) -> None:
+def test_a_bad_cost_to_charge_is_one_line_and_exit_2(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect", "mlp", "--size", "tiny", *args]) == 2
     assert capsys.readouterr().err.strip() == f"graphddp inspect: {message}"
 
 
-def test_a_launch_cost_given_is_charged_to_every_bucket_by_automatic_caps(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_launch_cost_given_is_charged_to_every_bucket_by_automatic_caps_and_in_the_prediction(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--launch-us``: what launching one collective costs the backward's thread, as a run measures and logs it
     (``ComputeRates.launch_s``). Automatic caps charge it to every bucket, as a run's do: 5 ms a launch leaves the
     small GPT at 10 Gbit/s fewer buckets than none does; under fixed caps the plan stays and each bucket's launch
@@ -386,12 +389,3 @@ def test_a_launch_cost_given_is_charged_to_every_bucket_by_automatic_caps(capsys
     grown = launched.prediction.step_s - graph.prediction.step_s
     assert 5e-3 <= grown <= 5e-3 * len(graph.plan.buckets) + 1e-9, (grown, len(graph.plan.buckets))
 
-
-@pytest.mark.parametrize(("args", "message"), [
-    (("--launch-us", "100"), "--launch-us is charged on a link: give the link to plan for with --link RATE[:LATENCY] (e.g. --link 5gbit)"),
-    (("--launch-us", "-1", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got -1.0"),
-    (("--launch-us", "nan", "--link", "1gbit"), "--launch-us must be a finite number of microseconds >= 0, got nan"),
-])  # fmt: skip
-def test_a_bad_launch_cost_is_one_line_and_exit_2(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["inspect", "mlp", "--size", "tiny", *args]) == 2
-    assert capsys.readouterr().err.strip() == f"graphddp inspect: {message}"
