@@ -176,7 +176,8 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
         return _rates[group]
     device = device or torch.device("cpu")
     here = measure_compute_rates(device, matmul_size=CONSTRUCTION_MATMUL)
-    several = dist.get_world_size(group) > 1
+    world = dist.get_world_size(group)
+    several = world > 1
     launch = launch_seconds(group, device=device) if several else 0.0  # one rank launches no collective
     agreed = torch.tensor([here.flops_per_s, here.bytes_per_s, here.python_call_s, launch], dtype=torch.float64, device=device)
     if several:
@@ -185,7 +186,7 @@ def compute_rates(group: dist.ProcessGroup | None = None, *, device: torch.devic
     _rates[group] = rates = ComputeRates(flops_per_s=flops, bytes_per_s=moved, python_call_s=call, launch_s=launch)
     if several:  # `graphddp inspect --launch-us` takes this figure
         logger.info("graphddp: launching a collective costs %.0f us of the calling thread (rank 0's median of %d, %d-rank group)",
-                    launch * 1e6, LAUNCH_SAMPLES, dist.get_world_size(group))  # fmt: skip
+                    launch * 1e6, LAUNCH_SAMPLES, world)  # fmt: skip
     return rates
 
 
