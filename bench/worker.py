@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import graphddp
+from graphddp.passes.blocks_in_place import WAIT_BLOCKS_OP
 from graphddp.runtime.calibration import assembly_seconds_per_byte, best_of, cpu_cost_of_communication, link_of
 from graphddp.runtime.optimizer_overlap import StepPerBucket
 from graphddp.runtime.reductions import goes_as_rows
@@ -224,13 +225,20 @@ class ProfilerMarks:
             pass
 
 
+WAITS = ("_c10d_functional::wait_tensor", WAIT_BLOCKS_OP)
+"""The ops an in-graph backward waits for its all-reduces with (``profiled_timeline``'s ``compute_end``)."""
+
+
 def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None, float]]:
     """One iteration under ``torch.profiler``: the phase marks, and each all-reduce numbered in issue order as
     buckets: ``launch`` when it was issued (the ``c10d::allreduce_`` op, from PyTorch's C++ Reducer or from a
     compiled graph's functional all-reduce alike), ``done`` when gloo's thread finished it (the k-th
     ``gloo:all_reduce`` range by start). A graphddp mode that reduced in-graph has no Reducer events: its
-    ``finalize`` (the end of backward's compute, where the predictions' window ends) is its last issue, which its
-    last gradient's completion triggers."""
+    ``finalize`` is its last issue, and ``compute_end`` the first wait of its backward (``WAITS``), which every
+    computation precedes: the waits are sunk to the gradients' output, and with steps in backward the steps and
+    their waits go after every computation (Note [Steps in the compiled backward]). Where the backward's compute
+    ends, the predictions' window ends (``bench.predict``); neither mark alone finds it: the last issue of a
+    row-sparse last bucket is its rows, sent only once its mask is back, and a rows node's own waits are not ops."""
     batch = m.workload.make_batch(m.data)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -249,6 +257,10 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
         events += [("launch", k, None, (issue - t0) / 1e3), ("done", k, None, (end - t0) / 1e3)]
     if isinstance(m.ddp, graphddp.DDP) and issued:
         events.append(("finalize", None, None, (issued[-1] - t0) / 1e3))
+        backward = next((t for kind, t in marks if kind == "backward"), None)
+        waited = [e.time_range.start for e in prof.events() if e.name in WAITS and backward is not None and e.time_range.start >= backward]
+        if waited:
+            events.append(("compute_end", None, None, (min(waited) - t0) / 1e3))
     return sorted(events, key=lambda e: e[3])
 
 

@@ -107,6 +107,28 @@ def test_predictions_from_the_runs_own_measurements() -> None:
     assert predict_modes(no_calibration) == {}
 
 
+def test_an_in_graph_backward_ends_where_its_compute_ends_not_at_its_last_issue() -> None:
+    # In-graph, profiled (bench.worker.profiled_timeline): a 100 kB bucket issued at 3/4 of the 200 ms backward, a
+    # table's mask (the last bucket, 50 kB sent) at its end, the table's rows once the mask was back, 120 ms later:
+    # the last issue, ``finalize``. Bucket 0 sends 150-250 ms into backward, the table 250-300: 100 ms exposed.
+    s = summary()
+    timeline = [
+        ["forward", None, None, 0.0], ["backward", None, None, 100.0], ["launch", 0, None, 250.0], ["launch", 1, None, 300.0],
+        ["done", 0, None, 350.0], ["done", 1, None, 400.0], ["launch", 2, None, 420.0], ["finalize", None, None, 420.0],
+        ["done", 2, None, 430.0], ["optimizer", None, None, 440.0], ["end", None, None, 490.0],
+    ]  # fmt: skip
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.45, "phases_s": s["modes"]["local"]["phases_s"]}
+    s["timelines"]["graphddp-compiled"] = [timeline]
+    s["buckets"]["graphddp-compiled"] = [{"bytes": 100_000, "sent": 100_000, "row_sparse": False}, {"bytes": 50_000, "sent": 50_000, "row_sparse": True}]
+    expected = 0.1 + 0.2 + 0.1 + 0.05  # a window to finalize (320 ms) said 0.394: every bucket complete early
+    assert predict_modes(s)["graphddp-compiled"]["predicted_s"] == pytest.approx(expected)
+    # With steps in backward the mask goes after the other buckets' steps, at 400 ms; the backward's first wait
+    # (``compute_end``) is where its compute ended. A window to the mask said 0.40.
+    stepped = [e for e in timeline if e[:2] != ["launch", 1]] + [["launch", 1, None, 400.0], ["compute_end", None, None, 300.0]]
+    s["timelines"]["graphddp-compiled"] = [sorted(stepped, key=lambda e: e[3])]
+    assert predict_modes(s)["graphddp-compiled"]["predicted_s"] == pytest.approx(expected)
+
+
 def test_the_matrix_reports_whether_the_model_would_step_the_optimizer_in_backward() -> None:
     """Issue 27, item 3: graphddp-compiled and ``+step`` with graphddp-eager's schedule. After backward the 50 ms
     optimizer follows bucket 1 (0.1 + 0.2 + 0.05 + 0.05 s); stepped per bucket, bucket 0's 25 ms step hides
