@@ -5,8 +5,8 @@ compute alone (``local``'s forward, backward and optimizer; ``local-compiled``'s
 has it), and where in backward each bucket is complete.
 
 Where buckets complete: a graphddp mode's own recorded iteration gives each bucket's launch as a fraction of
-its backward (eager: when its last gradient arrived; compiled: when the segment that completes it ended),
-scaled to ``local``'s backward. PyTorch's modes have no events of ours, so their buckets are laid out as
+its backward's compute (eager and split: when its last gradient arrived; in-graph: when the compiled backward issued
+its all-reduce), scaled to ``local``'s backward. PyTorch's modes have no events of ours, so their buckets are laid out as
 PyTorch's Reducer rebuilds them after its first iteration, by its own function (``torch_buckets``), over the
 parameters' ready fractions recorded in ``graphddp-eager``'s iteration.
 ``naive`` all-reduces each gradient after backward; ``comm`` sends the buckets back to back.
@@ -205,7 +205,7 @@ def _ready_fractions(summary: dict[str, Any]) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class _BackwardWindow:
-    """One recorded iteration's backward, from its ``backward`` mark to the Reducer's ``finalize`` (ms)."""
+    """One recorded iteration's backward, from its ``backward`` mark to the end of its compute (ms; see ``of``)."""
 
     first: dict[tuple[str, int | None], float]
     """The first time (ms) of each (kind, bucket) event."""
@@ -215,13 +215,16 @@ class _BackwardWindow:
     @classmethod
     def of(cls, events: list[list[Any]], *, last_launch: int | None = None) -> _BackwardWindow | None:
         """The window of one recorded iteration, to the end of its backward's compute: the earliest of
-        ``finalize``, the launch of the last bucket (``last_launch``, its index) and ``compute_end`` (an in-graph
+        ``finalize``, the launch of the last bucket (``last_launch``, its index; every graphddp mode's window, the
+        Reducer's too, where the launch and ``finalize`` are a few µs apart) and ``compute_end`` (an in-graph
         backward's first wait), where recorded. An in-graph timeline's ``finalize`` is its last issued all-reduce
         (``bench.worker.profiled_timeline``); a row-sparse table that is the last bucket issues its rows only once
         its mask is back, behind every bucket still on the link, so that finalize holds the exposed
         communication, and with steps in backward its mask goes after the other buckets' steps too. A window to
         either put every bucket's completion early: gpt's compiled modes came out 12-19 % fast in sessions
-        44-46."""
+        44-46. Assumed, as the bench's workloads are: one compiled graph (a graph break's later graph waits
+        mid-backward), and no all-reduce beside the buckets' (an abandon signal summed apart would shift the
+        launches' numbering by one)."""
         first: dict[tuple[str, int | None], float] = {}
         for kind, bucket, _param, t_ms in events:
             first.setdefault((kind, bucket), t_ms)

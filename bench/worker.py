@@ -234,11 +234,15 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
     buckets: ``launch`` when it was issued (the ``c10d::allreduce_`` op, from PyTorch's C++ Reducer or from a
     compiled graph's functional all-reduce alike), ``done`` when gloo's thread finished it (the k-th
     ``gloo:all_reduce`` range by start). A graphddp mode that reduced in-graph has no Reducer events: its
-    ``finalize`` is its last issue, and ``compute_end`` the first wait of its backward (``WAITS``), which every
-    computation precedes: the waits are sunk to the gradients' output, and with steps in backward the steps and
-    their waits go after every computation (Note [Steps in the compiled backward]). Where the backward's compute
-    ends, the predictions' window ends (``bench.predict``); neither mark alone finds it: the last issue of a
-    row-sparse last bucket is its rows, sent only once its mask is back, and a rows node's own waits are not ops."""
+    ``finalize`` is its last issue, and ``compute_end`` the first wait of its backward (``WAITS``): the waits
+    are sunk to their first consumer (a gradient's: the graph's output; a tied table's part's: the table's rows
+    node, with the last gradient), and with steps in backward the steps and their waits go after every computation
+    (Note [Steps in the compiled backward]). Not exact: a gradient sent in pieces is joined (``wait_blocks_``)
+    where autograd traced the join, so compute no collective needs (a table's lookups' gradient) can follow its
+    wait; in gpt at 1 Gbit/s ``compute_end`` came 2 ms before the table's mask (session 46). Where the backward's
+    compute ends, the predictions' window ends (``bench.predict``); neither ``finalize`` nor the last bucket's
+    launch alone finds it: a row-sparse last bucket's last issue is its rows, sent only once its mask is back,
+    and with steps in backward its mask is sent after the other buckets' steps."""
     batch = m.workload.make_batch(m.data)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -122,9 +122,10 @@ def test_an_in_graph_backward_ends_where_its_compute_ends_not_at_its_last_issue(
     s["buckets"]["graphddp-compiled"] = [{"bytes": 100_000, "sent": 100_000, "row_sparse": False}, {"bytes": 50_000, "sent": 50_000, "row_sparse": True}]
     expected = 0.1 + 0.2 + 0.1 + 0.05  # a window to finalize (320 ms) said 0.394: every bucket complete early
     assert predict_modes(s)["graphddp-compiled"]["predicted_s"] == pytest.approx(expected)
-    # With steps in backward the mask goes after the other buckets' steps, at 400 ms; the backward's first wait
-    # (``compute_end``) is where its compute ended. A window to the mask said 0.40.
-    stepped = [e for e in timeline if e[:2] != ["launch", 1]] + [["launch", 1, None, 400.0], ["compute_end", None, None, 300.0]]
+    # A timeline as steps in backward record it (the same mode predicted; only the events change): the mask goes
+    # after the other buckets' steps, at 390 ms, and the backward's first wait (``compute_end``) is where its
+    # compute ended. A window to the mask said 0.40.
+    stepped = [e for e in timeline if e[:2] != ["launch", 1]] + [["launch", 1, None, 390.0], ["compute_end", None, None, 300.0]]
     s["timelines"]["graphddp-compiled"] = [sorted(stepped, key=lambda e: e[3])]
     assert predict_modes(s)["graphddp-compiled"]["predicted_s"] == pytest.approx(expected)
 
