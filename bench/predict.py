@@ -229,12 +229,11 @@ class _BackwardWindow:
         for kind, bucket, _param, t_ms in events:
             first.setdefault((kind, bucket), t_ms)
         start, end = first.get(("backward", None)), first.get(("finalize", None))
-        if end is not None:
-            ends = (first.get(("launch", last_launch)) if last_launch is not None else None, first.get(("compute_end", None)))
-            end = min([end, *(t for t in ends if t is not None and start is not None and t > start)])
-        if start is None or end is None or end <= start:
+        if start is None or end is None:
             return None
-        return cls(first, start, end)
+        earlier = (first.get(("launch", last_launch)), first.get(("compute_end", None)))
+        end = min([end, *(t for t in earlier if t is not None and t > start)])
+        return cls(first, start, end) if end > start else None
 
     def fraction(self, t_ms: float) -> float:
         """How far into backward ``t_ms`` is, clamped to [0, 1]."""

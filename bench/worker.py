@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import graphddp
 from graphddp.passes.blocks_in_place import WAIT_BLOCKS_OP
+from graphddp.passes.reduction import WAIT_OP
 from graphddp.runtime.calibration import assembly_seconds_per_byte, best_of, cpu_cost_of_communication, link_of
 from graphddp.runtime.optimizer_overlap import StepPerBucket
 from graphddp.runtime.reductions import goes_as_rows
@@ -225,7 +226,7 @@ class ProfilerMarks:
             pass
 
 
-WAITS = ("_c10d_functional::wait_tensor", WAIT_BLOCKS_OP)
+WAITS = (WAIT_OP, WAIT_BLOCKS_OP)
 """The ops an in-graph backward waits for its all-reduces with (``profiled_timeline``'s ``compute_end``)."""
 
 
@@ -262,9 +263,10 @@ def profiled_timeline(m: PreparedMode) -> list[tuple[str, int | None, str | None
     if isinstance(m.ddp, graphddp.DDP) and issued:
         events.append(("finalize", None, None, (issued[-1] - t0) / 1e3))
         backward = next((t for kind, t in marks if kind == "backward"), None)
-        waited = [e.time_range.start for e in prof.events() if e.name in WAITS and backward is not None and e.time_range.start >= backward]
-        if waited:
-            events.append(("compute_end", None, None, (min(waited) - t0) / 1e3))
+        if backward is not None:
+            waited = [e.time_range.start for e in prof.events() if e.name in WAITS and e.time_range.start >= backward]
+            if waited:
+                events.append(("compute_end", None, None, (min(waited) - t0) / 1e3))
     return sorted(events, key=lambda e: e[3])
 
 

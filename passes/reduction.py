@@ -77,8 +77,12 @@ _VIEW_OPS = {"view", "_unsafe_view", "slice", "reshape", "alias", "as_strided", 
 """ATen ops whose result is a view of their input (``operator.getitem`` of a split's outputs counts too)."""
 
 
+WAIT_OP = "_c10d_functional::wait_tensor"
+"""A functional collective's wait (also the op name ``torch.profiler`` records for it: ``bench.worker``)."""
+
+
 def is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "_c10d_functional::wait_tensor"
+    return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == WAIT_OP
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -125,7 +129,7 @@ def _op_name(node: fx.Node) -> str:
 
 def _is_collective(node: fx.Node) -> bool:
     name = _op_name(node)
-    return name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor"
+    return name.startswith("_c10d_functional::") and name != WAIT_OP
 
 
 def _is_barrier(node: fx.Node) -> bool:
