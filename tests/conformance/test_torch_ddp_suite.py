@@ -1,7 +1,7 @@
 """PyTorch's own DDP tests, run against graphddp by substitution (slow; see ``torch_ddp_suite.py``).
 
 Each test name below is run from torch's ``distributed_test.DistributedTest._DistTestBase`` (gloo, world size 2,
-``MultiProcessTestCase`` spawn), all of them in one subprocess, three times each: with PyTorch's DDP (the control, ``TestTorchDDPControl``),
+``MultiProcessTestCase``, ranks forked from a fork server: ``torch_ddp_suite.rank_process``), all of them in one subprocess, three times each: with PyTorch's DDP (the control, ``TestTorchDDPControl``),
 with ``graphddp.install()`` in every rank (``TestGraphDDPInstalled``), and with the name rebound to ``graphddp.DDP``
 (``TestGraphDDPRebound``: how scripts swapped DDP before ``install()``). A test the control does not pass here is a
 failure of the environment; one the control passes must pass under graphddp both ways.
@@ -86,8 +86,8 @@ _OUTCOME = re.compile(r"^\S+::(\w+)::(\w+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XP
 @dataclasses.dataclass(frozen=True)
 class SuiteRun:
     """Every (class, test) of the suite run in one subprocess: a pytest start and torch's test modules imported
-    once, not 33 times (that cost about 4 s a run, ~2 minutes of the slow suite); each test still spawns its own
-    two ranks (``MultiProcessTestCase``), so the tests stay as independent as before."""
+    once, not 33 times (that cost about 4 s a run, ~2 minutes of the slow suite); each test still starts two fresh
+    ranks (``MultiProcessTestCase``, from ``torch_ddp_suite.rank_process``), so the tests stay independent."""
 
     outcomes: dict[tuple[str, str], str]
     """(class, test) -> passed/failed/skipped/error; a test missing here did not finish (see ``output``)."""
@@ -127,7 +127,8 @@ def _run_suite(names: list[str]) -> SuiteRun:
 
 
 SUITE_TIMEOUT_S = TEST_TIMEOUT_S * 4 + 60 * len(INCLUDED)
-"""The whole run: ~4 s a (class, test) here (136 s for 33), a hung one stopped by pytest-timeout at TEST_TIMEOUT_S."""
+"""The whole run: ~1 s a (class, test) here (32 s for 33; 137 s when each rank was spawned and imported torch), a
+hung one stopped by pytest-timeout at TEST_TIMEOUT_S."""
 
 
 @pytest.fixture(scope="module")
