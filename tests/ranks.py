@@ -1,10 +1,11 @@
 """The one helper every multi-rank test goes through: run a function on N gloo rank processes, with a timeout.
 
 ``run_on_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on every rank of a gloo process
-group and returns the per-rank results. Ranks are real processes, kept in a pool per world size
-between tests so each test does not pay for process start-up again; fresh ones come from a fork server that has
-imported torch once (``rank_context``). Any failure or
-timeout tears the pool down, so the next test starts from fresh processes and a clean process group.
+group and returns the per-rank results. Ranks are real processes (``spawn``), kept in a pool per world size
+between tests so each test does not pay for process start-up and ``import torch`` again; each rank of a pool
+hashes strings with a seed of its own (``RankPool``). Any failure or timeout tears the pool down, so the next test
+starts from fresh processes and a clean process group. Fault tests take fresh ranks for every scenario
+(``run_with_faults``), forked from a server that has imported torch once (``fault_context``).
 
 A hang (a rank stuck in a collective) fails after ``timeout`` seconds with a message naming the ranks that
 did not answer, instead of freezing the suite.
@@ -28,33 +29,38 @@ from graphddp.tools.launch import MODULES_BINDING_THE_DEFAULT_GROUP
 DEFAULT_TIMEOUT_S = 120.0
 
 PRELOADED = ("torch", "torch.distributed", *MODULES_BINDING_THE_DEFAULT_GROUP)
-"""What the fork server imports once for every rank it starts: importing these takes a new process 2.2-2.6 s on CI's
-2 cores, and the suites start a few hundred fresh ranks (every fault scenario, every pool torn down after a failure):
-``test_misuse.py``, ``test_faults.py`` and ``test_bad_input.py`` took 110 s spawned and take 52 s forked. The last
-three are what ``import_before_init`` imports before any group exists, so the server binds no group."""
+"""What the fault ranks' fork server imports once: importing these takes a new process 2.2-2.6 s on CI's 2 cores,
+and every fault scenario starts fresh ranks (``test_misuse.py``, ``test_faults.py`` and ``test_bad_input.py`` took
+110 s with every rank spawned, 52 s forked). The last three are what ``import_before_init`` imports before any
+group exists, so the server binds no group."""
+
+START_METHODS = ("forkserver", "spawn")
 
 
-def rank_context() -> Any:
-    """The multiprocessing context ranks start from: ``forkserver`` with ``PRELOADED`` imported in the server.
+def fault_context() -> Any:
+    """The multiprocessing context fault ranks start from: ``forkserver`` with ``PRELOADED`` imported in the server.
 
-    Each rank is still a new process with a process group of its own, started from this process's ``sys.path``
-    (pickled test functions resolve as under ``spawn``), but forked from a server that has imported torch and never
-    ran a collective or a parallel kernel. A rank takes the environment its parent has when it starts
-    (``_in_parent_env``), as under ``spawn``; only what torch reads while it is imported comes from the environment
-    the server started with (the parent's at its first rank). ``GRAPHDDP_TEST_START_METHOD=spawn`` starts ranks as before (each
-    importing torch itself), to rule the server out when a rank misbehaves."""
+    Each rank is a new process with a process group of its own, given this process's ``sys.path`` and, through
+    ``in_parent_env``, its environment at the start, as under ``spawn``. What a new interpreter takes at its own
+    start comes from the server instead (the parent's environment when the server started at the first fault rank):
+    the string-hash seed is one for every fault rank. The pool's ranks, where training parity is tested, are
+    spawned with a seed each (``RankPool``). ``GRAPHDDP_TEST_START_METHOD=spawn`` spawns fault ranks too, to rule the
+    server out when one misbehaves. Never add a module of ``tests/`` to ``PRELOADED``: the server imports with
+    the interpreter's own path, not this process's."""
     method = os.environ.get("GRAPHDDP_TEST_START_METHOD", "forkserver")
+    if method not in START_METHODS:
+        raise ValueError(f"GRAPHDDP_TEST_START_METHOD must be one of {START_METHODS}, got {method!r}")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOADED))  # takes effect when the server starts: at the first rank
     return ctx
 
 
-def _in_parent_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
-    """Run ``target(*args)`` in a new rank with its parent's environment ``env`` (a forked rank has the server's)."""
+def in_parent_env(env: dict[str, str], target: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Run ``target`` in a new rank with its parent's environment ``env`` (a forked rank has the server's)."""
     os.environ.clear()
     os.environ.update(env)
-    target(*args)
+    target(*args, **kwargs)
 
 
 class RankFailure(AssertionError):
@@ -95,21 +101,32 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 class RankPool:
-    """``world_size`` rank processes sharing one process group (gloo, or NCCL for the GPU tests)."""
+    """``world_size`` spawned processes sharing one process group (gloo, or NCCL for the GPU tests).
+
+    Rank r hashes strings with ``PYTHONHASHSEED=r + 1``, as ranks a launcher starts each have a seed of their own:
+    an order taken from a set of names, where the ranks must agree, then differs between the ranks in every run."""
 
     def __init__(self, world_size: int, backend: str = "gloo") -> None:
-        ctx = rank_context()
+        ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix="graphddp-ranks-")
         init_file = os.path.join(self._dir.name, "init")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_in_parent_env, args=(dict(os.environ), _worker, r, world_size, init_file, self._tasks[r], self._results, backend), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results, backend), daemon=True)
             for r in range(world_size)
         ]
-        for p in self._procs:
-            p.start()
+        seed = os.environ.get("PYTHONHASHSEED")
+        try:
+            for r, p in enumerate(self._procs):
+                os.environ["PYTHONHASHSEED"] = str(r + 1)  # a spawned interpreter reads it as it starts
+                p.start()
+        finally:
+            if seed is None:
+                os.environ.pop("PYTHONHASHSEED", None)
+            else:
+                os.environ["PYTHONHASHSEED"] = seed
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list[Any]:
         for q in self._tasks:
@@ -235,12 +252,16 @@ def run_with_faults(
     ``wait_for``: the ranks whose answers to wait for (default: all; a frozen rank never answers)."""
     import signal
 
-    ctx = rank_context()
+    ctx = fault_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="graphddp-faults-") as directory:
         init_file = os.path.join(directory, "init")
         procs = [
-            ctx.Process(target=_in_parent_env, args=(dict(os.environ), _isolated_worker, r, world_size, init_file, pg_timeout_s, fn, args, results), daemon=True)
+            ctx.Process(
+                target=in_parent_env,
+                args=(dict(os.environ), _isolated_worker, r, world_size, init_file, pg_timeout_s, fn, args, results),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -73,7 +73,8 @@ INCLUDED = [
 RELIES_ON_TORCH_INTERNALS = {}  # test -> why (none now)
 
 TEST_TIMEOUT_S = 240
-"""Per test (one class, one test, two ranks): torch's DDP takes 3-15 s each on 2 cores."""
+"""Per test (one class, one test, two ranks): ~1 s each on 2 cores with the ranks forked from the server, 3-15 s
+when each was spawned."""
 CLASSES = {
     "TestTorchDDPControl": "PyTorch's DDP",
     "TestGraphDDPInstalled": "with graphddp.install()",
@@ -117,7 +118,7 @@ def _run_suite(names: list[str]) -> SuiteRun:
     try:
         out, _ = proc.communicate(timeout=SUITE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the spawned ranks too
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks and their fork server too
         out, _ = proc.communicate()
     except BaseException:  # interrupted (Ctrl-C, the outer timeout): its own session would outlive us
         os.killpg(proc.pid, signal.SIGKILL)

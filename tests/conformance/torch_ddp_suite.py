@@ -15,9 +15,12 @@ The file name does not match ``test_*.py``, so the default pytest run does not c
 
     python -m pytest -p no:cacheprovider tests/conformance/torch_ddp_suite.py -k "TestGraphDDPInstalled and test_ddp_logging_data_cpu"
 
-One difference from PyTorch's setup: the ranks are not spawned but forked from a fork server that has imported torch
-and its test module once (``rank_process``), so each of the 33 (class, test) pairs does not pay for two ranks
-importing them again; each rank is still a fresh process with its parent's environment (``TEMP_DIR``).
+Where this differs from PyTorch's setup: the ranks are not spawned but forked from a fork server that has imported
+torch and its test module once (``rank_process``), so each of the 33 (class, test) pairs does not pay for two ranks
+importing them again. Each rank is a new process with its parent's environment (``TEMP_DIR``), but both ranks hash
+strings with the server's seed (graphddp's parity tests run on spawned ranks with a seed each: ``tests/ranks.py``),
+and a process a rank starts forks by default, where PyTorch's setup makes every rank spawn (none of the included
+tests starts one).
 
 Needs ``expecttest`` (imported by torch's common_utils). Env: ``BACKEND`` (gloo), ``WORLD_SIZE`` (2) default here,
 ``TEMP_DIR`` is made per test by ``TestDistBackend.setUp``.
@@ -41,27 +44,26 @@ if not dist.is_available():  # pragma: no cover
     print("Distributed not available, skipping tests", file=sys.stderr)
     sys.exit(0)
 
+from ranks import in_parent_env  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
 
-PRELOADED = ["torch", "torch.distributed", "torch.testing._internal.distributed.distributed_test"]
-"""What the fork server imports once: most of a rank's start-up, which spawn pays in every rank of every test."""
-
-
-def _in_parent_env(env, target, *args, **kwargs):
-    """A forked rank has the server's environment: take the parent's (``TEMP_DIR`` is made per test), as spawn does."""
-    os.environ.clear()
-    os.environ.update(env)
-    target(*args, **kwargs)
+PRELOADED = ["torch", "torch.distributed"] + (
+    [] if torch.version.cuda else ["torch.testing._internal.distributed.distributed_test"]
+)
+"""What the fork server imports once: most of a rank's start-up, which spawn pays in every rank of every test. Not
+torch's test module on a CUDA build: importing it asks ``torch.cuda.is_available()``, which initialises CUDA's driver in
+the server and marks every rank forked from it as unable to initialise CUDA."""
 
 
 def rank_process(*, target, name, args, kwargs):
-    """A ``Process`` for ``MultiProcessTestCase._start_processes``: forked from the server, in the parent's environment."""
+    """A ``Process`` for ``MultiProcessTestCase._start_processes``: forked from the server, in the parent's
+    environment (``ranks.in_parent_env``: ``TEMP_DIR`` is made per test)."""
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)  # takes effect when the server starts: at the first rank
-    return ctx.Process(target=_in_parent_env, name=name, args=(dict(os.environ), target, *args), kwargs=kwargs)
+    return ctx.Process(target=in_parent_env, name=name, args=(dict(os.environ), target, *args), kwargs=kwargs)
 
 
 class TestTorchDDPControl(TestDistBackend, DistributedTest._DistTestBase):
@@ -78,7 +80,7 @@ class TestGraphDDPInstalled(TestTorchDDPControl):
 
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
-        # Runs in the spawned rank process (MultiProcessTestCase._start_processes targets cls._run).
+        # Runs in the rank process (MultiProcessTestCase._start_processes targets cls._run).
         import graphddp
 
         graphddp.install()
