@@ -19,7 +19,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -50,9 +50,13 @@ def fault_context() -> Any:
     method = os.environ.get("GRAPHDDP_TEST_START_METHOD", "forkserver")
     if method not in START_METHODS:
         raise ValueError(f"GRAPHDDP_TEST_START_METHOD must be one of {START_METHODS}, got {method!r}")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOADED))  # takes effect when the server starts: at the first rank
+    return forkserver_context(PRELOADED) if method == "forkserver" else mp.get_context(method)
+
+
+def forkserver_context(preload: Sequence[str]) -> Any:
+    """Multiprocessing's ``forkserver`` context, its server to import ``preload`` once (one server a process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))  # takes effect when the server starts: at the first rank
     return ctx
 
 

@@ -44,7 +44,7 @@ if not dist.is_available():  # pragma: no cover
     print("Distributed not available, skipping tests", file=sys.stderr)
     sys.exit(0)
 
-from ranks import in_parent_env  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+from ranks import forkserver_context, in_parent_env  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
@@ -61,9 +61,7 @@ the server and marks every rank forked from it as unable to initialise CUDA."""
 def rank_process(*, target, name, args, kwargs):
     """A ``Process`` for ``MultiProcessTestCase._start_processes``: forked from the server, in the parent's
     environment (``ranks.in_parent_env``: ``TEMP_DIR`` is made per test)."""
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOADED)  # takes effect when the server starts: at the first rank
-    return ctx.Process(target=in_parent_env, name=name, args=(dict(os.environ), target, *args), kwargs=kwargs)
+    return forkserver_context(PRELOADED).Process(target=in_parent_env, name=name, args=(dict(os.environ), target, *args), kwargs=kwargs)
 
 
 class TestTorchDDPControl(TestDistBackend, DistributedTest._DistTestBase):
