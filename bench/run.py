@@ -170,6 +170,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             "phases_s": _median_phases([p for r in ranks for p in r["modes"][mode]["phases_s"]]),
             "round_medians_s": per_round[mode],
             "tail_s": _median_tail([r["modes"][mode]["phases_s"] for r in ranks]),
+            "page_faults": _median_page_faults([r["modes"][mode].get("page_faults") for r in ranks]),
         }
     local, comm = modes.get("local", {}).get("median_s"), modes.get("comm", {}).get("median_s")
     for name, m in modes.items():
@@ -268,9 +269,12 @@ def table(summary: dict[str, Any]) -> str:
         rows.append([
             mode, f"{m['median_s'] * 1e3:.1f}", f"{m['min_s'] * 1e3:.1f}-{m['max_s'] * 1e3:.1f}", f"{m['samples_per_s']:.1f}",
             f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("added_peak_rss_mb")),
-            _ms(m.get("predicted_s")), _signed_pct(m.get("prediction_error")),
+            _count(m.get("page_faults")), _ms(m.get("predicted_s")), _signed_pct(m.get("prediction_error")),
         ])  # fmt: skip
-    headers = ["mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB", "predicted ms", "error"]
+    headers = [
+        "mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB",
+        "page faults", "predicted ms", "error",
+    ]  # fmt: skip
     lines = [tabulate(rows, headers=headers), "", phase_table(summary), ""]
     for mode, m in summary["modes"].items():
         if m.get("first_send") is not None:
@@ -297,6 +301,14 @@ def phase_table(summary: dict[str, Any]) -> str:
     names = [n for n in PHASES if n in seen] + sorted(seen - set(PHASES))
     rows = [[mode, *(_ms(m["phases_s"].get(n)) for n in names), _ms(m.get("tail_s"))] for mode, m in summary["modes"].items()]
     return tabulate(rows, headers=["phase ms", *names, "tail after backward"])
+
+
+def _median_page_faults(per_rank: list[list[int] | None]) -> float | None:
+    """The median over iterations of the most minor page faults a rank took in one (None from ranks that did not
+    count them): how much of the step ran on memory the C library had just given back (``bench/allocator.py``)."""
+    if any(faults is None for faults in per_rank):
+        return None
+    return statistics.median(max(column) for column in zip(*per_rank))  # type: ignore[arg-type]
 
 
 def _median_phases(iterations: list[dict[str, float]]) -> dict[str, float]:
@@ -326,6 +338,10 @@ def _pct(v: float | None) -> str:
 
 def _signed_pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:+.0f}%"
+
+
+def _count(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def _mb(v: float | None) -> str:

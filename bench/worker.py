@@ -19,6 +19,7 @@ import faulthandler
 import gc
 import json
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -79,10 +80,12 @@ def main(config_path: str) -> None:
             m = prepare(mode, config, mode_config, rank)
             timed = [timed_step(m) for _ in range(iters)]
             entry = results["modes"].setdefault(
-                mode, {"first_s": m.first_s, "added_peak_rss_mb": m.added_peak_rss_mb, "times_s": [], "round_of": [], "phases_s": []}
+                mode,
+                {"first_s": m.first_s, "added_peak_rss_mb": m.added_peak_rss_mb, "times_s": [], "round_of": [], "phases_s": [], "page_faults": []},
             )
-            entry["times_s"] += [t for t, _ in timed]
-            entry["phases_s"] += [phases for _, phases in timed]
+            entry["times_s"] += [t for t, _, _ in timed]
+            entry["phases_s"] += [phases for _, phases, _ in timed]
+            entry["page_faults"] += [faults for _, _, faults in timed]
             entry["round_of"] += [r] * iters
             if (auto := automatic_caps(m)) is not None:  # every round: each builds its DDP, and may choose again
                 entry.setdefault("auto_caps", []).append(auto)
@@ -122,8 +125,10 @@ def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int) -> Prep
 PHASES = ("forward", "backward", "allreduce", "optimizer", "end")
 
 
-def timed_step(m: PreparedMode) -> tuple[float, dict[str, float]]:
-    """One iteration: its time, and how long each phase the step recorded took (seconds).
+def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
+    """One iteration: its time, how long each phase the step recorded took (seconds), and the minor page faults the
+    rank's process took meanwhile (every thread's, gloo's included: first touches of memory the C library had given
+    back, Note in ``bench/allocator.py``).
 
     With a graphddp Reducer, its events are recorded too, and two instants (``perf_counter`` ns, one clock for
     all ranks of this machine) join the phases: ``finalize_ns``, when backward's compute ended here, and
@@ -134,12 +139,14 @@ def timed_step(m: PreparedMode) -> tuple[float, dict[str, float]]:
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = log
     dist.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     m.step(batch, log)
     elapsed = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = NullEvents()
-    return elapsed, log.phases()
+    return elapsed, log.phases(), faults
 
 
 class PhaseMarks:

@@ -474,3 +474,10 @@ def test_automatic_caps_are_kept_as_data_and_read_in_one_line(caplog: pytest.Log
     one, other = {**base, "choices": [chose]}, {**base, "choices": [kept]}
     assert run.automatic_caps_lines("m", [one, one]) == [f"m: {run.automatic_caps_line(one)}"]  # rounds alike: once
     assert [line.split(":")[0] for line in run.automatic_caps_lines("m", [one, other])] == ["m, round 1", "m, round 2"]
+
+
+def test_page_faults_are_the_median_of_each_iterations_slowest_rank_and_absent_when_a_rank_did_not_count() -> None:
+    # rank 0 and rank 1, three iterations each: the most per iteration is 15, 200, 40; their median 40.
+    assert run._median_page_faults([[10, 200, 30], [15, 100, 40]]) == 40
+    assert run._median_page_faults([[10, 200, 30], None]) is None  # a rank file from before the count
+    assert run._count(None) == "-" and run._count(40.0) == "40"

@@ -38,6 +38,7 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
         assert phases == expected.get(name, {"forward", "backward", "optimizer"}), (name, phases)
         reducer_ran = name.startswith("graphddp") and summary["reductions"][name] != "in_graph"
         assert (mode["tail_s"] is not None) == reducer_ran, name  # only a graphddp Reducer says
+        assert isinstance(mode["page_faults"], (int, float)) and mode["page_faults"] >= 0, (name, mode["page_faults"])
         # The step cost model's prediction beside every mode but the compute and the bound (Note [Step cost model]).
         unpredicted = name in NO_DDP
         assert unpredicted == ("predicted_s" not in mode) and mode.get("predicted_s", 1) > 0, (name, mode)
