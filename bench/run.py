@@ -268,8 +268,8 @@ def table(summary: dict[str, Any]) -> str:
     for mode, m in summary["modes"].items():
         rows.append([
             mode, f"{m['median_s'] * 1e3:.1f}", f"{m['min_s'] * 1e3:.1f}-{m['max_s'] * 1e3:.1f}", f"{m['samples_per_s']:.1f}",
-            f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _mb(m.get("added_peak_rss_mb")),
-            _count(m.get("page_faults")), _ms(m.get("predicted_s")), _signed_pct(m.get("prediction_error")),
+            f"{m['compile_s']:.1f}", _ms(m.get("exposed_comm_s")), _pct(m.get("overlap")), _whole(m.get("added_peak_rss_mb")),
+            _whole(m.get("page_faults")), _ms(m.get("predicted_s")), _signed_pct(m.get("prediction_error")),
         ])  # fmt: skip
     headers = [
         "mode", "median ms", "spread ms", "samples/s", "compile s", "exposed comm ms", "overlap", "added peak RSS MB",
@@ -340,9 +340,6 @@ def _signed_pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:+.0f}%"
 
 
-def _count(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
-def _mb(v: float | None) -> str:
+def _whole(v: float | None) -> str:
+    """A count or MB, to the nearest whole one."""
     return "-" if v is None else f"{v:.0f}"

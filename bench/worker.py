@@ -128,7 +128,7 @@ PHASES = ("forward", "backward", "allreduce", "optimizer", "end")
 def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
     """One iteration: its time, how long each phase the step recorded took (seconds), and the minor page faults the
     rank's process took meanwhile (every thread's, gloo's included: first touches of memory the C library had given
-    back, Note in ``bench/allocator.py``).
+    back: ``bench/allocator.py``).
 
     With a graphddp Reducer, its events are recorded too, and two instants (``perf_counter`` ns, one clock for
     all ranks of this machine) join the phases: ``finalize_ns``, when backward's compute ended here, and

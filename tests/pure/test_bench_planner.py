@@ -480,4 +480,4 @@ def test_page_faults_are_the_median_of_each_iterations_slowest_rank_and_absent_w
     # rank 0 and rank 1, three iterations each: the most per iteration is 15, 200, 40; their median 40.
     assert run._median_page_faults([[10, 200, 30], [15, 100, 40]]) == 40
     assert run._median_page_faults([[10, 200, 30], None]) is None  # a rank file from before the count
-    assert run._count(None) == "-" and run._count(40.0) == "40"
+    assert run._whole(None) == "-" and run._whole(40.0) == "40"
