@@ -73,7 +73,6 @@ import functools
 import json
 import os
 import re
-import resource
 import statistics
 import sys
 import threading
@@ -92,7 +91,7 @@ from tabulate import tabulate
 from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port, import_before_init
 
-from .allocator import ALLOCATORS, allocator_env
+from .allocator import ALLOCATORS, allocator_env, minor_page_faults
 from .as_ready import AsReady, bucket_layout, ready_order
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
@@ -403,14 +402,6 @@ class _Prepared:
 def _sync(o: OverheadOptions) -> None:
     if o.device == "cuda":
         torch.cuda.synchronize()
-
-
-def minor_page_faults() -> int:
-    """This process's minor page faults so far: each first touch of a page the kernel has just mapped. glibc maps
-    large allocations afresh and unmaps them when freed (``bench/allocator.py``), so a DDP that allocates its
-    buffers each step pays a fault per 4 KiB page each step; on a VM with nested paging that is microseconds each.
-    Counted, not timed: the ``page faults`` column says which DDP allocates afresh, whatever the machine's noise."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def graphs_compiled() -> int:

@@ -19,7 +19,6 @@ import faulthandler
 import gc
 import json
 import os
-import resource
 import signal
 import statistics
 import sys
@@ -41,6 +40,7 @@ from graphddp.runtime.trace import EventLog, NullEvents
 from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
+from .allocator import minor_page_faults
 from .modes import ModeConfig, ModeName, Step, build, optimizer_for, reduction_ran
 
 
@@ -127,8 +127,7 @@ PHASES = ("forward", "backward", "allreduce", "optimizer", "end")
 
 def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
     """One iteration: its time, how long each phase the step recorded took (seconds), and the minor page faults the
-    rank's process took meanwhile (every thread's, gloo's included: first touches of memory the C library had given
-    back: ``bench/allocator.py``).
+    rank's process took meanwhile (``minor_page_faults``: gloo's threads' included).
 
     With a graphddp Reducer, its events are recorded too, and two instants (``perf_counter`` ns, one clock for
     all ranks of this machine) join the phases: ``finalize_ns``, when backward's compute ended here, and
@@ -139,11 +138,11 @@ def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = log
     dist.barrier()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = minor_page_faults()
     start = time.perf_counter()
     m.step(batch, log)
     elapsed = time.perf_counter() - start
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    faults = minor_page_faults() - faults
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = NullEvents()
     return elapsed, log.phases(), faults

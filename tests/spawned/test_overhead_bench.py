@@ -8,6 +8,7 @@ import mmap
 import pytest
 import torch
 
+from bench.allocator import minor_page_faults
 from bench.overhead import (
     COMPILED_MODES,
     EAGER_MODES,
@@ -19,7 +20,6 @@ from bench.overhead import (
     isolated_model,
     link_beside,
     main,
-    minor_page_faults,
     round_spread,
     spawn_and_collect,
     summarise,
