@@ -2,8 +2,9 @@
 
 Each test name below is run from torch's ``distributed_test.DistributedTest._DistTestBase`` (gloo, world size 2,
 ``MultiProcessTestCase``, ranks forked from a fork server: ``torch_ddp_suite.rank_process``), all of them in one
-subprocess, three times each: with PyTorch's DDP (the control, ``TestTorchDDPControl``), with ``graphddp.install()`` in every rank (``TestGraphDDPInstalled``), and with the name rebound to ``graphddp.DDP``
-(``TestGraphDDPRebound``: how scripts swapped DDP before ``install()``). A test the control does not pass here is a
+subprocess, three times each: with PyTorch's DDP (the control, ``TestTorchDDPControl``), with ``graphddp.install()``
+in every rank (``TestGraphDDPInstalled``), and with the name rebound to ``graphddp.DDP`` (``TestGraphDDPRebound``:
+how scripts swapped DDP before ``install()``). A test the control does not pass here is a
 failure of the environment; one the control passes must pass under graphddp both ways.
 
 Which tests: every test of ``_DistTestBase`` that builds a ``DistributedDataParallel`` (the 79 named "ddp" or
