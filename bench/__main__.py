@@ -12,6 +12,7 @@ from graphddp.tools.bucket_args import add_bucket_arguments, bucket_options
 from graphddp.tools.cli import inner_backend
 
 from .allocator import ALLOCATORS
+from .interleave import INTERLEAVINGS
 from .link import Link, LinkUnavailable
 from .modes import MODES
 from .pictures import chrome_trace, draw
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--allocator", choices=ALLOCATORS, default=d.allocator,
         help="the ranks' CPU allocator: system, or retain (freed memory kept for reuse: no page faults; bench/allocator.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--interleave", choices=INTERLEAVINGS, default=d.interleave,
+        help="modes: one mode alive at a time, its iterations in a row; steps: every mode alive, one iteration of each in turn",
+    )  # fmt: skip
     add_bucket_arguments(
         parser, d, note="graphddp's modes and the comm mode plan with these caps; PyTorch's modes take --bucket-cap-mb "
         "only (their first bucket is PyTorch's own 1 MiB, with no ramps). The run's caps are numbers: time auto as a "
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         options = BenchOptions(
             workload=args.workload, size=args.size, batch_size=args.batch_size, world_size=args.world_size,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), iters=args.iters, rounds=args.rounds, warmup=args.warmup, pin=not args.no_pin,
-            inner=args.inner, link=args.link, allocator=args.allocator, out=args.out, **bucket_options(args).bucket_kwargs(),
+            inner=args.inner, link=args.link, allocator=args.allocator, interleave=args.interleave, out=args.out, **bucket_options(args).bucket_kwargs(),
         )  # fmt: skip
         if options.link != "loopback":
             Link.check_available()

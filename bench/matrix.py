@@ -36,6 +36,7 @@ from tabulate import tabulate
 
 from .__main__ import _exit_on_sigterm
 from .allocator import ALLOCATORS
+from .interleave import INTERLEAVINGS
 from .link import Link, LinkUnavailable
 from .modes import MODES, ModeName, compute_baseline
 from .pictures import chrome_trace, draw
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-caps", default="", help="comma-separated fixed caps (MiB) for the automatic-caps sweep, e.g. 1,4,16,25,64")
     parser.add_argument("--sweep-inner", default="aot_eager", help="inner compiler of the sweep runs")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="system", help="the ranks' CPU allocator (bench/allocator.py)")
+    parser.add_argument("--interleave", choices=INTERLEAVINGS, default="modes", help="the timed iterations' order (bench/worker.py)")
     parser.add_argument("--out", default="bench-matrix")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [(w.strip(), link.strip()) for w in args.workloads.split(",") for link in args.links.split(",")]
         base = BenchOptions(
             world_size=args.world_size, modes=tuple(m.strip() for m in args.modes.split(",")), iters=args.iters,
-            rounds=args.rounds, warmup=args.warmup, inner=args.inner, allocator=args.allocator,
+            rounds=args.rounds, warmup=args.warmup, inner=args.inner, allocator=args.allocator, interleave=args.interleave,
         )  # fmt: skip
         if any(link != "loopback" for _, link in cells):
             Link.check_available()

@@ -72,12 +72,10 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import statistics
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +91,7 @@ from graphddp.tools.launch import free_port, import_before_init
 
 from .allocator import ALLOCATORS, allocator_env, minor_page_faults
 from .as_ready import AsReady, bucket_layout, ready_order
+from .interleave import INTERLEAVINGS, graphs_compiled, isolated_model, shared_frames
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
 EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
@@ -126,9 +125,6 @@ def torch_peer_of(name: str) -> str | None:
 def _known(name: str) -> None:
     if name not in EAGER_MODES and name not in COMPILED_MODES:  # a new mode must say which kind it is
         raise ValueError(f"bench.overhead: unknown mode {name!r}; the modes are {', '.join(EAGER_MODES + COMPILED_MODES)}")
-
-
-INTERLEAVINGS = ("steps", "modes")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,20 +195,6 @@ def build_model(o: OverheadOptions) -> torch.nn.Module:
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=o.vocab, block_size=o.seq, n_layer=o.layers, n_head=o.width // 32, n_embd=o.width))
-
-
-def isolated_model(model: torch.nn.Module, tag: str) -> torch.nn.Module:
-    """``model``, its class replaced by a subclass whose ``forward`` runs the same code from a code object of its
-    own (named after ``tag``). Dynamo caches compiled code per code object, so modes alive at once (``--interleave
-    steps``) neither reuse nor look through each other's compiled graphs."""
-    cls = type(model)
-    forward = cls.forward
-    name = "forward_" + re.sub(r"\W", "_", tag)
-    code = forward.__code__.replace(co_name=name, co_qualname=f"{cls.__qualname__}.{name}")
-    own = types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
-    own.__kwdefaults__ = forward.__kwdefaults__
-    model.__class__ = type(f"{cls.__name__}_{name}", (cls,), {"forward": own, "__module__": cls.__module__})
-    return model
 
 
 def build_mode(mode: str, o: OverheadOptions, *, isolated: bool = False) -> tuple[torch.nn.Module, Any]:
@@ -317,9 +299,7 @@ def _rounds_of_modes(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
 
 def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any]) -> None:
     """``--interleave steps``: every mode alive at once, one step of each in turn, a barrier before each."""
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * len(modes))  # frames outside the isolated forward (a DDP's own) are shared
-    try:
+    with shared_frames(len(modes)):
         for r in range(o.rounds):
             torch._dynamo.reset()
             prepared = {mode: _Prepared.build(mode, o, x, y, isolated=True) for mode in modes}
@@ -332,8 +312,6 @@ def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
             for mode, p in prepared.items():
                 p.end_round(record[mode], last=r == o.rounds - 1)
             del prepared
-    finally:
-        torch._dynamo.config.recompile_limit = limit
 
 
 @dataclasses.dataclass
@@ -402,11 +380,6 @@ class _Prepared:
 def _sync(o: OverheadOptions) -> None:
     if o.device == "cuda":
         torch.cuda.synchronize()
-
-
-def graphs_compiled() -> int:
-    """Graphs Dynamo has compiled in this process (its own counter): a timed step that moves it compiled."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def bucket_count(ddp: Any) -> int | None:

@@ -20,6 +20,7 @@ from graphddp.ddp import BucketOptions
 from graphddp.tools.launch import free_port, processes_with, stop_job
 
 from .allocator import allocator_env
+from .interleave import INTERLEAVINGS
 from .link import Link, LinkSpec
 from .modes import MODES, NO_DDP, ModeName, compute_baseline
 from .predict import predict_modes
@@ -51,6 +52,9 @@ class BenchOptions(BucketOptions):
     allocator: str = "system"
     """The ranks' CPU memory allocator: ``system`` or ``retain`` (``bench.allocator``: freed memory kept and reused,
     no page faults for the next step's tensors)."""
+    interleave: str = "modes"
+    """The order of the timed iterations (``bench/worker.py``): ``modes``, one mode alive at a time, its iterations
+    in a row; or ``steps``, every mode alive at once, one iteration of each in turn."""
     out: str = "bench-out"
 
     def __post_init__(self) -> None:
@@ -72,6 +76,8 @@ class BenchOptions(BucketOptions):
         if self.link != "loopback":
             LinkSpec.parse(self.link)
         allocator_env(self.allocator)  # raises on an unknown allocator
+        if self.interleave not in INTERLEAVINGS:
+            raise ValueError(f"interleave must be one of {', '.join(INTERLEAVINGS)}, got {self.interleave!r}")
 
 
 AGAINST_TORCH = (
@@ -93,6 +99,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         "rounds": options.rounds,
         "warmup": options.warmup,
         "pin": options.pin,
+        "interleave": options.interleave,
         "out": str(out.resolve()),
         "mode_config": {**options.bucket_kwargs(), "inner": options.inner},
     }
@@ -203,6 +210,7 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             mode: [r["modes"][mode]["timeline"] for r in ranks] for mode in options.modes if ranks[0]["modes"][mode]["timeline"]
         },
         "calibration": ranks[0].get("calibration"),
+        "compiles_while_timed": max(r.get("compiles_while_timed", 0) for r in ranks),  # --interleave steps counts them
         "params": ranks[0].get("params", []),
         "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
         "reductions": {mode: ranks[0]["modes"][mode].get("reduction") for mode in options.modes},

@@ -1,10 +1,15 @@
 """One rank of a benchmark run (started by torchrun): every mode, timed in rounds, in one process group.
 
-Each round goes through every mode in turn: build it on a fresh copy of the workload, run its first iteration
-(compiles; later rounds hit the compile caches) and the warm-up, time ``iters / rounds`` iterations, and free it
-before the next mode is built. Slow drifts of a shared machine (other tenants, thermal) thus hit every mode
-alike, and the ratios between modes hold even when absolute times wander. Only one mode is alive at a time:
-keeping all seven resident made every mode slower and noisier on the development machine.
+Each round goes through every mode, in one of two orders (``--interleave``, ``bench.interleave``):
+
+- ``modes`` (the default): build a mode on a fresh copy of the workload, run its first iteration (compiles; later
+  rounds hit the compile caches) and the warm-up, time ``iters / rounds`` iterations, and free it before the next
+  mode is built. Only one mode is alive at a time. Drift of a shared machine between rounds hits every mode alike;
+  drift within a round does not: a mode's iterations and the limit's sit up to a minute apart, and on a 2-vCPU VM
+  one cell's rounds differed by more than 10 % (``docs/benchmarks.md``, session 48).
+- ``steps``: build and warm up every mode, then time one iteration of each in turn, so drift slower than one pass
+  over the modes moves them alike. Every mode is resident at once (memory is the sum of the modes'; in the first
+  sessions, with glibc handing memory back, that made every mode slower: ``--allocator retain`` keeps it).
 
 Writes ``rank{R}.json`` into the run's folder: per mode, the iteration times with the round each was timed in,
 each iteration's phases (forward, backward, optimizer; ``naive`` also its all-reduce), compile time (first
@@ -24,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,7 @@ from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
 from .allocator import minor_page_faults
+from .interleave import graphs_compiled, isolated_model, shared_frames
 from .modes import ModeConfig, ModeName, Step, build, optimizer_for, reduction_ran
 
 
@@ -68,48 +74,96 @@ def main(config_path: str) -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (1 if pinned else world)))
     say = print if rank == 0 else (lambda *a, **k: None)
     mode_config = ModeConfig(**config["mode_config"])
-    modes, rounds = config["modes"], config["rounds"]
+    modes = config["modes"]
     results: dict[str, Any] = {
         "rank": rank, "world_size": world, "batch_size": None, "cpus": sorted(os.sched_getaffinity(0)), "modes": {},
         "calibration": calibrate(world, stepping=any(ModeName.parse(m).step_in_backward for m in modes)),
     }  # fmt: skip
-    for r in range(rounds):
-        iters = config["iters"] // rounds + (r < config["iters"] % rounds)
-        for i, mode in enumerate(modes):
-            say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
-            m = prepare(mode, config, mode_config, rank)
-            timed = [timed_step(m) for _ in range(iters)]
-            entry = results["modes"].setdefault(
-                mode,
-                {"first_s": m.first_s, "added_peak_rss_mb": m.added_peak_rss_mb, "times_s": [], "round_of": [], "phases_s": [], "page_faults": []},
-            )
-            entry["times_s"] += [t for t, _, _ in timed]
-            entry["phases_s"] += [phases for _, phases, _ in timed]
-            entry["page_faults"] += [faults for _, _, faults in timed]
-            entry["round_of"] += [r] * iters
-            if (auto := automatic_caps(m)) is not None:  # every round: each builds its DDP, and may choose again
-                entry.setdefault("auto_caps", []).append(auto)
-            if r == rounds - 1:
-                entry["timeline"] = record_timeline(m)
-                entry["buckets"] = bucket_layout(m)
-                entry["reduction"] = reduction_ran(m.ddp) if isinstance(m.ddp, graphddp.DDP) else None
-            results["batch_size"] = m.workload.batch_size
-            results["params"] = [[n, p.numel() * p.element_size()] for n, p in m.workload.model.named_parameters() if p.requires_grad]
-            say(f"      {mode}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)
-            del m
-            gc.collect()
+    rounds_of = _rounds_of_steps if config.get("interleave", "modes") == "steps" else _rounds_of_modes
+    rounds_of(config, mode_config, rank, results, say)
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int) -> PreparedMode:
-    """Build ``mode`` on its own copy of the workload, run its first iteration (compiles) and the warm-up."""
-    torch._dynamo.reset()
+def _iters_in_round(config: dict, r: int) -> int:
+    """Round ``r``'s share of the timed iterations (the first rounds take one more where they do not divide)."""
+    return config["iters"] // config["rounds"] + (r < config["iters"] % config["rounds"])
+
+
+def _rounds_of_modes(config: dict, mode_config: ModeConfig, rank: int, results: dict[str, Any], say: Any) -> None:
+    """``--interleave modes``: one mode alive at a time, built afresh every round, its iterations timed in a row."""
+    modes, rounds = config["modes"], config["rounds"]
+    for r in range(rounds):
+        for i, mode in enumerate(modes):
+            say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
+            m = prepare(mode, config, mode_config, rank)
+            timed = [timed_step(m) for _ in range(_iters_in_round(config, r))]
+            record_round(results, m, timed, r, last=r == rounds - 1, say=say)
+            del m
+            gc.collect()
+
+
+def _rounds_of_steps(config: dict, mode_config: ModeConfig, rank: int, results: dict[str, Any], say: Any) -> None:
+    """``--interleave steps``: every round builds and warms up every mode, then times one iteration of each in
+    turn (``bench.interleave``), so a mode's iterations and its baseline's are one pass over the modes apart, not
+    up to a minute. Every mode is resident at once: memory is the sum of theirs."""
+    modes, rounds = config["modes"], config["rounds"]
+    with shared_frames(len(modes)):
+        for r in range(rounds):
+            torch._dynamo.reset()
+            prepared = {}
+            for i, mode in enumerate(modes):
+                say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
+                prepared[mode] = prepare(mode, config, mode_config, rank, isolated=True)
+            timed: dict[str, list[Timed]] = {mode: [] for mode in modes}
+            compiled = graphs_compiled()
+            for _ in range(_iters_in_round(config, r)):
+                for mode, m in prepared.items():
+                    timed[mode].append(timed_step(m))
+            if graphs_compiled() != compiled:  # a timed step compiled: its time is not a steady step's
+                results["compiles_while_timed"] = results.get("compiles_while_timed", 0) + graphs_compiled() - compiled
+                say(f"round {r + 1}/{rounds}: {graphs_compiled() - compiled} graph(s) compiled while timed", flush=True)
+            for mode, m in prepared.items():
+                record_round(results, m, timed[mode], r, last=r == rounds - 1, say=say)
+            del prepared
+            gc.collect()
+
+
+def record_round(results: dict[str, Any], m: PreparedMode, timed: list[Timed], r: int, *, last: bool, say: Any) -> None:
+    """Round ``r``'s timed iterations of one mode into ``results``; in the ``last`` round also its recorded
+    timeline, its buckets and what it reduced with."""
+    entry = results["modes"].setdefault(
+        m.name,
+        {"first_s": m.first_s, "added_peak_rss_mb": m.added_peak_rss_mb, "times_s": [], "round_of": [], "phases_s": [], "page_faults": [], "started_ns": []},
+    )  # fmt: skip
+    entry["times_s"] += [t.seconds for t in timed]
+    entry["phases_s"] += [t.phases for t in timed]
+    entry["page_faults"] += [t.page_faults for t in timed]
+    entry["started_ns"] += [t.started_ns for t in timed]
+    entry["round_of"] += [r] * len(timed)
+    if (auto := automatic_caps(m)) is not None:  # every round: each builds its DDP, and may choose again
+        entry.setdefault("auto_caps", []).append(auto)
+    if last:
+        entry["timeline"] = record_timeline(m)
+        entry["buckets"] = bucket_layout(m)
+        entry["reduction"] = reduction_ran(m.ddp) if isinstance(m.ddp, graphddp.DDP) else None
+    results["batch_size"] = m.workload.batch_size
+    results["params"] = [[n, p.numel() * p.element_size()] for n, p in m.workload.model.named_parameters() if p.requires_grad]
+    say(f"      {m.name}: first iteration {m.first_s:.2f} s, median so far {statistics.median(entry['times_s']) * 1e3:.1f} ms", flush=True)
+
+
+def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int, *, isolated: bool = False) -> PreparedMode:
+    """Build ``mode`` on its own copy of the workload, run its first iteration (compiles) and the warm-up.
+    ``isolated``: other modes stay alive beside it (``--interleave steps``): Dynamo is not reset, and the model's
+    compiled code is its own (``bench.interleave.isolated_model``)."""
+    if not isolated:
+        torch._dynamo.reset()
     rss_before = _rss_mb("VmRSS")
     _reset_peak_rss()
     workload = build_workload(config["workload"], size=config["size"], batch_size=config["batch_size"], seed=0)
-    step, ddp = build(mode, workload.model, mode_config)
+    model = isolated_model(workload.model, mode) if isolated else workload.model
+    step, ddp = build(mode, model, mode_config)
     data = torch.Generator().manual_seed(1000 + rank)
     dist.barrier()
     start = time.perf_counter()
@@ -125,9 +179,20 @@ def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int) -> Prep
 PHASES = ("forward", "backward", "allreduce", "optimizer", "end")
 
 
-def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
-    """One iteration: its time, how long each phase the step recorded took (seconds), and the minor page faults the
-    rank's process took meanwhile (``minor_page_faults``: gloo's threads' included).
+class Timed(NamedTuple):
+    """One timed iteration of a mode."""
+
+    seconds: float
+    phases: dict[str, float]
+    """How long each phase the step recorded took (seconds; ``PhaseMarks.phases``)."""
+    page_faults: int
+    """Minor page faults the rank's process took meanwhile (``minor_page_faults``: gloo's threads' included)."""
+    started_ns: int
+    """When it started (``perf_counter_ns``): the order the modes' iterations ran in."""
+
+
+def timed_step(m: PreparedMode) -> Timed:
+    """One iteration, timed (``Timed``).
 
     With a graphddp Reducer, its events are recorded too, and two instants (``perf_counter`` ns, one clock for
     all ranks of this machine) join the phases: ``finalize_ns``, when backward's compute ended here, and
@@ -139,13 +204,13 @@ def timed_step(m: PreparedMode) -> tuple[float, dict[str, float], int]:
         m.ddp.reducer.events = log
     dist.barrier()
     faults = minor_page_faults()
-    start = time.perf_counter()
+    start = time.perf_counter_ns()
     m.step(batch, log)
-    elapsed = time.perf_counter() - start
+    elapsed = (time.perf_counter_ns() - start) / 1e9
     faults = minor_page_faults() - faults
     if isinstance(m.ddp, graphddp.DDP):
         m.ddp.reducer.events = NullEvents()
-    return elapsed, log.phases(), faults
+    return Timed(elapsed, log.phases(), faults, start)
 
 
 class PhaseMarks:

@@ -86,6 +86,30 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # the default suite stays under 10 minutes on 2 cores
+def test_bench_interleaved_by_steps_times_one_iteration_of_each_mode_in_turn(tmp_path: Path) -> None:
+    """``--interleave steps``: every mode alive at once, one iteration of each in turn (from each iteration's
+    recorded start), each mode compiled apart (two compiled graphddp modes share the DDP's forward, yet neither
+    reuses the other's graph: no compile while timed), and the DDPs still agree with each other."""
+    modes = ["local", "local-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled+step"]
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "4", "--rounds", "2", "--warmup", "0", "--inner", "aot_eager",
+         "--modes", ",".join(modes), "--interleave", "steps", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert summary["options"]["interleave"] == "steps" and list(summary["modes"]) == modes
+    assert summary["compiles_while_timed"] == 0
+    assert summary["reductions"]["graphddp-compiled"] == summary["reductions"]["graphddp-compiled+step"] == "in_graph"
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())["modes"]
+        started = sorted((t, name, k) for name in modes for t, k in zip(record[name]["started_ns"], record[name]["round_of"]))
+        for r in (0, 1):
+            order = [name for _, name, k in started if k == r]
+            assert order == modes * 2, (rank, r, order)  # two iterations a round, the modes in turn
+
+
+@pytest.mark.slow  # the default suite stays under 10 minutes on 2 cores
 def test_bench_rejects_bad_input_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--link", "fast"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -93,6 +117,8 @@ def test_bench_rejects_bad_input_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--iters", "2", "--rounds", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "bench: rounds must be between 1 and iters (2), got 3"
+    result = subprocess.run([sys.executable, "-m", "bench", "--interleave", "rounds"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "argument --interleave: invalid choice: 'rounds'" in result.stderr
     result = subprocess.run([sys.executable, "-m", "bench", "--last-bucket-cap-mb", "-1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     # A bucket flag is checked by argparse (graphddp.tools.bucket_args, the same for demo, inspect and bench):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.allocator import minor_page_faults
+from bench.interleave import graphs_compiled, isolated_model
 from bench.overhead import (
     COMPILED_MODES,
     EAGER_MODES,
@@ -16,8 +17,6 @@ from bench.overhead import (
     OverheadOptions,
     baseline_of,
     build_model,
-    graphs_compiled,
-    isolated_model,
     link_beside,
     main,
     round_spread,
