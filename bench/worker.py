@@ -108,26 +108,30 @@ def _rounds_of_steps(config: dict, mode_config: ModeConfig, rank: int, results: 
     """``--interleave steps``: every round builds and warms up every mode, then times one iteration of each in
     turn (``bench.interleave``), so a mode's iterations and its baseline's are one pass over the modes apart, not
     up to a minute. Every mode is resident at once: memory is the sum of theirs."""
-    modes, rounds = config["modes"], config["rounds"]
-    with shared_frames(len(modes)):
-        for r in range(rounds):
+    with shared_frames(len(config["modes"])):
+        for r in range(config["rounds"]):
             torch._dynamo.reset()
-            prepared = {}
-            for i, mode in enumerate(modes):
-                say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
-                prepared[mode] = prepare(mode, config, mode_config, rank, isolated=True)
-            timed: dict[str, list[Timed]] = {mode: [] for mode in modes}
-            compiled = graphs_compiled()
-            for _ in range(_iters_in_round(config, r)):
-                for mode, m in prepared.items():
-                    timed[mode].append(timed_step(m))
-            if graphs_compiled() != compiled:  # a timed step compiled: its time is not a steady step's
-                results["compiles_while_timed"] = results.get("compiles_while_timed", 0) + graphs_compiled() - compiled
-                say(f"round {r + 1}/{rounds}: {graphs_compiled() - compiled} graph(s) compiled while timed", flush=True)
-            for mode, m in prepared.items():
-                record_round(results, m, timed[mode], r, last=r == rounds - 1, say=say)
-            del prepared
-            gc.collect()
+            _one_round_of_steps(config, mode_config, rank, results, say, r)
+            gc.collect()  # the round's modes, freed on return, before the next round builds its own
+
+
+def _one_round_of_steps(config: dict, mode_config: ModeConfig, rank: int, results: dict[str, Any], say: Any, r: int) -> None:
+    """Round ``r`` of ``_rounds_of_steps``: its modes live only here, so none outlives the round."""
+    modes, rounds = config["modes"], config["rounds"]
+    prepared = {}
+    for i, mode in enumerate(modes):
+        say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
+        prepared[mode] = prepare(mode, config, mode_config, rank, isolated=True)
+    timed: dict[str, list[Timed]] = {mode: [] for mode in modes}
+    compiled = graphs_compiled()
+    for _ in range(_iters_in_round(config, r)):
+        for mode, m in prepared.items():
+            timed[mode].append(timed_step(m))
+    if graphs_compiled() != compiled:  # a timed step compiled: its time is not a steady step's
+        results["compiles_while_timed"] = results.get("compiles_while_timed", 0) + graphs_compiled() - compiled
+        say(f"round {r + 1}/{rounds}: {graphs_compiled() - compiled} graph(s) compiled while timed", flush=True)
+    for mode, m in prepared.items():
+        record_round(results, m, timed[mode], r, last=r == rounds - 1, say=say)
 
 
 def record_round(results: dict[str, Any], m: PreparedMode, timed: list[Timed], r: int, *, last: bool, say: Any) -> None:
