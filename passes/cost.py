@@ -9,7 +9,7 @@ Note [Step cost model]
 
 with ``α`` the per-message latency and ``β`` the seconds per byte (1 / bandwidth). ``allreduce_seconds`` gives the
 expression in sympy, symbolic in bytes, world size, latency and bandwidth; ``fit_link`` fits ``α`` and ``β`` to
-measured all-reduce times by least squares over the ring's two terms. The measured sizes must reach past the
+measured all-reduce times by least squares over the ring's two terms (each size at its fastest repeat). The measured sizes must reach past the
 link's burst: a queue (a token bucket, a switch's buffer) passes its first megabytes at the wire's speed, and a fit
 of sizes that all fit in it sees the burst, not the rate (``graphddp.runtime.calibration.grow_series`` grows the series
 until one all-reduce takes 0.1 s).
@@ -145,14 +145,23 @@ def rate_bits_per_second(rate: str) -> float:
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
     """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks: least squares on the ring's
-    terms ``2 (w - 1)`` (α) and ``2 (w - 1) / w · bytes`` (β), clamped at zero."""
+    terms ``2 (w - 1)`` (α) and ``2 (w - 1) / w · bytes`` (β), clamped at zero, over each size's fastest sample.
+
+    Only the fastest: a shared machine only ever slows an all-reduce down (another tenant, a descheduled gloo
+    thread), never speeds it up, so the fastest of a size's repeats is the closest to the link's own time. Fitted
+    over every repeat, one slow all-reduce of the largest size, which sets the slope, tilts every prediction made
+    from the fit (session 49's matrix had one 5 Gbit/s cell calibrate 1.92 ns/B where the others measured
+    1.63-1.64; its samples were not kept, so whether one repeat or a longer slowdown did it is not known)."""
     if world < 2:
         raise ValueError(f"fitting a link needs at least 2 ranks, got world size {world}")
-    if len({n for n, _ in samples}) < 2:
+    fastest: dict[int, float] = {}
+    for n, t in samples:
+        fastest[n] = min(t, fastest.get(n, t))
+    if len(fastest) < 2:
         raise ValueError("fitting a link needs all-reduces of at least two different sizes")
-    xs = [2 * (world - 1) / world * n for n, _ in samples]
+    xs = [2 * (world - 1) / world * n for n in fastest]
     # y = a·α + x·β: a line in x whose slope is β and whose intercept is a·α (a is the same for every sample).
-    beta, intercept = statistics.linear_regression(xs, [t for _, t in samples])
+    beta, intercept = statistics.linear_regression(xs, list(fastest.values()))
     alpha = intercept / (2 * (world - 1))
     return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=max(beta, 0.0))
 

@@ -53,6 +53,18 @@ def test_fitting_recovers_latency_and_bandwidth() -> None:
         fit_link([(1024, 0.001), (2048, 0.002)], world=1)
 
 
+def test_a_slow_repeat_does_not_tilt_the_fit() -> None:
+    """Each size is fitted at its fastest repeat: a shared machine only slows an all-reduce down. One repeat of the
+    largest size 40 % slow (a descheduled thread) tilted the slope fitted over every repeat by ~20 %."""
+    truth = LinkModel(latency_s=300e-6, seconds_per_byte=1.6e-9)
+    sizes = [1 << k for k in range(12, 27, 2)]
+    samples = [(n, truth.allreduce_s(n, 2)) for n in sizes for _ in range(2)]
+    samples[-1] = (sizes[-1], 1.4 * samples[-1][1])
+    fitted = fit_link(samples, world=2)
+    assert fitted.seconds_per_byte == pytest.approx(truth.seconds_per_byte, rel=1e-9)
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
+
+
 def token_bucket_link(bits_per_second: float, *, latency_s: float = 50e-6):
     """All-reduce seconds of ``n`` bytes over 2 ranks on a link shaped like the benchmark's (bench/link.py): a
     token bucket holding 10 ms of traffic lets the first bytes through at the wire's speed (taken as free here)."""
