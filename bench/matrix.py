@@ -158,6 +158,11 @@ def cell(
         # spread is what the cell's ratio of medians can be trusted to (a noisy VM moves it by 0.2).
         "ratio_rounds": {label: summary.get("ratio_rounds", {}).get(label, []) for label, _, _ in AGAINST_TORCH},
     }  # fmt: skip
+    against_limit = {"graphddp-compiled / limit": "graphddp-compiled"} if "graphddp-compiled" in median else {}
+    if picked is not None:
+        against_limit["model's pick / limit"] = picked["mode"]
+    if limit is not None:
+        result["ratio_rounds"] |= limit_ratio_rounds(summary, against_limit)
     if picked is not None:
         result["step_pick"] = picked
     if swept is not None:
@@ -191,17 +196,34 @@ def _pick_text(picked: dict[str, Any]) -> str:
     return f"{'+step' if mode.step_in_backward else 'after'}{' @auto' if mode.cap == 'auto' else ''} ({picked['over_compiled']:.3f})"
 
 
-def testbed_limit(summary: dict[str, Any]) -> float | None:
-    """``max(local + cpu_cost * bytes, forward + comm)``: see the module docstring."""
+def testbed_limit(summary: dict[str, Any], round_index: int | None = None) -> float | None:
+    """``max(local + cpu_cost * bytes, forward + comm)``: see the module docstring. ``round_index``: the limit of
+    that round, from the modes' medians in it (the forward stays the run's)."""
     modes, calibration = summary["modes"], summary.get("calibration")
     if "local" not in modes or "comm" not in modes or not calibration:
         return None
+
+    def time_of(mode: str) -> float:
+        return modes[mode]["median_s"] if round_index is None else modes[mode]["round_medians_s"][round_index]
+
     layout = summary["buckets"].get("graphddp-compiled") or []
     sent = sum(b["sent"] for b in layout)
-    compute = modes[compute_baseline("graphddp-compiled", modes)]
+    compute = compute_baseline("graphddp-compiled", modes)
     forward = compute_phases(summary, "graphddp-compiled")[0]  # the slower rank's, as the predictions take it
-    beside = modes["bound"]["median_s"] if "bound" in modes else compute["median_s"] + calibration["cpu_seconds_per_byte"] * sent
-    return max(beside, forward + modes["comm"]["median_s"])
+    beside = time_of("bound") if "bound" in modes else time_of(compute) + calibration["cpu_seconds_per_byte"] * sent
+    return max(beside, forward + time_of("comm"))
+
+
+def limit_ratio_rounds(summary: dict[str, Any], modes: dict[str, str]) -> dict[str, list[float]]:
+    """Per label of ``modes`` (label: mode), the mode's median over the testbed's limit round by round: with
+    ``--interleave steps`` a round's modes ran step by step side by side, so the spread of these ratios is the
+    machine's noise left in the cell's ratio, as ``ratio_rounds`` is for the ratios against PyTorch."""
+    measured = summary["modes"]
+    rounds = len(next(iter(measured.values())).get("round_medians_s", [])) if measured else 0
+    if rounds < 2 or testbed_limit(summary) is None:
+        return {}
+    limits = [testbed_limit(summary, r) for r in range(rounds)]
+    return {label: [measured[mode]["round_medians_s"][r] / limits[r] for r in range(rounds)] for label, mode in modes.items()}
 
 
 def below_limit(median: dict[str, float], limit: float | None) -> list[str]:
@@ -226,8 +248,8 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             r["workload"] + (" ‡" if r.get("oversubscribed") else ""), r["link"], _ms(m.get("graphddp-compiled")), _ms(m.get("torch-compiled")),
             _ratio(ratios, "graphddp-compiled / torch-compiled", r.get("ratio_rounds")), _ms(m.get("graphddp-eager")),
             _ms(m.get("torch-eager")), _ratio(ratios, "graphddp-eager / torch-eager", r.get("ratio_rounds")), _ms(r["limit_s"]), _ms(r.get("backward_floor_s")),
-            _ratio(ratios, "graphddp-compiled / limit"),
-            _ms(m.get("graphddp-compiled+step")), _ratio(ratios, "model's pick / limit"),
+            _ratio(ratios, "graphddp-compiled / limit", r.get("ratio_rounds")),
+            _ms(m.get("graphddp-compiled+step")), _ratio(ratios, "model's pick / limit", r.get("ratio_rounds")),
             _pick_text(r["step_pick"]) if "step_pick" in r else "-",
             f"{errors[worst] * 100:+.0f}% ({worst})" if worst else "-",
             f"{r['sweep']['auto_over_best']:.3f} (best {r['sweep']['best_fixed']} MiB)" if "sweep" in r else "-",

@@ -205,6 +205,26 @@ def test_the_matrix_checks_each_target_and_the_limit_counts_the_cpu_cost() -> No
     assert result["sweep"]["best_fixed"] == "25" and result["met"]["auto within 3 % of the best fixed cap"]
 
 
+def test_the_matrix_gives_the_ratios_to_the_limit_round_by_round() -> None:
+    """Each round's medians against that round's limit (``bound`` beside the compute, or the forward then
+    ``comm``): with the modes interleaved step by step, the rounds' spread is the noise left in the cell's ratio."""
+    s = summary()
+    s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
+    s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"], "round_medians_s": [0.48, 0.5, 0.6]}
+    s["modes"]["bound"] = {"median_s": 0.45, "phases_s": {}, "round_medians_s": [0.4, 0.45, 0.5]}
+    s["modes"]["comm"]["round_medians_s"] = [0.1, 0.1, 0.45]  # the third round's link binds: forward 0.1 + 0.45
+    for mode in ("local", "naive", "torch-eager", "graphddp-eager"):
+        s["modes"][mode]["round_medians_s"] = [s["modes"][mode]["median_s"]] * 3
+    result = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)
+    assert result["ratio_rounds"]["graphddp-compiled / limit"] == pytest.approx([0.48 / 0.4, 0.5 / 0.45, 0.6 / 0.55])
+    text = matrix.report([result], command="c")
+    assert f"{0.5 / 0.45:.3f} ✗ (rounds 1.09-1.20)" in text
+    del s["modes"]["graphddp-compiled"]["round_medians_s"]  # a run of one round, or one from before: no spread
+    for mode in s["modes"].values():
+        mode.pop("round_medians_s", None)
+    assert "graphddp-compiled / limit" not in matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)["ratio_rounds"]
+
+
 def test_the_matrix_shows_the_backward_floor_and_the_targets_no_ddp_meets_under_it() -> None:
     s = summary()
     s["calibration"]["cpu_seconds_per_byte"] = 1e-6
