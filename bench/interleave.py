@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import types
 from collections.abc import Iterator
 
@@ -28,7 +29,8 @@ def isolated_model(model: torch.nn.Module, tag: str) -> torch.nn.Module:
     cls = type(model)
     forward = cls.forward
     name = "forward_" + re.sub(r"\W", "_", tag)
-    code = forward.__code__.replace(co_name=name, co_qualname=f"{cls.__qualname__}.{name}")
+    names = {"co_name": name} | ({"co_qualname": f"{cls.__qualname__}.{name}"} if sys.version_info >= (3, 11) else {})
+    code = forward.__code__.replace(**names)
     own = types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
     own.__kwdefaults__ = forward.__kwdefaults__
     model.__class__ = type(f"{cls.__name__}_{name}", (cls,), {"forward": own, "__module__": cls.__module__})
@@ -38,13 +40,16 @@ def isolated_model(model: torch.nn.Module, tag: str) -> torch.nn.Module:
 @contextlib.contextmanager
 def shared_frames(modes: int) -> Iterator[None]:
     """Dynamo's recompile limit raised for ``modes`` modes alive at once: frames outside each mode's isolated
-    forward (a DDP's own ``forward``) are one code object for all of them, each mode its own cache entry."""
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * modes)
+    forward (a DDP's own ``forward``) are one code object for all of them, each mode its own cache entry. Should
+    a frame reach the limit anyway, Dynamo raises instead of running it eagerly, which would time a compiled mode
+    uncompiled with nothing to say so."""
+    config = torch._dynamo.config
+    limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit, config.fail_on_recompile_limit_hit = max(limit, 2 * modes), True
     try:
         yield
     finally:
-        torch._dynamo.config.recompile_limit = limit
+        config.recompile_limit, config.fail_on_recompile_limit_hit = limit, fail
 
 
 def graphs_compiled() -> int:

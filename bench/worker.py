@@ -110,9 +110,11 @@ def _rounds_of_steps(config: dict, mode_config: ModeConfig, rank: int, results: 
     up to a minute. Every mode is resident at once: memory is the sum of theirs."""
     with shared_frames(len(config["modes"])):
         for r in range(config["rounds"]):
-            torch._dynamo.reset()
-            _one_round_of_steps(config, mode_config, rank, results, say, r)
-            gc.collect()  # the round's modes, freed on return, before the next round builds its own
+            try:
+                _one_round_of_steps(config, mode_config, rank, results, say, r)
+            finally:  # the round's modes and their compiled code, freed before the next round builds its own
+                torch._dynamo.reset()
+                gc.collect()
 
 
 def _one_round_of_steps(config: dict, mode_config: ModeConfig, rank: int, results: dict[str, Any], say: Any, r: int) -> None:
@@ -122,6 +124,10 @@ def _one_round_of_steps(config: dict, mode_config: ModeConfig, rank: int, result
     for i, mode in enumerate(modes):
         say(f"round {r + 1}/{rounds}, [{i + 1}/{len(modes)}] {mode}: building, compiling, warming up ...", flush=True)
         prepared[mode] = prepare(mode, config, mode_config, rank, isolated=True)
+    for _ in range(config["warmup"]):  # after every mode is built, in the timed order: no mode is timed cold
+        for m in prepared.values():
+            dist.barrier()
+            m.step(m.workload.make_batch(m.data))
     timed: dict[str, list[Timed]] = {mode: [] for mode in modes}
     compiled = graphs_compiled()
     for _ in range(_iters_in_round(config, r)):
@@ -159,8 +165,9 @@ def record_round(results: dict[str, Any], m: PreparedMode, timed: list[Timed], r
 
 def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int, *, isolated: bool = False) -> PreparedMode:
     """Build ``mode`` on its own copy of the workload, run its first iteration (compiles) and the warm-up.
-    ``isolated``: other modes stay alive beside it (``--interleave steps``): Dynamo is not reset, and the model's
-    compiled code is its own (``bench.interleave.isolated_model``)."""
+    ``isolated``: other modes stay alive beside it (``--interleave steps``): Dynamo is not reset, the model's
+    compiled code is its own (``bench.interleave.isolated_model``), and the warm-up is left to the caller, which
+    runs it once every mode is built."""
     if not isolated:
         torch._dynamo.reset()
     rss_before = _rss_mb("VmRSS")
@@ -173,7 +180,7 @@ def prepare(mode: str, config: dict, mode_config: ModeConfig, rank: int, *, isol
     start = time.perf_counter()
     step(workload.make_batch(data))  # compiles, for compiled modes
     first = time.perf_counter() - start
-    for _ in range(config["warmup"]):
+    for _ in range(0 if isolated else config["warmup"]):
         step(workload.make_batch(data))
     peak = _rss_mb("VmHWM")
     added = peak - rss_before if peak is not None and rss_before is not None else None
