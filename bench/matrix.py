@@ -154,6 +154,7 @@ def cell(
         "backward_floor_s": median.get("bound-backward"),
         "below_backward_floor": below_limit(median, median.get("bound-backward")),
         "reductions": summary.get("reductions", {}),
+        "compiles_while_timed": summary.get("compiles_while_timed"),
         # Each round times every mode in turn, so a round's ratio compares modes under the same machine: its
         # spread is what the cell's ratio of medians can be trusted to (a noisy VM moves it by 0.2).
         "ratio_rounds": {label: summary.get("ratio_rounds", {}).get(label, []) for label, _, _ in AGAINST_TORCH},
@@ -218,9 +219,9 @@ def limit_ratio_rounds(summary: dict[str, Any], modes: dict[str, str]) -> dict[s
     """Per label of ``modes`` (label: mode), the mode's median over the testbed's limit round by round: with
     ``--interleave steps`` a round's modes ran step by step side by side, so the spread of these ratios is the
     machine's noise left in the cell's ratio, as ``ratio_rounds`` is for the ratios against PyTorch."""
-    measured = summary["modes"]
-    rounds = len(next(iter(measured.values())).get("round_medians_s", [])) if measured else 0
-    if rounds < 2 or testbed_limit(summary) is None:
+    measured, rounds = summary["modes"], summary["options"].get("rounds", 1)
+    needed = {"comm", "bound" if "bound" in measured else compute_baseline("graphddp-compiled", measured), *modes.values()}
+    if rounds < 2 or testbed_limit(summary) is None or any(len(measured[m].get("round_medians_s", ())) != rounds for m in needed):
         return {}
     limits = [testbed_limit(summary, r) for r in range(rounds)]
     return {label: [measured[mode]["round_medians_s"][r] / limits[r] for r in range(rounds)] for label, mode in modes.items()}
@@ -271,6 +272,9 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         for r in results for label, ok in r["met"].items() if not ok
     ]  # fmt: skip
     lines.append("Targets missed: " + ("; ".join(missed) if missed else "none"))
+    compiled = [f"{r['workload']} {r['link']} ({r['compiles_while_timed']})" for r in results if r.get("compiles_while_timed")]
+    if compiled:  # --interleave steps: a timed iteration that compiled is not a steady step
+        lines.append(f"Graphs compiled during timed iterations: {'; '.join(compiled)}")
     crowded = [f"{r['workload']} {r['link']}" for r in results if r.get("oversubscribed")]
     if crowded:
         lines.append(f"‡ not compared (more ranks than CPUs: oversubscribed): {'; '.join(crowded)}")

@@ -67,6 +67,9 @@ class BenchOptions(BucketOptions):
             )
         for mode in self.modes:
             ModeName.parse(mode)  # raises on an unknown mode or variant
+        if len(set(self.modes)) != len(self.modes):
+            twice = sorted({m for m in self.modes if self.modes.count(m) > 1})
+            raise ValueError(f"each mode may be named once; named more than once: {', '.join(twice)}")
         if self.iters < 1 or self.world_size < 1 or self.warmup < 0:
             raise ValueError("iters and world_size must be >= 1, warmup >= 0")
         if not isinstance(self.pin, bool):
@@ -210,7 +213,8 @@ def summarize(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, A
             mode: [r["modes"][mode]["timeline"] for r in ranks] for mode in options.modes if ranks[0]["modes"][mode]["timeline"]
         },
         "calibration": ranks[0].get("calibration"),
-        "compiles_while_timed": max(r.get("compiles_while_timed", 0) for r in ranks),  # --interleave steps counts them
+        # Counted with --interleave steps only (each mode built afresh compiles before it is timed): None otherwise.
+        "compiles_while_timed": max(r.get("compiles_while_timed", 0) for r in ranks) if options.interleave == "steps" else None,
         "params": ranks[0].get("params", []),
         "buckets": {mode: ranks[0]["modes"][mode].get("buckets") for mode in options.modes},
         "reductions": {mode: ranks[0]["modes"][mode].get("reduction") for mode in options.modes},
@@ -293,6 +297,8 @@ def table(summary: dict[str, Any]) -> str:
         if (pick := m.get("channels_pick")) is not None:
             steps = ", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in pick["predicted_s"].items())
             lines.append(f"{mode}: the model picks {pick['channels']} channel(s) for this schedule ({steps})")
+    if summary.get("compiles_while_timed"):
+        lines.append(f"warning: {summary['compiles_while_timed']} graph(s) compiled during timed iterations: those were not steady steps")
     for label, value in summary["ratios"].items():
         rounds = summary.get("ratio_rounds", {}).get(label, [])
         spread = f" (round by round: {min(rounds):.3f}-{max(rounds):.3f}, {len(rounds)} rounds)" if len(rounds) > 1 else ""

@@ -209,6 +209,7 @@ def test_the_matrix_gives_the_ratios_to_the_limit_round_by_round() -> None:
     """Each round's medians against that round's limit (``bound`` beside the compute, or the forward then
     ``comm``): with the modes interleaved step by step, the rounds' spread is the noise left in the cell's ratio."""
     s = summary()
+    s["options"]["rounds"] = 3
     s["buckets"]["graphddp-compiled"] = s["buckets"]["graphddp-eager"]
     s["modes"]["graphddp-compiled"] = {"median_s": 0.5, "phases_s": s["modes"]["local"]["phases_s"], "round_medians_s": [0.48, 0.5, 0.6]}
     s["modes"]["bound"] = {"median_s": 0.45, "phases_s": {}, "round_medians_s": [0.4, 0.45, 0.5]}
@@ -219,9 +220,18 @@ def test_the_matrix_gives_the_ratios_to_the_limit_round_by_round() -> None:
     assert result["ratio_rounds"]["graphddp-compiled / limit"] == pytest.approx([0.48 / 0.4, 0.5 / 0.45, 0.6 / 0.55])
     text = matrix.report([result], command="c")
     assert f"{0.5 / 0.45:.3f} ✗ (rounds 1.09-1.20)" in text
-    del s["modes"]["graphddp-compiled"]["round_medians_s"]  # a run of one round, or one from before: no spread
-    for mode in s["modes"].values():
-        mode.pop("round_medians_s", None)
+    # The model's pick too (here +step, predicted faster), and without ``bound`` each round's limit is its compute
+    # plus the CPU its bytes cost (0.1 s for 100 kB at 1 µs/B).
+    s["modes"]["graphddp-compiled+step"] = {"median_s": 0.44, "phases_s": s["modes"]["local"]["phases_s"], "round_medians_s": [0.4, 0.44, 0.5]}
+    s["modes"]["graphddp-compiled"]["step_pick"] = {"step_in_backward": True}
+    del s["modes"]["bound"]
+    s["calibration"]["cpu_seconds_per_byte"] = 1e-6
+    s["modes"]["local"]["round_medians_s"] = [0.3, 0.35, 0.4]
+    rounds = matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)["ratio_rounds"]
+    assert rounds["model's pick / limit"] == pytest.approx([0.4 / 0.4, 0.44 / 0.45, 0.5 / 0.55])
+    del s["modes"]["graphddp-compiled+step"]["round_medians_s"]  # a mode without rounds: no spread, no error
+    assert "model's pick / limit" not in matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)["ratio_rounds"]
+    s["options"]["rounds"] = 1  # a run of one round: nothing to spread
     assert "graphddp-compiled / limit" not in matrix.cell("mlp", "1gbit", s, swept=None, cpus=2)["ratio_rounds"]
 
 

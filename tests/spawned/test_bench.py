@@ -89,7 +89,7 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
 def test_bench_interleaved_by_steps_times_one_iteration_of_each_mode_in_turn(tmp_path: Path) -> None:
     """``--interleave steps``: every mode alive at once, one iteration of each in turn (from each iteration's
     recorded start), each mode compiled apart (two compiled graphddp modes share the DDP's forward, yet neither
-    reuses the other's graph: no compile while timed), and the DDPs still agree with each other."""
+    reuses the other's graph: no compile while timed), and both still reduce in-graph."""
     modes = ["local", "local-compiled", "torch-compiled", "graphddp-compiled", "graphddp-compiled+step"]
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--size", "tiny", "--iters", "4", "--rounds", "2", "--warmup", "0", "--inner", "aot_eager",
@@ -119,6 +119,9 @@ def test_bench_rejects_bad_input_in_one_line() -> None:
     assert result.stderr.strip() == "bench: rounds must be between 1 and iters (2), got 3"
     result = subprocess.run([sys.executable, "-m", "bench", "--interleave", "rounds"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "argument --interleave: invalid choice: 'rounds'" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "bench", "--modes", "local,comm,local"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "bench: each mode may be named once; named more than once: local"
     result = subprocess.run([sys.executable, "-m", "bench", "--last-bucket-cap-mb", "-1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     # A bucket flag is checked by argparse (graphddp.tools.bucket_args, the same for demo, inspect and bench):
