@@ -147,8 +147,11 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
     """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks: least squares on the ring's
     terms ``2 (w - 1)`` (α) and ``2 (w - 1) / w · bytes`` (β), clamped at zero, over each size's fastest sample.
 
-    Only the fastest: a shared machine only ever slows an all-reduce down (another tenant, a descheduled gloo
-    thread), never speeds it up, so the fastest of a size's repeats is the closest to the link's own time. Fitted
+    Only the fastest: what a shared machine adds (another tenant, a descheduled gloo thread) only slows an
+    all-reduce down, so the fastest of a size's repeats is the closest to the link's own time (a queue's burst
+    can make a repeat fast, but the series reaches sizes far past it, which set the slope). It leans the model
+    toward the link's good moments where the bench compares medians; in the first matrix after the change its
+    ``comm`` predictions erred by -1 to +14 %, none of them fast. Fitted
     over every repeat, one slow all-reduce of the largest size, which sets the slope, tilts every prediction made
     from the fit (session 49's matrix had one 5 Gbit/s cell calibrate 1.92 ns/B where the others measured
     1.63-1.64; its samples were not kept, so whether one repeat or a longer slowdown did it is not known)."""

@@ -140,9 +140,9 @@ def link_of(
     dist.broadcast(agreed, group=group, group_src=0)
     link = LinkModel(latency_s=float(agreed[0]), seconds_per_byte=float(agreed[1]))
     logger.info(
-        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d all-reduces, up to %d bytes)",
-        world, link.latency_s * 1e6, 8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"), len(samples),
-        max(n for n, _ in samples),
+        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d sizes, each its fastest of %d, up to %d bytes)",
+        world, link.latency_s * 1e6, 8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"),
+        len({n for n, _ in samples}), repeats, max(n for n, _ in samples),
     )  # fmt: skip
     _fitted[group] = link
     return link
