@@ -284,8 +284,11 @@ def run_with_faults(
         finally:
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGCONT)  # a stopped rank must wake to die
-                    p.kill()
+                    try:
+                        os.kill(p.pid, signal.SIGCONT)  # a stopped rank must wake to die
+                    except ProcessLookupError:  # it exited between the check and the signal: nothing to wake
+                        pass
+                    p.kill()  # multiprocessing's kill ignores a process already gone
                 p.join(timeout=10)
     return done
 
