@@ -302,16 +302,21 @@ def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
     with shared_frames(len(modes)):
         for r in range(o.rounds):
             torch._dynamo.reset()
-            prepared = {mode: _Prepared.build(mode, o, x, y, isolated=True) for mode in modes}
-            for p in prepared.values():
-                p.warm_up(o)
-            for _ in range(o.steps):
-                for mode, p in prepared.items():
-                    dist.barrier()
-                    p.time_one(o, record[mode])
-            for mode, p in prepared.items():
-                p.end_round(record[mode], last=r == o.rounds - 1)
-            del prepared
+            _one_round_of_steps(o, modes, x, y, record, last=r == o.rounds - 1)
+
+
+def _one_round_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any], *, last: bool) -> None:
+    """One round of ``_rounds_of_steps``: its modes live only here, so none outlives the round (a loop variable
+    kept the last one alive while the next round built all of its own)."""
+    prepared = {mode: _Prepared.build(mode, o, x, y, isolated=True) for mode in modes}
+    for p in prepared.values():
+        p.warm_up(o)
+    for _ in range(o.steps):
+        for mode, p in prepared.items():
+            dist.barrier()
+            p.time_one(o, record[mode])
+    for mode, p in prepared.items():
+        p.end_round(record[mode], last=last)
 
 
 @dataclasses.dataclass
