@@ -160,6 +160,10 @@ class OverheadOptions:
     """The order of the timed steps (see the module's docstring): ``"steps"``, one step of every mode in turn,
     every mode alive at once; or ``"modes"``, ``--steps`` of one mode in a row, each mode built afresh."""
     device: str = "cpu"
+    backend: str = "auto"
+    """The ranks' process group: ``auto`` (NCCL on CUDA, gloo on the CPU), ``gloo`` or ``nccl`` (CUDA only). With
+    one GPU, ``gloo`` is how two ranks run on CUDA tensors (they share the GPU; NCCL wants one GPU per rank): the
+    per-bucket path of both DDPs, which at one NCCL rank graphddp skips (it sends nothing, ``LocalReduction``)."""
     allocator: str = "system"
     """The ranks' CPU memory allocator: ``system`` or ``retain`` (``bench.allocator``)."""
     out: str = "bench-overhead"
@@ -178,9 +182,33 @@ class OverheadOptions:
             raise ValueError(f"--width must be a multiple of 32 (heads of 32), got {self.width}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("--backend nccl needs --device cuda (NCCL reduces CUDA tensors only); on the CPU the bench runs gloo")
         allocator_env(self.allocator)  # raises on an unknown allocator
         if self.interleave not in INTERLEAVINGS:
             raise ValueError(f"--interleave must be one of {', '.join(INTERLEAVINGS)}, got {self.interleave!r}")
+
+    @property
+    def process_group_backend(self) -> str:
+        """The backend the ranks' default group is made with (``backend``, ``auto`` resolved for ``device``)."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def check_gpus(self, gpus: int) -> None:
+        """Raises ``ValueError`` when ``device`` is CUDA and ``gpus`` GPUs cannot hold the ranks: none at all, or
+        fewer than the largest world size on NCCL (a GPU per rank)."""
+        if self.device != "cuda":
+            return
+        if gpus == 0:
+            raise ValueError("--device cuda, but no GPU is visible to torch (torch.cuda.device_count() is 0)")
+        if self.process_group_backend == "nccl" and max(self.world_sizes) > gpus:
+            raise ValueError(
+                f"--world-sizes {max(self.world_sizes)} on NCCL needs {max(self.world_sizes)} GPUs, this machine has {gpus}; "
+                "--backend gloo runs the ranks on CUDA tensors sharing the GPUs"
+            )
 
     def modes(self, world_size: int) -> list[str]:
         """The modes a run at ``world_size`` times, in the order each round times them."""
@@ -262,7 +290,7 @@ def run_rank(rank: int, world_size: int, port: int, o: OverheadOptions, results:
     if o.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     import_before_init()  # Note [The default group outlives destroy_process_group]
-    dist.init_process_group("nccl" if o.device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(o.process_group_backend, rank=rank, world_size=world_size)
     try:
         results.put((rank, measure(o, rank)))
     finally:
@@ -532,8 +560,8 @@ def run(o: OverheadOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     Path(o.out).mkdir(parents=True, exist_ok=True)
     for world_size in o.world_sizes:
-        print(f"bench.overhead: {world_size} rank(s), {len(o.modes(world_size))} modes x {o.rounds} rounds x {o.steps} steps, "
-              f"interleaved by {o.interleave}", flush=True)
+        print(f"bench.overhead: {world_size} rank(s) on {o.device} ({o.process_group_backend}), {len(o.modes(world_size))} modes x "
+              f"{o.rounds} rounds x {o.steps} steps, interleaved by {o.interleave}", flush=True)
         with mock.patch.dict(os.environ, allocator_env(o.allocator)):  # read by each rank's C library as it starts
             per_rank = spawn_and_collect(run_rank, world_size, free_port(), o)
         rows += summarise(o, world_size, per_rank)
@@ -560,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         help="steps (default): one step of each mode in turn; modes: each mode's steps in a row, built afresh each round",
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--backend", choices=("auto", "gloo", "nccl"), default=d.backend,
+        help="the ranks' process group: auto (NCCL on CUDA, gloo on the CPU); gloo on CUDA lets ranks share one GPU",
+    )  # fmt: skip
     p.add_argument("--allocator", choices=ALLOCATORS, default=d.allocator, help="the ranks' CPU allocator (bench/allocator.py)")
     p.add_argument("--out", default=d.out)
     args = p.parse_args(argv)
@@ -567,9 +599,10 @@ def main(argv: list[str] | None = None) -> int:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "allocator", "out")},
+            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "backend", "allocator", "out")},
             tables={"auto": "auto", "rows": True, "dense": False}[args.tables],
         )  # fmt: skip
+        o.check_gpus(torch.cuda.device_count())
     except ValueError as e:
         p.error(str(e))
     rows = run(o)

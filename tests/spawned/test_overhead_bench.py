@@ -49,6 +49,27 @@ def test_bad_options_are_refused_with_the_flag() -> None:
         main(["--world-sizes", "0"])
 
 
+def test_the_process_group_backend_follows_the_device_unless_named() -> None:
+    """``--backend``: NCCL on CUDA and gloo on the CPU by default; gloo on CUDA lets two ranks share one GPU (the
+    per-bucket path on CUDA tensors, which one NCCL rank never runs: graphddp sends nothing there)."""
+    assert OverheadOptions().process_group_backend == "gloo"
+    assert OverheadOptions(device="cuda").process_group_backend == "nccl"
+    assert OverheadOptions(device="cuda", backend="gloo").process_group_backend == "gloo"
+    with pytest.raises(ValueError, match="--backend nccl needs --device cuda"):
+        OverheadOptions(backend="nccl")
+    with pytest.raises(ValueError, match="--backend must be auto, gloo or nccl"):
+        OverheadOptions(backend="mpi")
+    OverheadOptions(world_sizes=(1, 2)).check_gpus(0)  # the CPU needs none
+    OverheadOptions(device="cuda", backend="gloo", world_sizes=(2,)).check_gpus(1)  # two ranks share the GPU
+    with pytest.raises(ValueError, match="needs 2 GPUs, this machine has 1; --backend gloo"):
+        OverheadOptions(device="cuda", world_sizes=(1, 2)).check_gpus(1)
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        OverheadOptions(device="cuda", backend="gloo").check_gpus(0)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # refused before any rank is spawned
+            main(["--device", "cuda", "--world-sizes", "2"])
+
+
 @pytest.mark.timeout(300, func_only=True)
 def test_isolated_models_compile_apart_and_compute_as_the_model() -> None:
     """``--interleave steps`` keeps every mode alive: each model's forward has a code object of its own, so each
