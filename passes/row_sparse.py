@@ -16,9 +16,11 @@ The Reducer reduces such a gradient as rows (``RowSparseReduction`` in ``graphdd
 
 Both steps depend only on all-reduced data, so every rank takes the same branch, and the result never depends
 on the gradient really being sparse: a table that some other code also uses simply goes dense. A table that
-goes dense ``DENSE_STREAK_LIMIT`` times in a row (a small vocabulary most of which every batch touches, gradients
-accumulated under ``no_sync``) is reduced dense from then on, and its parts are dropped from the plan
-(``BucketPlan.without_rows``), so they do not travel on top of it: again decided from all-reduced outcomes.
+goes dense ``DENSE_STREAK_LIMIT`` times in a row (a small vocabulary most of which every batch touches, a position
+table, gradients accumulated under ``no_sync``) is reduced dense from then on, and its parts are dropped from the
+plan (``BucketPlan.without_rows``), so they do not travel on top of it; under the Reducer's own plan it also
+leaves its bucket of its own for the buckets it would have shared dense (``graphddp.runtime.plans.dense_again``):
+again decided from all-reduced outcomes.
 
 **When rows pay** (``rows_pay``, the one rule for both paths; ``sparse_embedding_grads="auto"``, the default).
 Rows are not free: they add a collective (the mask) per table, a round trip that a fast link measures at about

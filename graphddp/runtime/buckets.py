@@ -314,10 +314,6 @@ class BucketSlots:
         """The parameter whose gradient (or part of one) slot ``where`` holds."""
         return self.buckets[where[0]].param_indices[where[1]]
 
-    def tables_with_parts(self, buckets: Sequence[FlatBucket]) -> list[int]:
-        """The tied tables (parameters with parts) among the tables of these row-sparse buckets."""
-        return [i for i in (bucket.param_indices[0] for bucket in buckets) if i in self.parts_of]
-
     def mark_ready(self, where: Where) -> FlatBucket | None:
         """Slot ``where`` is filled: its bucket when that made it complete, else None."""
         bucket = self.buckets[where[0]]

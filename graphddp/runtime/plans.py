@@ -46,8 +46,13 @@ backward in flight:
   Adopting a graph plan ends the ready-order rebuild (the graph knows the order), so a graph plan equal to the
   plan in force is proposed and adopted all the same: else the rebuild would re-cut the buckets away from the
   graph's split;
-* **tables gone dense**: a row-sparse table with parts that gave up rows (``graphddp.runtime.reductions``) is re-planned
-  without its parts; every rank saw the same all-reduced outcomes, so every rank does it at the same forward.
+* **tables gone dense**: a row-sparse table that gave up rows (``graphddp.runtime.reductions``: every row touched
+  every step, as a position table's, or gradients accumulated under ``no_sync``) is re-planned dense
+  (``dense_again``): under the Reducer's own plan (registration or ready order) the plan it would have had
+  without rows, the table in the buckets its neighbours fill (alone it cost every step a collective more, two
+  where it split a bucket); under a compiled graphs' plan, whose buckets are the graphs' cuts, only a table with
+  parts, and only its parts go. Every rank saw the same all-reduced outcomes, so every rank does it at the same
+  forward.
 
 A plan is a function of data every rank agrees on: the graph's structure and the caps (``plan_graph``), never one
 rank's batch. And a graph is planned once: a **recompile** of a graph (same parameters; a shorter last batch, a
@@ -63,6 +68,7 @@ still run theirs, and ``InGraphGate`` raises.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import pickle
@@ -79,6 +85,7 @@ from .auto_caps import AutoCaps
 from .comm import all_gather_bytes, broadcast_bytes, broadcast_coalesced
 from .launch_context import given_back, lend
 from .profiling import trace_artifact
+from .reductions import DENSE_STREAK_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +285,19 @@ class PlanAgreement:
         ``verdict``), else None."""
         counting, abandoned, _ = self._read()[-3:]
         return (abandoned, counting) if 0 < abandoned < counting else None
+
+
+def dense_again(plan: BucketPlan, tables: Sequence[str]) -> BucketPlan | None:
+    """``plan`` with the row-sparse ``tables`` that gave up rows reduced dense (Note [Plan agreement], "tables gone
+    dense"), or None where nothing changes. The Reducer's own plans (``"registration"``, ``"ready-order"``) are
+    planned again at their caps in their order, the tables no longer alone; a compiled graphs' plan keeps its
+    buckets, which are its graphs' cuts, and drops the parts of those tables that have some."""
+    if plan.source == "graph":
+        with_parts = sorted({p.name for p in plan.parts} & set(tables))
+        return plan.without_rows(with_parts) if with_parts else None
+    dense = plan.without_rows(tables)
+    again = plan_buckets((p for b in dense.buckets for p in b.params), caps=plan.caps, source=plan.source)
+    return again if again.fingerprint != plan.fingerprint else None
 
 
 def joined_ranks_abstain(graph_plans: GraphPlans, joined: bool, *, group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -538,13 +558,16 @@ class PlanKeeper:
             plan = self._rebuild_in_ready_order()
             if plan is not None:
                 return plan
-        if gone_dense:
+        if gone_dense and (plan := dense_again(self.current, gone_dense)) is not None:
+            if plan.source != "graph":  # a later rebuild in ready order plans them dense too
+                self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in gone_dense else s for s in self.specs]
             logger.info(
-                "[rank %d] graphddp: %s went dense several iterations in a row (gradients accumulated under "
-                "no_sync?); all-reduced dense from now on, without separate parts (Note [Row-sparse gradients])",
-                self.rank, ", ".join(gone_dense),
+                "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
+                "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
+                "(Note [Row-sparse gradients])",
+                self.rank, ", ".join(gone_dense), DENSE_STREAK_LIMIT, len(plan.buckets),
             )
-            return self.current.without_rows(gone_dense)
+            return plan
         return None
 
     def _adopt_graph_plans(self) -> BucketPlan:

@@ -187,7 +187,7 @@ class Reducer(TorchReducerSurface):
 
     def switch_plan(self, grad_enabled: bool) -> None:
         """Adopt the plan the ranks agreed on, if any (collective: every rank, joined ones too, calls it)."""
-        gone_dense = [self._names[i] for i in self._slots.tables_with_parts(self._launcher.gave_up())]
+        gone_dense = [self._names[bucket.param_indices[0]] for bucket in self._launcher.gave_up()]  # one table each
         plan = self.plans.next_plan(grad_enabled=grad_enabled, allows_unused=self.usage.policy.allows_unused, gone_dense=gone_dense)
         if plan is not None:
             self.adopt(plan)

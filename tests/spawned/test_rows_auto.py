@@ -45,7 +45,7 @@ def measured_as(link: LinkModel | None, cpu: float = 0.0) -> Iterator[None]:
 
 
 def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | None, cpu: float = 0.0) -> dict:
-    case = Case(model="gpt", steps=3, graphddp=AUTO, compile=compile, record_events=False)
+    case = Case(model="gpt", steps=3, graphddp=AUTO, compile=compile, record_events=compile is None)
     with measured_as(link, cpu):
         run = train("graphddp", case, rank)
     plan = run.ddp.bucket_plan
@@ -70,7 +70,11 @@ def train_auto(rank: int, world: int, compile: str | None, link: LinkModel | Non
         "pays": any(verdicts),
         "state": state_of(run.ddp.module),
         "fingerprint": plan.fingerprint,
-        "rows": bool(plan.parts) or any(b.row_sparse for b in plan.buckets),
+        # Eagerly, the position table every batch touches whole goes dense at once and, after DENSE_STREAK_LIMIT
+        # steps, back into the dense plan (Note [Plan agreement], "tables gone dense"): what was decided shows in
+        # the first step's outcomes. Compiled, in the plan (the tied table's rows stay few).
+        "rows": any(kind in ("rows", "dense") for kind, _, _ in run.events[0]) if compile is None
+        else bool(plan.parts) or any(b.row_sparse for b in plan.buckets),
         "reductions": sorted({r.strategy for r in run.ddp.reducer.compile_target.reductions}),
     }
 
