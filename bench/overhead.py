@@ -408,6 +408,14 @@ class _Prepared:
             record["buckets"] = bucket_count(self.ddp)
             if hasattr(self.ddp, "bucket_plan"):
                 record["reduction"] = reduction_ran(self.ddp)
+                record["rows"] = tables_as_rows(self.ddp.bucket_plan)
+
+
+def tables_as_rows(plan: Any) -> list[str]:
+    """The embedding tables a graphddp plan reduces as rows (``sparse_embedding_grads="auto"`` decides on the link
+    measured at construction, a close call over loopback that can go either way from one run to the next: a run's
+    table says which way it went)."""
+    return sorted({p.name for b in plan.buckets for p in b.params if p.row_sparse})
 
 
 def _sync(o: OverheadOptions) -> None:
@@ -474,7 +482,7 @@ def summarise(o: OverheadOptions, world_size: int, per_rank: dict[int, dict[str,
                      "page_faults": _mean_of_medians(per_rank, mode, "page_faults"),
                      "backward_calls": per_rank[0][mode].get("backward_calls"),
                      "buckets": per_rank[0][mode].get("buckets"), "params": per_rank[0][mode]["params"],
-                     "reduction": per_rank[0][mode].get("reduction"),
+                     "reduction": per_rank[0][mode].get("reduction"), "rows": per_rank[0][mode].get("rows"),
                      "compiles_while_timed": sum(per_rank[r][mode].get("compiles_while_timed", 0) for r in per_rank)})  # fmt: skip
     by_mode = {row["mode"]: row for row in rows}
     for row in rows:
@@ -530,11 +538,11 @@ def render(rows: list[dict[str, Any]]) -> str:
         [r["world_size"], r["mode"], ms(r["step_s"]), ms(r.get("added_s")), ratio(r.get("step_vs_torch")),
          ratio(r.get("added_vs_torch")), round_spread(r.get("added_vs_torch_rounds")), ms(r.get("cpu_s")), ms(r.get("added_cpu_s")),
          ms(r.get("other_threads_cpu_s")), count(r.get("page_faults")), count(r.get("added_page_faults")), r["backward_calls"],
-         r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or ""]
+         r.get("added_calls", ""), r.get("buckets") or "", r.get("reduction") or "", ", ".join(r.get("rows") or ())]
         for r in rows
     ]  # fmt: skip
     headers = ["ranks", "mode", "step ms", "added ms", "step / torch's", "added / torch's", "per round: median (range)", "cpu ms",
-               "added cpu ms", "other threads cpu ms", "page faults", "added faults", "py calls (bwd)", "added calls", "buckets", "reduction"]  # fmt: skip
+               "added cpu ms", "other threads cpu ms", "page faults", "added faults", "py calls (bwd)", "added calls", "buckets", "reduction", "tables as rows"]  # fmt: skip
     return tabulate(table, headers=headers, disable_numparse=True)
 
 

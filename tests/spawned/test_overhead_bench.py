@@ -246,6 +246,20 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
     assert by_mode["bound-ready"]["added_calls"] >= by_mode["bound-ready"]["params"]
     assert by_mode["bound-ready"]["buckets"] == by_mode["graphddp-eager"]["buckets"]
     assert by_mode["bound-ready-torch"]["buckets"] == by_mode["torch-eager"]["buckets"]
+    assert by_mode["graphddp-eager"]["rows"] == []  # every table dense, as asked
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_a_position_table_tried_as_rows_is_timed_in_the_dense_plan(tmp_path) -> None:
+    """``--tables rows`` (what ``auto`` may choose on a loaded machine's measurement): GPT's position table, whose
+    every row each batch touches, goes dense at once and, after ``DENSE_STREAK_LIMIT`` steps of the warm-up, back
+    into the dense plan's buckets (Note [Plan agreement], "tables gone dense"): the timed steps send as many
+    collectives as the dense plan (session 50's run timed two more, 12 buckets against 10)."""
+    assert main(["--world-sizes", "2", "--inners", "", "--layers", "1", "--steps", "1", "--rounds", "1",
+                 "--warmup", "3", "--interleave", "modes", "--tables", "rows", "--out", str(tmp_path)]) == 0  # fmt: skip
+    by_mode = {r["mode"]: r for r in json.loads((tmp_path / "overhead.json").read_text())["rows"]}
+    assert by_mode["graphddp-eager"]["rows"] == []
+    assert by_mode["graphddp-eager"]["buckets"] == by_mode["bound"]["buckets"]  # graphddp's dense plan at the caps
 
 
 @pytest.mark.timeout(300, func_only=True)
