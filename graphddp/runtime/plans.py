@@ -418,6 +418,7 @@ class PlanKeeper:
         self._abandoned = False  # drained an abandoned backward since the last agreement (Note [Abandoned backward])
         self._buffers_out_of_step: torch.Tensor | None = None  # 1: buffers came from another forward (on the device)
         self._buffers_warned = False
+        self._dense_settled: set[str] = set()  # tables that gave up rows under the plan in force, already answered
         self.agreed_in_graph: frozenset[frozenset[str]] = frozenset()
         """Parameter sets of the agreed graphs that reduce in-graph (``graphddp.runtime.in_graph``)."""
         self.training_forwards = 0
@@ -433,6 +434,7 @@ class PlanKeeper:
     def install(self, plan: BucketPlan) -> None:
         """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""
         self.current = plan
+        self._dense_settled.clear()  # its tables try rows afresh, and may give up again
         trace_artifact(
             "graphddp_bucket_plan",
             lambda: f"rank {self.rank}, {plan.source}, fingerprint {plan.fingerprint}\n"
@@ -558,17 +560,27 @@ class PlanKeeper:
             plan = self._rebuild_in_ready_order()
             if plan is not None:
                 return plan
-        if gone_dense and (plan := dense_again(self.current, gone_dense)) is not None:
-            if plan.source != "graph":  # a later rebuild in ready order plans them dense too
-                self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in gone_dense else s for s in self.specs]
-            logger.info(
-                "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
-                "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
-                "(Note [Row-sparse gradients])",
-                self.rank, ", ".join(gone_dense), DENSE_STREAK_LIMIT, len(plan.buckets),
-            )
-            return plan
-        return None
+        return self._plan_dense(gone_dense)
+
+    def _plan_dense(self, gone_dense: Sequence[str]) -> BucketPlan | None:
+        """The plan with the tables that gave up rows reduced dense (``dense_again``), asked once per table and plan
+        in force: not O(parameters) every forward while a table's layout stays what it was."""
+        fresh = [t for t in gone_dense if t not in self._dense_settled]
+        if not fresh:
+            return None
+        self._dense_settled.update(fresh)
+        plan = dense_again(self.current, fresh)
+        if plan is None:
+            return None
+        if plan.source != "graph":  # a later rebuild in ready order plans them dense too
+            self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in fresh else s for s in self.specs]
+        logger.info(
+            "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
+            "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
+            "(Note [Row-sparse gradients])",
+            self.rank, ", ".join(fresh), DENSE_STREAK_LIMIT, len(plan.buckets),
+        )
+        return plan
 
     def _adopt_graph_plans(self) -> BucketPlan:
         """Every rank proposed the same graph plans (or adopted them, ``joined_ranks_abstain``): they are in force
