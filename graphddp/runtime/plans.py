@@ -288,14 +288,18 @@ class PlanAgreement:
 
 
 def dense_again(plan: BucketPlan, tables: Sequence[str]) -> BucketPlan | None:
-    """``plan`` with the row-sparse ``tables`` that gave up rows reduced dense (Note [Plan agreement], "tables gone
-    dense"), or None where nothing changes. The Reducer's own plans (``"registration"``, ``"ready-order"``) are
-    planned again at their caps in their order, the tables no longer alone; a compiled graphs' plan keeps its
-    buckets, which are its graphs' cuts, and drops the parts of those tables that have some."""
+    """``plan`` with the row-sparse ``tables`` reduced dense (Note [Plan agreement], "tables gone dense"), or None
+    where nothing changes. A Reducer's own plan (``"registration"``, ``"ready-order"``) of one dtype and device is
+    planned again at its caps in its order, the tables no longer alone; with several (``mixed_precision``, a
+    module across devices) the order between them is not kept in the buckets, so the tables keep their buckets,
+    reduced dense. A compiled graphs' plan keeps its buckets, which are its graphs' cuts, and drops the parts of
+    those tables that have some."""
     if plan.source == "graph":
         with_parts = sorted({p.name for p in plan.parts} & set(tables))
         return plan.without_rows(with_parts) if with_parts else None
     dense = plan.without_rows(tables)
+    if len({(b.dtype, b.device) for b in plan.buckets}) > 1:
+        return dense if dense.fingerprint != plan.fingerprint else None
     again = plan_buckets((p for b in dense.buckets for p in b.params), caps=plan.caps, source=plan.source)
     return again if again.fingerprint != plan.fingerprint else None
 
@@ -434,7 +438,7 @@ class PlanKeeper:
     def install(self, plan: BucketPlan) -> None:
         """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""
         self.current = plan
-        self._dense_settled.clear()  # its tables try rows afresh, and may give up again
+        self._dense_settled.clear()  # its row-sparse tables are reduced afresh, and may give up again
         trace_artifact(
             "graphddp_bucket_plan",
             lambda: f"rank {self.rank}, {plan.source}, fingerprint {plan.fingerprint}\n"
@@ -563,24 +567,33 @@ class PlanKeeper:
         return self._plan_dense(gone_dense)
 
     def _plan_dense(self, gone_dense: Sequence[str]) -> BucketPlan | None:
-        """The plan with the tables that gave up rows reduced dense (``dense_again``), asked once per table and plan
-        in force: not O(parameters) every forward while a table's layout stays what it was."""
+        """The plan with the tables that gave up rows reduced dense, asked once per table and plan in force (under a
+        compiled graphs' plan an untied table's layout stays what it was: not O(parameters) every forward)."""
         fresh = [t for t in gone_dense if t not in self._dense_settled]
         if not fresh:
             return None
         self._dense_settled.update(fresh)
-        plan = dense_again(self.current, fresh)
-        if plan is None:
-            return None
-        if plan.source != "graph":  # a later rebuild in ready order plans them dense too
-            self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in fresh else s for s in self.specs]
-        logger.info(
-            "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
-            "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
-            "(Note [Row-sparse gradients])",
-            self.rank, ", ".join(fresh), DENSE_STREAK_LIMIT, len(plan.buckets),
-        )
+        plan = self.plan_dense(fresh)
+        if plan is not None:
+            logger.info(
+                "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
+                "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
+                "(Note [Row-sparse gradients])",
+                self.rank, ", ".join(fresh), DENSE_STREAK_LIMIT, len(plan.buckets),
+            )
         return plan
+
+    def plan_dense(self, tables: Sequence[str]) -> BucketPlan | None:
+        """The plan in force with row-sparse ``tables`` reduced dense (``dense_again``), or None where nothing
+        changes; under a Reducer's own plan they stay dense in every later re-plan (the ready-order rebuild)."""
+        plan = dense_again(self.current, tables)
+        if plan is not None and plan.source != "graph":
+            self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in tables else s for s in self.specs]
+        return plan
+
+    def row_sparse_tables(self) -> list[str]:
+        """The tables the plan in force reduces as rows."""
+        return [p.name for b in self.current.buckets for p in b.params if p.row_sparse]
 
     def _adopt_graph_plans(self) -> BucketPlan:
         """Every rank proposed the same graph plans (or adopted them, ``joined_ranks_abstain``): they are in force

@@ -28,8 +28,8 @@ in two steps, both issued from the thread that runs backward:
   callback: that would run on gloo's thread, ahead of its next collective.)
 
 The outcome depends only on the all-reduced mask, so every rank takes the same branch. A table that went dense
-``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying until the plan
-changes; the Reducer then also drops its parts from the plan.
+``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying; at the next forward
+the Reducer plans it dense (Note [Plan agreement] in ``graphddp.runtime.plans``, "tables gone dense").
 
 Note [Sparse gradients, gathered]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

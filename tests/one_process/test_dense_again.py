@@ -46,3 +46,16 @@ def test_a_graph_plan_keeps_its_cuts_and_drops_only_parts() -> None:
     assert again is not None and names(again) == [("h.weight",), ("wte.weight",)]  # the segments' cut is kept
     untied = plan_buckets([spec("h.weight", 4, 100), table], caps=CAPS, source="graph")
     assert dense_again(untied, ["wte.weight"]) is None  # no parts: its reduction stops trying rows, nothing else
+
+
+def test_a_plan_of_two_dtypes_keeps_its_buckets_the_table_dense() -> None:
+    """Buckets are per dtype, and the order between the dtypes' buckets is not kept in them: planned again from
+    the buckets, a later bucket could get an index ahead of one ready before it. So the table stays where it is."""
+    half = ParamSpec("norm.weight", (100,), torch.bfloat16, "cpu")
+    order = [spec("head.weight", 4, 200), half, spec("wpe.weight", 16, 32, row_sparse=True), spec("ln.weight", 100)]
+    with_rows = plan_buckets(order, caps=CAPS, source="registration")
+
+    again = dense_again(with_rows, ["wpe.weight"])
+
+    assert again is not None and [len(b.params) for b in again.buckets] == [len(b.params) for b in with_rows.buckets]
+    assert "wpe.weight" in names(again)[with_rows.bucket_of("wpe.weight")]  # its bucket, no longer "[rows]"

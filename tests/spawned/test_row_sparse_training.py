@@ -117,6 +117,16 @@ def test_a_table_every_rank_touches_densely_falls_back_to_the_dense_all_reduce_a
         assert not [w for w in result["warnings"] if "still held" in w], result["warnings"]
 
 
+def test_a_comm_hook_plans_an_eager_table_dense() -> None:
+    """A hook gets every bucket dense, as PyTorch hands them over, so a table planned as rows would only cost its
+    bucket of its own: registered, the hook finds it back in the dense plan, on every rank alike."""
+    case = rows_case(model="bag", compile=None, hook="allreduce", hook_at=0, steps=3)
+    for result in run_on_ranks(check_rows, 2, case, timeout=300):
+        assert result["buckets"] == result["dense_buckets"], (result["buckets"], result["dense_buckets"])
+        assert not any("[rows]" in name for bucket in result["buckets"] for name in bucket), result["buckets"]
+        assert all(outcomes(step) == [] for step in result["events"]), result["events"]  # never tried as rows
+
+
 @pytest.mark.parametrize(
     "case",
     [
