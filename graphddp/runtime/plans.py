@@ -304,6 +304,49 @@ def dense_again(plan: BucketPlan, tables: Sequence[str]) -> BucketPlan | None:
     return again if again.fingerprint != plan.fingerprint else None
 
 
+class DenseAgain:
+    """Row-sparse tables planned dense (Note [Plan agreement], "tables gone dense"): those that gave up rows, each
+    answered once per plan in force (under a compiled graphs' plan an untied table's layout stays what it was: not
+    O(parameters) every forward), and, when a comm hook is registered, every one (a hook reduces dense buckets, as
+    PyTorch hands them over; rows never apply under one). Under a Reducer's own plan they stay dense in every later
+    re-plan (the ready-order rebuild plans from the specs, which say so)."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._answered: set[str] = set()
+
+    def installed(self) -> None:
+        """A plan is in force: its row-sparse tables are reduced afresh, and may give up again."""
+        self._answered.clear()
+
+    def gave_up(self, plan: BucketPlan, specs: list[ParamSpec], tables: Sequence[str]) -> tuple[BucketPlan | None, list[ParamSpec]]:
+        """``plan`` and ``specs`` with the ``tables`` that gave up rows and were not answered yet reduced dense."""
+        fresh = [t for t in tables if t not in self._answered]
+        self._answered.update(fresh)
+        again, specs = self._dense(plan, specs, fresh)
+        if again is not None:
+            logger.info(
+                "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, or "
+                "gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
+                "(Note [Row-sparse gradients])", self._rank, ", ".join(fresh), DENSE_STREAK_LIMIT, len(again.buckets),
+            )  # fmt: skip
+        return again, specs
+
+    def for_comm_hook(self, plan: BucketPlan, specs: list[ParamSpec]) -> tuple[BucketPlan | None, list[ParamSpec]]:
+        """``plan`` and ``specs`` with every row-sparse table dense, under a Reducer's own plan; a compiled graphs'
+        plan keeps its parts, which then travel twice (``PlanKeeper.comm_hook_registered`` warns)."""
+        if plan.source == "graph":
+            return None, specs
+        return self._dense(plan, specs, [p.name for b in plan.buckets for p in b.params if p.row_sparse])
+
+    @staticmethod
+    def _dense(plan: BucketPlan, specs: list[ParamSpec], tables: Sequence[str]) -> tuple[BucketPlan | None, list[ParamSpec]]:
+        again = dense_again(plan, tables) if tables else None
+        if again is None or again.source == "graph":
+            return again, specs
+        return again, [dataclasses.replace(s, row_sparse=False) if s.name in tables else s for s in specs]
+
+
 def joined_ranks_abstain(graph_plans: GraphPlans, joined: bool, *, group: dist.ProcessGroup, device: torch.device) -> bool:
     """The ranks proposed different plans: True when the only difference is that ranks which shadowed that
     backward inside ``join()`` (``joined``: this rank did) proposed nothing (a rank with no batch at all never
@@ -422,7 +465,7 @@ class PlanKeeper:
         self._abandoned = False  # drained an abandoned backward since the last agreement (Note [Abandoned backward])
         self._buffers_out_of_step: torch.Tensor | None = None  # 1: buffers came from another forward (on the device)
         self._buffers_warned = False
-        self._dense_settled: set[str] = set()  # tables that gave up rows under the plan in force, already answered
+        self._dense = DenseAgain(self.rank)
         self.agreed_in_graph: frozenset[frozenset[str]] = frozenset()
         """Parameter sets of the agreed graphs that reduce in-graph (``graphddp.runtime.in_graph``)."""
         self.training_forwards = 0
@@ -438,7 +481,7 @@ class PlanKeeper:
     def install(self, plan: BucketPlan) -> None:
         """``plan`` is in force from now on (the Reducer has made its buckets): traced, and logged at DEBUG."""
         self.current = plan
-        self._dense_settled.clear()  # its row-sparse tables are reduced afresh, and may give up again
+        self._dense.installed()
         trace_artifact(
             "graphddp_bucket_plan",
             lambda: f"rank {self.rank}, {plan.source}, fingerprint {plan.fingerprint}\n"
@@ -564,36 +607,13 @@ class PlanKeeper:
             plan = self._rebuild_in_ready_order()
             if plan is not None:
                 return plan
-        return self._plan_dense(gone_dense)
-
-    def _plan_dense(self, gone_dense: Sequence[str]) -> BucketPlan | None:
-        """The plan with the tables that gave up rows reduced dense, asked once per table and plan in force (under a
-        compiled graphs' plan an untied table's layout stays what it was: not O(parameters) every forward)."""
-        fresh = [t for t in gone_dense if t not in self._dense_settled]
-        if not fresh:
-            return None
-        self._dense_settled.update(fresh)
-        plan = self.plan_dense(fresh)
-        if plan is not None:
-            logger.info(
-                "[rank %d] graphddp: %s went dense %d iterations in a row (every row touched, as a position table's, "
-                "or gradients accumulated under no_sync); all-reduced dense from now on: %d buckets "
-                "(Note [Row-sparse gradients])",
-                self.rank, ", ".join(fresh), DENSE_STREAK_LIMIT, len(plan.buckets),
-            )
+        plan, self.specs = self._dense.gave_up(self.current, self.specs, gone_dense)
         return plan
 
-    def plan_dense(self, tables: Sequence[str]) -> BucketPlan | None:
-        """The plan in force with row-sparse ``tables`` reduced dense (``dense_again``), or None where nothing
-        changes; under a Reducer's own plan they stay dense in every later re-plan (the ready-order rebuild)."""
-        plan = dense_again(self.current, tables)
-        if plan is not None and plan.source != "graph":
-            self.specs = [dataclasses.replace(s, row_sparse=False) if s.name in tables else s for s in self.specs]
-        return plan
-
-    def row_sparse_tables(self) -> list[str]:
-        """The tables the plan in force reduces as rows."""
-        return [p.name for b in self.current.buckets for p in b.params if p.row_sparse]
+    def plan_for_comm_hook(self) -> BucketPlan:
+        """The plan a comm hook reduces: the plan in force, its row-sparse tables dense (``DenseAgain``)."""
+        plan, self.specs = self._dense.for_comm_hook(self.current, self.specs)
+        return plan or self.current
 
     def _adopt_graph_plans(self) -> BucketPlan:
         """Every rank proposed the same graph plans (or adopted them, ``joined_ranks_abstain``): they are in force

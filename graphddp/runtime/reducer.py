@@ -140,11 +140,7 @@ class Reducer(TorchReducerSurface):
         self._hook = CommHook(state, hook, custom=True)
         self._policy = launch_policy(hook)
         self._layout = self._layout.with_comm_hook()  # a hook gets every gradient in its bucket, on one rank too
-        # A hook reduces dense buckets, as PyTorch hands them over: a table planned as rows leaves its bucket of its
-        # own under the Reducer's plan (Note [Plan agreement], "tables gone dense"; hooks are registered alike on
-        # every rank). A compiled graphs' plan keeps its parts, which travel twice (``comm_hook_registered`` warns).
-        plan = self.plans.plan_dense(self.plans.row_sparse_tables()) if self.plans.current.source != "graph" else None
-        self.adopt(plan or self.plans.current)
+        self.adopt(self.plans.plan_for_comm_hook())  # a hook reduces dense buckets, as PyTorch hands them over
         self.plans.comm_hook_registered(self._hook.wire_dtype)
 
     def set_after_bucket(self, after: NoStep | StepPerBucket) -> None:
