@@ -249,6 +249,7 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
     assert by_mode["graphddp-eager"]["rows"] == []  # every table dense, as asked
 
 
+@pytest.mark.slow  # 6 s; the default suite has the Reducer's side in test_row_sparse_training.py (a table that gave up)
 @pytest.mark.timeout(300, func_only=True)
 def test_a_position_table_tried_as_rows_is_timed_in_the_dense_plan(tmp_path) -> None:
     """``--tables rows`` (what ``auto`` may choose on a loaded machine's measurement): GPT's position table, whose
