@@ -408,14 +408,9 @@ class _Prepared:
             record["buckets"] = bucket_count(self.ddp)
             if hasattr(self.ddp, "bucket_plan"):
                 record["reduction"] = reduction_ran(self.ddp)
-                record["rows"] = tables_as_rows(self.ddp.bucket_plan)
-
-
-def tables_as_rows(plan: Any) -> list[str]:
-    """The embedding tables a graphddp plan reduces as rows (``sparse_embedding_grads="auto"`` decides on the link
-    measured at construction, a close call over loopback that can go either way from one run to the next: a run's
-    table says which way it went)."""
-    return sorted({p.name for b in plan.buckets for p in b.params if p.row_sparse})
+                # "auto" decides on the link measured at construction, a close call over loopback that can go either
+                # way from one run to the next: a run's table says which way it went.
+                record["rows"] = list(self.ddp.bucket_plan.row_sparse_tables)
 
 
 def _sync(o: OverheadOptions) -> None:

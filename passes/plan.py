@@ -506,6 +506,11 @@ class BucketPlan:
         """The parts of tied weights' gradients (``ParamSpec.part``), in bucket order."""
         return tuple(p for b in self.buckets for p in b.params if p.part)
 
+    @property
+    def row_sparse_tables(self) -> tuple[str, ...]:
+        """The tables reduced as rows (``Bucket.row_sparse``: each alone in its bucket), in bucket order."""
+        return tuple(b.params[0].name for b in self.buckets if b.row_sparse)
+
     def without_rows(self, names: Iterable[str]) -> BucketPlan:
         """This plan with the tables ``names`` reduced dense: their parts dropped (buckets left empty go, the
         rest are renumbered), their row-sparse mark cleared (Note [Row-sparse gradients])."""

@@ -337,7 +337,7 @@ class DenseAgain:
         plan keeps its parts, which then travel twice (``PlanKeeper.comm_hook_registered`` warns)."""
         if plan.source == "graph":
             return None, specs
-        return self._dense(plan, specs, [p.name for b in plan.buckets for p in b.params if p.row_sparse])
+        return self._dense(plan, specs, plan.row_sparse_tables)
 
     @staticmethod
     def _dense(plan: BucketPlan, specs: list[ParamSpec], tables: Sequence[str]) -> tuple[BucketPlan | None, list[ParamSpec]]:
