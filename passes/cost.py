@@ -9,7 +9,7 @@ Note [Step cost model]
 
 with ``α`` the per-message latency and ``β`` the seconds per byte (1 / bandwidth). ``allreduce_seconds`` gives the
 expression in sympy, symbolic in bytes, world size, latency and bandwidth; ``fit_link`` fits ``α`` and ``β`` to
-measured all-reduce times by least squares over the ring's two terms (each size at its fastest repeat). The measured sizes must reach past the
+measured all-reduce times (Note [Fitting the link]). The measured sizes must reach past the
 link's burst: a queue (a token bucket, a switch's buffer) passes its first megabytes at the wire's speed, and a fit
 of sizes that all fit in it sees the burst, not the rate (``graphddp.runtime.calibration.grow_series`` grows the series
 until one all-reduce takes 0.1 s).
@@ -53,6 +53,24 @@ is once bucket ``k - channels`` is off the wire. With one channel that is the se
 a bucket's latency runs under the previous bucket's bytes, which is all that several process groups can win on
 one link. ``choose_channels`` compares candidates and keeps one channel unless more pay by a margin (what an
 extra group costs the CPUs is not in the model).
+
+Note [Fitting the link]
+~~~~~~~~~~~~~~~~~~~~~~~
+The calibration times all-reduces from 4 KiB up to sizes that take 0.1 s, each size's fastest repeat kept. ``β``
+is the slope of a least-squares line through them, in seconds per byte sent: the large sizes set it (on the
+emulated 1 and 5 Gbit/s links, 0.96-0.97 and 4.1-5.1 Gbit/s in the fits below). ``α`` is *not* that line's
+intercept. Extrapolated from sizes that take tens of milliseconds, the intercept carries their noise, a
+millisecond or more, onto a term worth a few tenths of one; and where the link's queue lets a burst through at
+the wire's speed, the line through the sizes past it meets zero below the origin. Eight fits in a row on the
+2-vCPU testbed (``docs/benchmarks.md``, session 51) put the intercept's ``α`` at 0-1830 µs over loopback, and at
+0 (clamped) in 7 of 12 on the emulated 1 and 5 Gbit/s links, where the fastest 4 KiB all-reduce took 0.3-0.6 ms. So
+``α`` comes from the series' smallest size, latency-bound on any link: its fastest time less its bytes at the
+fitted slope, over the ``2 (w - 1)`` messages a ring sends; the model then gives that all-reduce the time it was
+measured at. The calibration times that size more often (``graphddp.runtime.calibration.LATENCY_REPEATS``): 24
+fits, eight per link, then put ``α`` at 96-293 µs over all three links.
+What ``α`` holds is what a bucket's all-reduce costs apart from its bytes: gloo's threads waking, the round trips,
+the calls; a step's prediction moves little with it (the matrix's buckets are megabytes), but choices that weigh
+many small buckets against few (automatic caps, channels, rows against a dense bucket) read it directly.
 
 This module is pure: no ``torch.distributed``, no graphddp runtime module.
 """
@@ -144,8 +162,10 @@ def rate_bits_per_second(rate: str) -> float:
 
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
-    """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks: least squares on the ring's
-    terms ``2 (w - 1)`` (α) and ``2 (w - 1) / w · bytes`` (β), clamped at zero, over each size's fastest sample.
+    """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks, each size at its fastest sample:
+    β the slope of a least-squares line over the sizes against the ring's bytes term ``2 (w - 1) / w · bytes``; α
+    the smallest size's time less its bytes at that slope, over the ring's ``2 (w - 1)`` messages; both clamped at
+    zero (Note [Fitting the link]).
 
     Only the fastest: what a shared machine adds (another tenant, a descheduled gloo thread) only slows an
     all-reduce down, so the fastest of a size's repeats is the closest to the link's own time (a queue's burst
@@ -162,11 +182,12 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
         fastest[n] = min(t, fastest.get(n, t))
     if len(fastest) < 2:
         raise ValueError("fitting a link needs all-reduces of at least two different sizes")
-    xs = [2 * (world - 1) / world * n for n in fastest]
-    # y = a·α + x·β: a line in x whose slope is β and whose intercept is a·α (a is the same for every sample).
-    beta, intercept = statistics.linear_regression(xs, list(fastest.values()))
-    alpha = intercept / (2 * (world - 1))
-    return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=max(beta, 0.0))
+    wire = {n: 2 * (world - 1) / world * n for n in fastest}  # bytes each rank sends: β's coefficient
+    beta, _ = statistics.linear_regression(list(wire.values()), list(fastest.values()))
+    beta = max(beta, 0.0)
+    smallest = min(fastest)
+    alpha = (fastest[smallest] - wire[smallest] * beta) / (2 * (world - 1))
+    return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=beta)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

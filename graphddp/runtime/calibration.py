@@ -73,6 +73,11 @@ BANDWIDTH_BOUND_S = 0.1
 speed (the benchmark's token bucket holds 10 ms of traffic, a switch's buffers do the same): a series that stops at
 a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/cost.py``)."""
 
+LATENCY_REPEATS = 8
+"""Times the series' smallest all-reduce is repeated (the others ``link_of``'s ``repeats``): the link's latency is
+read from its fastest (Note [Fitting the link] in ``passes/cost.py``), and the fastest of two moved by 1-2 ms where
+the fastest of eight held within ±25 % (``docs/benchmarks.md``, session 51). It costs a few milliseconds."""
+
 LAUNCH_SAMPLES = 9
 """All-reduces ``launch_seconds`` times at construction (the median of nine: one descheduled call moves nothing)."""
 LAUNCH_SPACING_MATMUL = 256
@@ -102,23 +107,29 @@ def link_of(
     """The link model of ``group`` (collective: every rank of it calls this), measured once and cached.
 
     ``sizes``: the all-reduce sizes (bytes) to time; by default a series from 4 KiB that grows until one
-    all-reduce is bandwidth-bound (``grow_series``)."""
+    all-reduce is bandwidth-bound (``grow_series``). ``repeats``: timed all-reduces per size, the smallest size's at
+    least ``LATENCY_REPEATS`` (it gives the latency, Note [Fitting the link])."""
     group = group if group is not None else dist.group.WORLD
     if group in _fitted:
         return _fitted[group]
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError("calibrating a link needs a process group of at least 2 ranks")
+    if repeats < 1:
+        raise ValueError(f"calibrating a link needs at least one timed all-reduce per size, got repeats={repeats}")
+    if sizes is not None and len(set(sizes)) < 2:
+        raise ValueError(f"calibrating a link needs all-reduces of at least two different sizes, got sizes={tuple(sizes)}")
     device = device or torch.device("cpu")
     samples: list[tuple[int, float]] = []
+    smallest = min(sizes) if sizes is not None else SERIES_START_BYTES  # the same on every rank
 
     def measure(nbytes: int) -> float:
-        """Times ``repeats`` all-reduces of ``nbytes``; returns the slowest rank's best (the same on every rank,
-        so every rank grows the series alike)."""
+        """Times ``repeats`` all-reduces of ``nbytes`` (the smallest size: ``LATENCY_REPEATS``); returns the
+        slowest rank's best (the same on every rank, so every rank grows the series alike)."""
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
         times = []
-        for _ in range(repeats):
+        for _ in range(max(repeats, LATENCY_REPEATS) if nbytes == smallest else repeats):
             dist.barrier(group=group)
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
@@ -140,9 +151,9 @@ def link_of(
     dist.broadcast(agreed, group=group, group_src=0)
     link = LinkModel(latency_s=float(agreed[0]), seconds_per_byte=float(agreed[1]))
     logger.info(
-        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d sizes, each its fastest of %d, up to %d bytes)",
+        "graphddp: link of a %d-rank group: latency %.1f us, %.2f Gbit/s (rank 0's fit of %d sizes, %d to %d bytes, each its fastest of %d, the smallest's of %d)",
         world, link.latency_s * 1e6, 8e-9 / link.seconds_per_byte if link.seconds_per_byte else float("inf"),
-        len({n for n, _ in samples}), repeats, max(n for n, _ in samples),
+        len({n for n, _ in samples}), smallest, max(n for n, _ in samples), repeats, max(repeats, LATENCY_REPEATS),
     )  # fmt: skip
     _fitted[group] = link
     return link

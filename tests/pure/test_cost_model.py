@@ -65,6 +65,27 @@ def test_a_slow_repeat_does_not_tilt_the_fit() -> None:
     assert fitted.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
 
 
+@pytest.mark.parametrize("slow_size", [-1, -2])
+def test_the_latency_comes_from_the_smallest_size_not_the_lines_intercept(slow_size: int) -> None:
+    """Note [Fitting the link]: a large size a few percent slow in every repeat (a slowdown that outlasts them)
+    moves the least-squares line's intercept by milliseconds, where α is a few tenths of one: extrapolated, the
+    intercept gave an α of 0 (the largest size slow) or ~1.4 ms (the next one slow) for a link of 200 µs."""
+    truth = LinkModel(latency_s=200e-6, seconds_per_byte=1.25e-9)  # loopback on the 2-vCPU testbed, about
+    sizes = [1 << k for k in range(12, 27, 2)]  # the series' 4 KiB to 64 MiB
+    seconds = {n: truth.allreduce_s(n, 2) for n in sizes}
+    seconds[sizes[slow_size]] *= 1.15
+    fitted = fit_link([(n, t) for n, t in seconds.items() for _ in range(2)], world=2)
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=0.02)
+    assert fitted.seconds_per_byte == pytest.approx(truth.seconds_per_byte, rel=0.15)
+
+
+def test_a_negative_slope_or_latency_is_clamped_at_zero() -> None:
+    shrinking = fit_link([(1 << 12, 2e-3), (1 << 20, 1e-3)], world=2)  # a noise-made negative slope: no bandwidth term
+    assert shrinking.seconds_per_byte == 0.0 and shrinking.latency_s == pytest.approx(2e-3 / 2)  # all the smallest size
+    burst = fit_link([(1 << 12, 1e-6), (1 << 20, 1e-2)], world=2)  # the smallest size faster than its bytes
+    assert burst.latency_s == 0.0 and burst.seconds_per_byte > 0
+
+
 def token_bucket_link(bits_per_second: float, *, latency_s: float = 50e-6):
     """All-reduce seconds of ``n`` bytes over 2 ranks on a link shaped like the benchmark's (bench/link.py): a
     token bucket holding 10 ms of traffic lets the first bytes through at the wire's speed (taken as free here)."""
@@ -80,6 +101,10 @@ def test_the_calibration_series_grows_past_the_links_burst(rate: float) -> None:
     sizes = grow_series(seconds)
     fitted = fit_link([(n, seconds(n)) for n in sizes], world=2)
     assert fitted.seconds_per_byte == pytest.approx(8 / rate, rel=0.15), sizes
+    # The line through the sizes past the burst meets zero below the origin (α clamped at 0 before Note [Fitting
+    # the link]); the model now gives the smallest, latency-bound all-reduce its measured time.
+    assert fitted.latency_s > 0
+    assert fitted.allreduce_s(sizes[0], 2) == pytest.approx(seconds(sizes[0]), rel=1e-9)
     # What the calibration measured before (4 KiB to 4 MiB) fits in 5 Gbit/s's burst and sees no rate at all.
     fixed = fit_link([(n, seconds(n)) for n in (1 << k for k in range(12, 23, 2))], world=2)
     if rate == 5e9:
