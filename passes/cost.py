@@ -62,7 +62,7 @@ emulated 1 and 5 Gbit/s links, 0.96-0.97 and 4.1-5.1 Gbit/s in the fits below). 
 intercept. Extrapolated from sizes that take tens of milliseconds, the intercept carries their noise, a
 millisecond or more, onto a term worth a few tenths of one; and where the link's queue lets a burst through at
 the wire's speed, the line through the sizes past it meets zero below the origin. Eight fits in a row on the
-2-vCPU testbed (``docs/benchmarks.md``, session 51) put the intercept's ``α`` at 0-1830 µs over loopback, and at
+2-vCPU testbed (``docs/benchmarks.md``, session 51) put the intercept's ``α`` at 14-1830 µs over loopback, and at
 0 (clamped) in 7 of 12 on the emulated 1 and 5 Gbit/s links, where the fastest 4 KiB all-reduce took 0.3-0.6 ms. So
 ``α`` comes from the series' smallest size, latency-bound on any link: its fastest time less its bytes at the
 fitted slope, over the ``2 (w - 1)`` messages a ring sends; the model then gives that all-reduce the time it was

@@ -5,20 +5,39 @@ from __future__ import annotations
 from ranks import run_on_ranks
 
 
-def calibrate(rank: int, world: int) -> tuple[float, float, bool]:
-    from graphddp.runtime.calibration import link_of
+def calibrate(rank: int, world: int) -> tuple[float, float, bool, dict[int, int]]:
+    import collections
 
-    link = link_of(sizes=(1 << 12, 1 << 18, 1 << 22), repeats=2)
-    again = link_of()  # cached: no collective, the same object
-    return link.latency_s, link.seconds_per_byte, again is link
+    from graphddp.runtime import calibration
+
+    timed: collections.Counter[int] = collections.Counter()
+    fit = calibration.fit_link
+
+    def counting_fit(samples, world):  # the samples each rank fits, counted by size
+        timed.update(n for n, _ in samples)
+        return fit(samples, world)
+
+    calibration.fit_link = counting_fit
+    try:
+        link = calibration.link_of(sizes=(1 << 18, 1 << 12, 1 << 22), repeats=2)
+    finally:
+        calibration.fit_link = fit
+    again = calibration.link_of()  # cached: no collective, the same object
+    return link.latency_s, link.seconds_per_byte, again is link, dict(timed)
 
 
 def test_the_link_is_calibrated_once_and_every_rank_holds_rank_0s_fit() -> None:
     results = run_on_ranks(calibrate, 2)
-    assert len({(a, b) for a, b, _ in results}) == 1, results  # the same model on every rank
-    assert all(cached for *_, cached in results)
-    latency, per_byte, _ = results[0]
-    assert latency >= 0 and per_byte >= 0 and latency + per_byte > 0, results  # timings on a loaded CPU are noisy
+    assert len({(a, b) for a, b, *_ in results}) == 1, results  # the same model on every rank
+    assert all(cached for _, _, cached, _ in results)
+    latency, per_byte, *_ = results[0]
+    assert per_byte >= 0, results  # timings on a loaded CPU are noisy
+    # Note [Fitting the link]: the latency is the smallest all-reduce's time less its bytes (4 KiB: microseconds),
+    # never 0 as the line's intercept could be; that size is timed LATENCY_REPEATS times, the others `repeats`.
+    assert latency > 0, results
+    from graphddp.runtime.calibration import LATENCY_REPEATS
+
+    assert all(timed == {1 << 12: LATENCY_REPEATS, 1 << 18: 2, 1 << 22: 2} for *_, timed in results), results
 
 
 def collectives_of_a_second_auto_ddp(rank: int, world: int) -> tuple[int, int]:
