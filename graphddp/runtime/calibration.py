@@ -75,8 +75,9 @@ a few MiB measures the burst, not the rate (Note [Step cost model] in ``passes/c
 
 LATENCY_REPEATS = 8
 """Times the series' smallest all-reduce is repeated (the others ``link_of``'s ``repeats``): the link's latency is
-read from its fastest (Note [Fitting the link] in ``passes/cost.py``), and the fastest of two moved by 1-2 ms where
-the fastest of eight held within ±25 % (``docs/benchmarks.md``, session 51). It costs a few milliseconds."""
+read from its fastest (Note [Fitting the link] in ``passes/cost.py``). Over loopback on the 2-vCPU testbed the
+fastest of two 4 KiB all-reduces ranged over 0.32-4.2 ms in eight series, the fastest of eight over 0.36-0.57 ms
+(``docs/benchmarks.md``, session 51). It costs a few milliseconds."""
 
 LAUNCH_SAMPLES = 9
 """All-reduces ``launch_seconds`` times at construction (the median of nine: one descheduled call moves nothing)."""
