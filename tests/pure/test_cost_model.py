@@ -69,7 +69,7 @@ def test_a_slow_repeat_does_not_tilt_the_fit() -> None:
 def test_the_latency_comes_from_the_smallest_size_not_the_lines_intercept(slow_size: int) -> None:
     """Note [Fitting the link]: a large size a few percent slow in every repeat (a slowdown that outlasts them)
     moves the least-squares line's intercept by milliseconds, where α is a few tenths of one: extrapolated, the
-    intercept gave an α of 0 (the largest size slow) or ~1.4 ms (the next one slow) for a link of 200 µs."""
+    intercept gave an α of 0 (clamped; the largest size slow) or 374 µs (the next one slow) for a link of 200 µs."""
     truth = LinkModel(latency_s=200e-6, seconds_per_byte=1.25e-9)  # loopback on the 2-vCPU testbed, about
     sizes = [1 << k for k in range(12, 27, 2)]  # the series' 4 KiB to 64 MiB
     seconds = {n: truth.allreduce_s(n, 2) for n in sizes}
