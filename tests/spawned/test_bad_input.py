@@ -99,7 +99,7 @@ def hook_returns_wrong_shape(rank: int, world: int) -> None:
     F.mse_loss(ddp(x), y).backward()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
 def test_comm_hook_returning_the_wrong_shape(world: int) -> None:
     errors = expect_failure_on_every_rank(hook_returns_wrong_shape, world, timeout=TIMEOUT)
     for rank, text in errors.items():

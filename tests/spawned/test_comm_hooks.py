@@ -32,7 +32,7 @@ def powersgd_several_buckets(rank: int, world: int) -> tuple[int, float, float]:
     return len(ddp.bucket_plan.buckets), state.compression_stats()[0], diff
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: slow suite (time)
 def test_powersgd_runs_on_several_buckets(world: int) -> None:
     # PyTorch's own DDP hangs here on gloo: PowerSGD issues collectives from future callbacks.
     for buckets, compress_rate, diff_to_plain_average in run_on_ranks(powersgd_several_buckets, world, timeout=60):

@@ -47,7 +47,7 @@ def freeze_peer(rank: int, world: int, how: str, compile: str | None) -> tuple[s
 
 
 @pytest.mark.parametrize("compile", [None, pytest.param("torch.compile", marks=pytest.mark.slow)])  # compiled: slow suite
-@pytest.mark.parametrize("how", ["sigstop", "stuck"])
+@pytest.mark.parametrize("how", ["sigstop", pytest.param("stuck", marks=pytest.mark.slow)])  # stuck: the slow suite (time)
 def test_a_frozen_peer_makes_the_survivor_raise_within_the_process_groups_timeout(how: str, compile: str | None) -> None:
     outcomes = run_with_faults(freeze_peer, 2, how, compile, pg_timeout_s=PG_TIMEOUT_S, timeout=60, wait_for=(0,))
     assert 0 in outcomes, f"rank 0 did not raise within 60 s (the user's timeout is {PG_TIMEOUT_S:.0f} s): it hangs"
@@ -96,7 +96,7 @@ def wrap_many_times(rank: int, world: int, compile: str | None) -> tuple[dict[st
     return counts[0], counts[1]
 
 
-@pytest.mark.parametrize("compile", [None, "torch.compile"])
+@pytest.mark.parametrize("compile", [None, pytest.param("torch.compile", marks=pytest.mark.slow)])  # compiled: slow suite (10 s)
 def test_dropped_wrappers_leave_no_groups_threads_fds_or_hooks(compile: str | None) -> None:
     for first, last in run_on_ranks(wrap_many_times, 2, compile, timeout=300):
         assert last["groups"] == first["groups"] and last["hooks"] == first["hooks"] == 3, (first, last)

@@ -162,7 +162,7 @@ def test_tables_as_rows_reduce_in_graph_and_train_as_pytorchs_ddp(world: int, mo
     [
         (2, "gpt", Variant(dtype="bfloat16", optimizer="SGD")),
         (2, "gpt", Variant(channels=2)),
-        (3, "bag", Variant(channels=2)),
+        pytest.param(3, "bag", Variant(channels=2), marks=pytest.mark.slow),  # 3 ranks: slow suite (9 s)
     ],
     ids=["bf16", "two_channels", "two_channels_3_ranks"],
 )

@@ -75,7 +75,7 @@ def outcomes(events: list[tuple[str, int | None, str | None]]) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("optim", ["sgd", "adam"])
+@pytest.mark.parametrize("optim", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])  # adam: slow suite (time)
 def test_compiled_tied_table_sends_its_part_early_and_its_rows_last(world: int, optim: str) -> None:
     results = run_on_ranks(check_rows, world, rows_case(optim=optim), timeout=300)
     buckets = results[0]["buckets"]
@@ -127,15 +127,15 @@ def test_a_comm_hook_plans_an_eager_table_dense() -> None:
         assert all(outcomes(step) == [] for step in result["events"]), result["events"]  # never tried as rows
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # ~7 s each: three in the default suite, three in the slow one (CI runs both)
     "case",
     [
         pytest.param(rows_case(accumulate=3), id="no_sync_accumulation"),
-        pytest.param(rows_case(ddp=(("gradient_as_bucket_view", True),)), id="gradient_as_bucket_view"),
+        pytest.param(rows_case(ddp=(("gradient_as_bucket_view", True),)), id="gradient_as_bucket_view", marks=pytest.mark.slow),
         pytest.param(rows_case(ddp=(("find_unused_parameters", True),), optim="adam"), id="find_unused_parameters"),
         pytest.param(rows_case(model="bag", compile=None, extra_steps_per_rank=2), id="join_uneven_inputs"),
-        pytest.param(rows_case(extra_steps_per_rank=1, steps=3), id="compiled_join_uneven_inputs"),
-        pytest.param(rows_case(model="bag", ddp=(("static_graph", True),)), id="compiled_untied_static_graph"),
+        pytest.param(rows_case(extra_steps_per_rank=1, steps=3), id="compiled_join_uneven_inputs", marks=pytest.mark.slow),
+        pytest.param(rows_case(model="bag", ddp=(("static_graph", True),)), id="compiled_untied_static_graph", marks=pytest.mark.slow),
     ],
 )
 def test_features_keep_parity_with_rows_and_parts(case: Case) -> None:
@@ -210,10 +210,20 @@ def schedule(world: int, kind: str, steps: int = 5) -> tuple[tuple[int, ...], ..
 VOCAB_FOR_WORLD = {2: 320, 3: 560}
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: the slow suite (10 min)
-# Untied: the same rows without a part (9-12 s each); the slow suite runs it, the default suite the tied GPT.
-@pytest.mark.parametrize("model", ["gpt", pytest.param("gpt_untied", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["fixed", "shrink_and_grow", "last_partial"])
+def uneven_batch_cases() -> list[Any]:
+    """(kind, model, world) for the uneven-batch test, 10-14 s each. The default suite runs the tied GPT on 2 ranks
+    with a fixed and a partial last batch; the slow suite the rest: batches that shrink and grow, 3 ranks (tied),
+    and the untied table (the same rows without a part) on 2 ranks, where 3 ranks add nothing the tied cases do
+    not cover."""
+    cases = []
+    for model, world in (("gpt", 2), ("gpt", 3), ("gpt_untied", 2)):
+        for kind in ("fixed", "shrink_and_grow", "last_partial"):
+            slow = model != "gpt" or world != 2 or kind == "shrink_and_grow"
+            cases.append(pytest.param(kind, model, world, marks=pytest.mark.slow) if slow else (kind, model, world))
+    return cases
+
+
+@pytest.mark.parametrize(("kind", "model", "world"), uneven_batch_cases())
 def test_compiled_tables_train_when_ranks_see_different_batch_sizes(kind: str, model: str, world: int) -> None:
     case = rows_case(model=model, vocab=VOCAB_FOR_WORLD[world], steps=5, batch_sizes=schedule(world, kind))
     results = run_on_ranks(uneven_batches, world, case, timeout=300)
