@@ -64,10 +64,13 @@ millisecond or more, onto a term worth a few tenths of one; and where the link's
 the wire's speed, the line through the sizes past it meets zero below the origin. Eight fits in a row on the
 2-vCPU testbed (``docs/benchmarks.md``, session 51) put the intercept's ``α`` at 14-1830 µs over loopback, and at
 0 (clamped) in 7 of 12 on the emulated 1 and 5 Gbit/s links, where the fastest 4 KiB all-reduce took 0.3-0.6 ms. So
-``α`` comes from the series' smallest size, latency-bound on any link: its fastest time less its bytes at the
-fitted slope, over the ``2 (w - 1)`` messages a ring sends; the model then gives that all-reduce the time it was
-measured at. The calibration times that size more often (``graphddp.runtime.calibration.LATENCY_REPEATS``): 24
-fits, eight per link, then put ``α`` at 96-293 µs over all three links.
+``α`` comes from the series' smallest size (4 KiB: latency-bound on a link of 1 Gbit/s or more): its fastest
+time less its bytes, over the ``2 (w - 1)`` messages a ring sends. Its bytes are charged at the rate between the
+two smallest sizes, at most ``β``: on a link whose queue passes a burst at the wire's speed both sizes go through
+it and their bytes cost next to nothing, where at the fitted rate a slow link's 4 KiB (330 µs at 100 Mbit/s)
+would exceed the whole all-reduce and clamp ``α`` to 0 again; without a burst that rate is ``β`` and the model
+gives the smallest all-reduce the time it was measured at. The calibration times that size more often (``graphddp.runtime.calibration.LATENCY_REPEATS``): 24
+fits, eight per link, then put ``α`` at 96-297 µs over all three links.
 What ``α`` holds is what a bucket's all-reduce costs apart from its bytes: gloo's threads waking, the round trips,
 the calls; a step's prediction moves little with it (the matrix's buckets are megabytes), but choices that weigh
 many small buckets against few (automatic caps, channels, rows against a dense bucket) read it directly.
@@ -164,8 +167,8 @@ def rate_bits_per_second(rate: str) -> float:
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
     """α and β from measured ``(bytes, seconds)`` all-reduces over ``world`` ranks, each size at its fastest sample:
     β the slope of a least-squares line over the sizes against the ring's bytes term ``2 (w - 1) / w · bytes``; α
-    the smallest size's time less its bytes at that slope, over the ring's ``2 (w - 1)`` messages; both clamped at
-    zero (Note [Fitting the link]).
+    the smallest size's time less its bytes, over the ring's ``2 (w - 1)`` messages, its bytes at the rate the two
+    smallest sizes show (at most β); both clamped at zero (Note [Fitting the link]).
 
     Only the fastest: what a shared machine adds (another tenant, a descheduled gloo thread) only slows an
     all-reduce down, so the fastest of a size's repeats is the closest to the link's own time (a queue's burst
@@ -185,8 +188,11 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> LinkModel:
     wire = {n: 2 * (world - 1) / world * n for n in fastest}  # bytes each rank sends: β's coefficient
     beta, _ = statistics.linear_regression(list(wire.values()), list(fastest.values()))
     beta = max(beta, 0.0)
-    smallest = min(fastest)
-    alpha = (fastest[smallest] - wire[smallest] * beta) / (2 * (world - 1))
+    smallest, next_size = sorted(fastest)[:2]
+    # The rate the smallest sizes see, at most β: a queue's burst passes them faster (Note [Fitting the link]).
+    small_sizes_rate = (fastest[next_size] - fastest[smallest]) / (wire[next_size] - wire[smallest])
+    bytes_s = wire[smallest] * min(max(small_sizes_rate, 0.0), beta)
+    alpha = (fastest[smallest] - bytes_s) / (2 * (world - 1))
     return LinkModel(latency_s=max(alpha, 0.0), seconds_per_byte=beta)
 
 

@@ -118,32 +118,36 @@ def link_of(
         raise ValueError("calibrating a link needs a process group of at least 2 ranks")
     if repeats < 1:
         raise ValueError(f"calibrating a link needs at least one timed all-reduce per size, got repeats={repeats}")
-    if sizes is not None and len(set(sizes)) < 2:
-        raise ValueError(f"calibrating a link needs all-reduces of at least two different sizes, got sizes={tuple(sizes)}")
+    sizes = tuple(sizes) if sizes is not None else None
+    if sizes is not None and len({_sent(n) for n in sizes}) < 2:
+        raise ValueError(
+            f"calibrating a link needs all-reduces of at least two different sizes (whole float32 elements), got sizes={sizes}"
+        )
     device = device or torch.device("cpu")
     samples: list[tuple[int, float]] = []
-    smallest = min(sizes) if sizes is not None else SERIES_START_BYTES  # the same on every rank
+    # The same on every rank: the sizes asked for, or the series' start (grow_series's first size).
+    smallest = _sent(min(sizes) if sizes is not None else SERIES_START_BYTES)
 
     def measure(nbytes: int) -> float:
         """Times ``repeats`` all-reduces of ``nbytes`` (the smallest size: ``LATENCY_REPEATS``); returns the
         slowest rank's best (the same on every rank, so every rank grows the series alike)."""
-        buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        buffer = torch.zeros(_sent(nbytes) // 4, dtype=torch.float32, device=device)
         dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
         times = []
-        for _ in range(max(repeats, LATENCY_REPEATS) if nbytes == smallest else repeats):
+        for _ in range(max(repeats, LATENCY_REPEATS) if _sent(nbytes) == smallest else repeats):
             dist.barrier(group=group)
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
-        samples.extend((buffer.numel() * 4, t) for t in times)
+        samples.extend((_sent(nbytes), t) for t in times)
         slowest = torch.tensor([min(times)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         return float(slowest)
 
     if sizes is None:
-        grow_series(measure)
+        grow_series(measure, start=SERIES_START_BYTES)
     else:
         for nbytes in sizes:
             measure(nbytes)
@@ -158,6 +162,11 @@ def link_of(
     )  # fmt: skip
     _fitted[group] = link
     return link
+
+
+def _sent(nbytes: int) -> int:
+    """Bytes an all-reduce asked for ``nbytes`` sends: whole float32 elements, at least one."""
+    return 4 * max(1, nbytes // 4)
 
 
 def grow_series(

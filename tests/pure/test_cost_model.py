@@ -68,7 +68,7 @@ def test_a_slow_repeat_does_not_tilt_the_fit() -> None:
 @pytest.mark.parametrize("slow_size", [-1, -2])
 def test_the_latency_comes_from_the_smallest_size_not_the_lines_intercept(slow_size: int) -> None:
     """Note [Fitting the link]: a large size a few percent slow in every repeat (a slowdown that outlasts them)
-    moves the least-squares line's intercept by milliseconds, where α is a few tenths of one: extrapolated, the
+    moves the least-squares line's intercept by as much as α itself, a few tenths of a millisecond: extrapolated, the
     intercept gave an α of 0 (clamped; the largest size slow) or 374 µs (the next one slow) for a link of 200 µs."""
     truth = LinkModel(latency_s=200e-6, seconds_per_byte=1.25e-9)  # loopback on the 2-vCPU testbed, about
     sizes = [1 << k for k in range(12, 27, 2)]  # the series' 4 KiB to 64 MiB
@@ -101,14 +101,31 @@ def test_the_calibration_series_grows_past_the_links_burst(rate: float) -> None:
     sizes = grow_series(seconds)
     fitted = fit_link([(n, seconds(n)) for n in sizes], world=2)
     assert fitted.seconds_per_byte == pytest.approx(8 / rate, rel=0.15), sizes
-    # The line through the sizes past the burst meets zero below the origin (α clamped at 0 before Note [Fitting
-    # the link]); the model now gives the smallest, latency-bound all-reduce its measured time.
-    assert fitted.latency_s > 0
-    assert fitted.allreduce_s(sizes[0], 2) == pytest.approx(seconds(sizes[0]), rel=1e-9)
     # What the calibration measured before (4 KiB to 4 MiB) fits in 5 Gbit/s's burst and sees no rate at all.
     fixed = fit_link([(n, seconds(n)) for n in (1 << k for k in range(12, 23, 2))], world=2)
     if rate == 5e9:
         assert fixed.seconds_per_byte < 0.5 * 8 / rate
+
+
+@pytest.mark.parametrize("rate", [1e8, 5e8, 1e9, 5e9])
+def test_the_latency_is_found_under_a_links_burst(rate: float) -> None:
+    """Note [Fitting the link]: the line through the sizes past a token bucket's burst meets zero below the origin
+    (the intercept's α was clamped to 0), and the smallest sizes go through the burst: their bytes cost nothing, where
+    at the fitted rate a slow link's 4 KiB would cost more than the whole all-reduce (α 0 again at 100 and 200
+    Mbit/s when charged at β)."""
+    from graphddp.runtime.calibration import grow_series
+
+    seconds = token_bucket_link(rate)
+    fitted = fit_link([(n, seconds(n)) for n in grow_series(seconds)], world=2)
+    assert fitted.latency_s == pytest.approx(50e-6, rel=1e-6)
+
+
+def test_without_a_burst_the_smallest_sizes_bytes_are_charged_at_the_fitted_rate() -> None:
+    truth = LinkModel(latency_s=150e-6, seconds_per_byte=80e-9)  # 100 Mbit/s: 4 KiB's bytes take 330 µs
+    sizes = [1 << k for k in range(12, 22, 2)]
+    fitted = fit_link([(n, truth.allreduce_s(n, 3)) for n in sizes], world=3)
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
+    assert fitted.seconds_per_byte == pytest.approx(truth.seconds_per_byte, rel=1e-9)
 
 
 def test_the_calibration_series_stops_at_the_bound_or_the_largest_size() -> None:

@@ -8,7 +8,11 @@ from ranks import run_on_ranks
 def calibrate(rank: int, world: int) -> tuple[float, float, bool, dict[int, int]]:
     import collections
 
+    import torch.distributed as dist
+
     from graphddp.runtime import calibration
+
+    group = dist.new_group(list(range(world)))  # a group of its own: the pool's ranks may have measured WORLD already
 
     timed: collections.Counter[int] = collections.Counter()
     fit = calibration.fit_link
@@ -19,10 +23,11 @@ def calibrate(rank: int, world: int) -> tuple[float, float, bool, dict[int, int]
 
     calibration.fit_link = counting_fit
     try:
-        link = calibration.link_of(sizes=(1 << 18, 1 << 12, 1 << 22), repeats=2)
+        link = calibration.link_of(group, sizes=(1 << 18, 1 << 12, 1 << 22), repeats=2)
     finally:
         calibration.fit_link = fit
-    again = calibration.link_of()  # cached: no collective, the same object
+    again = calibration.link_of(group)  # cached: no collective, the same object
+    dist.destroy_process_group(group)
     return link.latency_s, link.seconds_per_byte, again is link, dict(timed)
 
 
