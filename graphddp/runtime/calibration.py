@@ -131,17 +131,18 @@ def link_of(
     def measure(nbytes: int) -> float:
         """Times ``repeats`` all-reduces of ``nbytes`` (the smallest size: ``LATENCY_REPEATS``); returns the
         slowest rank's best (the same on every rank, so every rank grows the series alike)."""
-        buffer = torch.zeros(_sent(nbytes) // 4, dtype=torch.float32, device=device)
+        sent = _sent(nbytes)
+        buffer = torch.zeros(sent // 4, dtype=torch.float32, device=device)
         dist.all_reduce(buffer, group=group)  # warm-up: connections, allocations
         times = []
-        for _ in range(max(repeats, LATENCY_REPEATS) if _sent(nbytes) == smallest else repeats):
+        for _ in range(max(repeats, LATENCY_REPEATS) if sent == smallest else repeats):
             dist.barrier(group=group)
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
-        samples.extend((_sent(nbytes), t) for t in times)
+        samples.extend((sent, t) for t in times)
         slowest = torch.tensor([min(times)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         return float(slowest)
