@@ -4,22 +4,51 @@ PyTorch's DDP is silent when the parameters change under it, and trains wrong: a
 (``load_state_dict(..., assign=True)``, ``to_empty``), added to a submodule, or unfrozen is never averaged (its
 ``.grad`` stays local: the replicas drift apart), and a parameter moved to another dtype or device has its gradient
 cast silently. ``Placement.check`` raises instead, naming each parameter and what happened to it, at the next
-forward. It costs one pass over the wrapped parameters (an identity, dtype, device and shape comparison each) and
-one over the frozen ones per forward; a parameter *added* is seen by a ``register_module_parameter_registration_hook``
+forward. It compares every wrapped parameter's identity, dtype, device and shape, and every frozen one's
+``requires_grad``, per forward, without a Python call per parameter while nothing changed (Note [Placement checked
+without a loop]); a parameter *added* is seen by a ``register_module_parameter_registration_hook``
 (torch's global hook, which costs nothing until a parameter is registered somewhere), then confirmed by one walk
 of the module. A change made on some ranks only raises there (the others wait in their next collective until the
 process group's timeout): make such changes on every rank, or rebuild the wrapper. Not seen: values changed in
 place (``to_empty`` on the device the parameters are on, a checkpoint loaded on one rank without ``assign``): the
 same objects, shapes and dtypes, only other numbers.
+
+Note [Placement checked without a loop]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The comparison runs every forward, so its cost is a term of every step: as a Python loop, about 0.6 µs per
+parameter (90 µs for GPT-2's 148 tensors, 3 ms for a model of 5,000 small ones, where PyTorch's DDP checks nothing
+per forward). So the forward first asks two questions that run without a Python frame per parameter:
+
+* *the same objects?* ``map(operator.is_not, map(dict.get, owners, names), params)``, iterated by ``any``: C calls
+  only, ~45 ns a parameter;
+* *the same dtype, device and shape?* Dynamo's own tensor guard (``torch._C._dynamo.guards.TensorGuards``, what a
+  compiled function checks its tensor arguments with on every call), built over the wrapped and the frozen
+  parameters: one C++ call, ~0.14 µs a parameter. It compares more than the loop does (strides, ``requires_grad``,
+  dispatch keys, which ``torch.autocast`` and ``torch.inference_mode`` change), so a miss is not yet an error.
+
+Both yes: nothing changed that the loop would find, and the forward goes on. Otherwise the loop runs and raises
+what it finds. When it finds nothing (a wrapped parameter frozen, a forward under autocast), the guard of *that*
+state is kept beside the earlier ones (at most ``GUARD_STATES``, the oldest dropped), so a run that alternates
+between a few such states (training under autocast, evaluating under ``inference_mode``) stays on the fast path.
+Where this torch's ``TensorGuards`` cannot be built (its signature is Dynamo's, not a public API), every forward
+runs the loop, as before.
 """
 
 from __future__ import annotations
 
+import logging
+import operator
 import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GUARD_STATES = 4
+"""States of the parameters (autocast or not, frozen or not, ...) whose guards ``Placement`` keeps at once (Note
+[Placement checked without a loop])."""
 
 Entry = tuple[dict, str, str, torch.Tensor, torch.dtype, torch.device, torch.Size]
 """(owner's ``_parameters``, attribute, full name, the parameter, its dtype, device and shape when wrapped)."""
@@ -45,10 +74,47 @@ class Placement:
 
         self._handle = nn.modules.module.register_module_parameter_registration_hook(registered)
         weakref.finalize(self, self._handle.remove)
+        # The fast path's inputs (Note [Placement checked without a loop]).
+        self._owners = [params for params, *_ in self._entries]
+        self._attrs = [attr for _, attr, *_ in self._entries]
+        self._params = [p for _, _, _, p, *_ in self._entries]
+        self._guarded = self._params + [p for _, _, _, p, *_ in self._frozen]
+        self._guards: list[object] = []
+        self._guard_unavailable = False
+        self._remember_state()
 
     def check(self, rank: int) -> None:
-        """Raise ``RuntimeError`` naming every parameter that changed since wrapping (nothing changed: no call per
-        parameter)."""
+        """Raise ``RuntimeError`` naming every parameter that changed since wrapping; nothing changed: no Python
+        call per parameter (Note [Placement checked without a loop])."""
+        if self._unchanged():
+            return
+        self._check_each(rank)
+        self._remember_state()  # nothing the loop compares changed: this state's guard, for the next forwards
+
+    def _unchanged(self) -> bool:
+        """The same objects, dtypes, devices and shapes as a state seen before (False: maybe not; ask the loop)."""
+        if self._maybe_added or not self._guards:
+            return False
+        if any(map(operator.is_not, map(dict.get, self._owners, self._attrs), self._params)):
+            return False
+        return any(guard.check(*self._guarded) for guard in self._guards)  # type: ignore[attr-defined]
+
+    def _remember_state(self) -> None:
+        """Keep the guard of the parameters as they are now, beside at most ``GUARD_STATES - 1`` earlier ones."""
+        if self._guard_unavailable:
+            return
+        try:
+            from torch._C._dynamo.guards import TensorGuards
+
+            guard = TensorGuards(*self._guarded, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except (ImportError, TypeError, RuntimeError) as e:  # Dynamo's signature, not a public one: the loop alone
+            self._guard_unavailable = True
+            logger.debug("graphddp.DDP: no TensorGuards in this torch (%s); the parameters are checked in Python", e)
+            return
+        self._guards = [*self._guards[-(GUARD_STATES - 1):], guard]
+
+    def _check_each(self, rank: int) -> None:
+        """The loop: compare every parameter with its entry, raise naming every one that changed."""
         changed = False
         for params, attr, _, p, dtype, device, shape in self._entries:  # a loop, not any(): half the cost
             if params.get(attr) is not p or p.dtype != dtype or p.device != device or p.shape != shape:
