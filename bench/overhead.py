@@ -4,7 +4,9 @@ A step is *launch-bound* when its time goes to starting work rather than to the 
 small matmuls. Then a DDP's own Python (hooks per gradient, copies, checks, per-bucket bookkeeping) shows in the
 step time, as it does on a GPU, where the CPU that launches kernels is the backward's pace. This benchmark builds
 such a step anywhere: GPT-2-small's parameter structure (12 blocks, 148 parameter tensors, tied head) at a small
-width, and times, interleaved step by step in the same processes (``--interleave``, below),
+width, or with ``--model mlp`` a stack of small linear layers (``--layers 2500 --width 16``: 5,000 tensors, where
+a cost per parameter shows most), and times, interleaved step by step in the same processes (``--interleave``,
+below),
 
 - ``local`` and ``local-compiled``: no DDP (the baselines each DDP is measured against);
 - ``torch-eager`` / ``graphddp-eager``: PyTorch's DDP (C++ Reducer) and graphddp's;
@@ -97,6 +99,8 @@ from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "bound-compiled", "bound-backward-compiled", "torch-compiled", "graphddp-compiled",
                   "graphddp-compiled-split")  # fmt: skip
+MODELS = ("gpt", "mlp")
+"""The models ``--model`` names (``OverheadOptions.model``)."""
 LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled", "bound-ready", "bound-ready-torch")
 """The modes that only mean something where there is a link: left out at one rank."""
 AS_READY = {"bound-ready": "graphddp", "bound-ready-torch": "torch"}
@@ -133,10 +137,15 @@ class OverheadOptions:
 
     world_sizes: tuple[int, ...] = (1, 2)
     """Ranks per run (gloo over loopback on the CPU, NCCL on CUDA); one run per entry."""
+    model: str = "gpt"
+    """``gpt``: GPT-2-small's parameter structure (below). ``mlp``: a stack of ``layers`` ``Linear(width, width)``
+    layers with ReLUs between, two parameter tensors each, on ``batch * seq`` rows of ``width`` features:
+    ``--model mlp --layers 2500 --width 16`` is the issue's model of 5,000 small tensors, where a cost per parameter
+    shows most."""
     width: int = 128
     """The model's width (``n_embd``): small, so that launching work costs more than doing it."""
     layers: int = 12
-    """Transformer blocks: 12 gives GPT-2-small's 148 parameter tensors."""
+    """Transformer blocks (``gpt``: 12 gives GPT-2-small's 148 parameter tensors) or linear layers (``mlp``)."""
     vocab: int = 4096
     seq: int = 64
     batch: int = 4
@@ -178,7 +187,9 @@ class OverheadOptions:
             raise ValueError(f"--world-sizes must be positive, got {self.world_sizes}")
         if self.cap_mb < 1:
             raise ValueError(f"--cap-mb must be >= 1 (PyTorch's DDPOptimizer asserts a first bucket of 1 MiB at least), got {self.cap_mb}")
-        if self.width % 32:
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.model == "gpt" and self.width % 32:
             raise ValueError(f"--width must be a multiple of 32 (heads of 32), got {self.width}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
@@ -219,10 +230,24 @@ class OverheadOptions:
 
 
 def build_model(o: OverheadOptions) -> torch.nn.Module:
-    from graphddp.tools.workloads import GPT, GPTConfig
+    from graphddp.tools.workloads import GPT, MLP, GPTConfig
 
     torch.manual_seed(0)
+    if o.model == "mlp":
+        return MLP(sizes=(o.width,) * (o.layers + 1))
     return GPT(GPTConfig(vocab_size=o.vocab, block_size=o.seq, n_layer=o.layers, n_head=o.width // 32, n_embd=o.width))
+
+
+def batch_of(o: OverheadOptions, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch every step of ``rank`` trains on, ``model(x, y)`` a loss: tokens and next tokens (``gpt``), or
+    ``batch * seq`` rows of ``width`` features and a class each (``mlp``)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if o.model == "mlp":
+        rows = o.batch * o.seq
+        x, y = torch.randn(rows, o.width, generator=g), torch.randint(0, o.width, (rows,), generator=g)
+        return x.to(o.device), y.to(o.device)
+    idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
 def build_mode(mode: str, o: OverheadOptions, *, isolated: bool = False) -> tuple[torch.nn.Module, Any]:
@@ -300,9 +325,7 @@ def run_rank(rank: int, world_size: int, port: int, o: OverheadOptions, results:
 def measure(o: OverheadOptions, rank: int) -> dict[str, Any]:
     """Every mode, round by round, in the order ``o.interleave`` names: step times (this rank), and the calls of
     one backward (last round)."""
-    g = torch.Generator().manual_seed(100 + rank)
-    idx = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(o.device)
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    x, y = batch_of(o, rank)
     modes = o.modes(dist.get_world_size())
     record: dict[str, Any] = {m: {"times_s": [], "cpu_s": [], "other_threads_cpu_s": [], "page_faults": [], "compiles_while_timed": 0}
                              for m in modes}  # fmt: skip
@@ -578,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", default=",".join(map(str, d.world_sizes)), help="comma-separated, e.g. 1,2")
     p.add_argument("--inners", default=",".join(d.inners), help="inner compilers of the compiled modes, comma-separated ('' for eager only)")
+    p.add_argument("--model", choices=MODELS, default=d.model, help="gpt (GPT-2-small's structure) or mlp (--layers linear layers of --width)")
     for name in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
     p.add_argument("--cap-mb", type=float, default=d.cap_mb, help="every bucket cap of both DDPs, in MiB (>= 1)")
@@ -602,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         o = OverheadOptions(
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",") if w.strip()),
             inners=tuple(i.strip() for i in args.inners.split(",") if i.strip()),
-            **{n: getattr(args, n) for n in ("width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "backend", "allocator", "out")},
+            **{n: getattr(args, n) for n in ("model", "width", "layers", "vocab", "seq", "batch", "steps", "rounds", "warmup", "threads", "cap_mb", "interleave", "device", "backend", "allocator", "out")},
             tables={"auto": "auto", "rows": True, "dense": False}[args.tables],
         )  # fmt: skip
         o.check_gpus(torch.cuda.device_count())

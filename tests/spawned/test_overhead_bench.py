@@ -16,6 +16,7 @@ from bench.overhead import (
     CallCounter,
     OverheadOptions,
     baseline_of,
+    batch_of,
     build_model,
     link_beside,
     main,
@@ -45,6 +46,9 @@ def test_bad_options_are_refused_with_the_flag() -> None:
         OverheadOptions(width=100)
     with pytest.raises(ValueError, match="--interleave must be one of steps, modes"):
         OverheadOptions(interleave="rounds")
+    with pytest.raises(ValueError, match="--model must be one of gpt, mlp"):
+        OverheadOptions(model="resnet")
+    OverheadOptions(model="mlp", width=16)  # no attention heads: any width
     with pytest.raises(SystemExit):
         main(["--world-sizes", "0"])
 
@@ -223,6 +227,24 @@ def test_a_tiny_run_prints_every_mode_and_writes_json(tmp_path, capsys) -> None:
     assert all(r["page_faults"] >= 0 for r in rows) and by_mode["graphddp-eager"]["added_page_faults"] is not None
     out = capsys.readouterr().out
     assert "graphddp-eager" in out and "added cpu ms" in out and "other threads cpu ms" in out and "page faults" in out
+
+
+def test_the_mlp_model_is_a_stack_of_small_layers_each_rank_on_its_own_batch() -> None:
+    o = OverheadOptions(model="mlp", layers=5, width=16, batch=2, seq=3)
+    model = build_model(o)
+    assert [tuple(p.shape) for p in model.parameters()] == [(16, 16), (16,)] * 5
+    (x, y), (x1, _) = batch_of(o, 0), batch_of(o, 1)
+    assert x.shape == (6, 16) and y.shape == (6,) and y.dtype == torch.int64 and int(y.max()) < 16
+    assert not torch.equal(x, x1)
+    assert model(x, y).ndim == 0
+
+
+def test_a_run_of_the_mlp_model_times_its_parameters(tmp_path) -> None:
+    assert main(["--world-sizes", "1", "--inners", "", "--model", "mlp", "--layers", "40", "--width", "16",
+                 "--steps", "1", "--rounds", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert {r["mode"]: r["params"] for r in rows}["graphddp-eager"] == 80
+    assert json.loads((tmp_path / "overhead.json").read_text())["options"]["model"] == "mlp"
 
 
 @pytest.mark.timeout(300, func_only=True)
