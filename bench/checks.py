@@ -7,7 +7,10 @@
   before (the element it adds to the first bucket's all-reduce is not timed: that collective runs anyway);
 * the buffer-broadcast guard (``PlanKeeper.broadcast_buffers``): one int64 count beside the buffers, coalesced
   with the int64 ones, compared and kept on the device, timed around the coalescing it joins (no collective: the
-  broadcast itself is the same either way).
+  broadcast itself is the same either way);
+* the placement check (``graphddp.runtime.placement.Placement.check``, Note [Placement checked without a loop]) of
+  an unchanged stack of linear layers, 148 and 5,000 parameter tensors, beside the per-parameter loop it runs
+  when something may have changed (``check_each``), which until session 52 ran every forward.
 
 Prints microseconds per iteration; ``docs/benchmarks.md`` has the figures of the development machine.
 """
@@ -15,11 +18,13 @@ Prints microseconds per iteration; ``docs/benchmarks.md`` has the figures of the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from graphddp.runtime.in_graph import AbandonSignal
 from graphddp.runtime.iteration import BackwardWatch
+from graphddp.runtime.placement import Placement
 
 
 def watch_cost(repeats: int = 3000) -> tuple[float, float]:
@@ -78,6 +83,26 @@ def guard_cost(repeats: int = 5000) -> tuple[float, float]:
     return run(True) - base, base
 
 
+def placement_cost(tensors: int, repeats: int = 40, batches: int = 5) -> tuple[float, float]:
+    """(seconds per forward of ``Placement.check``, of its per-parameter loop) for ``tensors`` unchanged parameters
+    (``tensors // 2`` ``Linear(16, 16)`` layers): the fastest of ``batches`` batches of ``repeats`` calls, as
+    ``timeit`` advises, since on a shared VM the slower batches time the neighbours."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(tensors // 2)])
+    placement = Placement(model, list(model.named_parameters()), frozenset())
+
+    def per_call(check: Callable[[int], None]) -> float:
+        check(0)  # warm up
+        fastest = float("inf")
+        for _ in range(batches):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                check(0)
+            fastest = min(fastest, (time.perf_counter() - start) / repeats)
+        return fastest
+
+    return per_call(placement.check), per_call(placement.check_each)
+
+
 def main() -> int:
     torch.set_num_threads(1)
     watched, base = watch_cost()
@@ -85,6 +110,9 @@ def main() -> int:
     print(f"in-graph abandon signal: {signal_cost() * 1e6:.1f} us per training forward (host side)")
     guarded, base = guard_cost()
     print(f"buffer-broadcast guard: {guarded * 1e6:.1f} us per forward that broadcasts buffers (coalescing: {base * 1e6:.1f} us)")
+    for tensors in (148, 5000):
+        check, loop = placement_cost(tensors)
+        print(f"placement check, {tensors} parameter tensors: {check * 1e6:.1f} us per forward (the loop: {loop * 1e6:.1f} us)")
     return 0
 
 

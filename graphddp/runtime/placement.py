@@ -88,7 +88,7 @@ class Placement:
         call per parameter (Note [Placement checked without a loop])."""
         if self._unchanged():
             return
-        self._check_each(rank)
+        self.check_each(rank)
         self._remember_state()  # nothing the loop compares changed: this state's guard, for the next forwards
 
     def _unchanged(self) -> bool:
@@ -113,7 +113,7 @@ class Placement:
             return
         self._guards = [*self._guards[-(GUARD_STATES - 1):], guard]
 
-    def _check_each(self, rank: int) -> None:
+    def check_each(self, rank: int) -> None:
         """The loop: compare every parameter with its entry, raise naming every one that changed."""
         changed = False
         for params, attr, _, p, dtype, device, shape in self._entries:  # a loop, not any(): half the cost
