@@ -21,17 +21,23 @@ per forward). So the forward first asks two questions that run without a Python 
 
 * *the same objects?* ``map(operator.is_not, map(dict.get, owners, names), params)``, iterated by ``any``: C calls
   only, ~45 ns a parameter;
-* *the same dtype, device and shape?* Dynamo's own tensor guard (``torch._C._dynamo.guards.TensorGuards``, what a
-  compiled function checks its tensor arguments with on every call), built over the wrapped and the frozen
-  parameters: one C++ call, ~0.14 µs a parameter. It compares more than the loop does (strides, ``requires_grad``,
-  dispatch keys, which ``torch.autocast`` and ``torch.inference_mode`` change), so a miss is not yet an error.
+* *the same dtype, device and shape?* Dynamo's C++ tensor check (``torch._C._dynamo.guards.TensorGuards``, over
+  the ``TensorCheck`` its tensor-match guards are made of), built over the wrapped and the frozen parameters: one
+  C++ call, ~0.1-0.3 µs a parameter. It compares more than the loop does (the Python type, strides,
+  ``requires_grad``, the dispatch keys, which ``torch.autocast`` and ``torch.inference_mode`` change), so a miss
+  is not yet an error; a hit is a state the loop passed, so nothing the loop compares has changed.
 
-Both yes: nothing changed that the loop would find, and the forward goes on. Otherwise the loop runs and raises
-what it finds. When it finds nothing (a wrapped parameter frozen, a forward under autocast), the guard of *that*
-state is kept beside the earlier ones (at most ``GUARD_STATES``, the oldest dropped), so a run that alternates
-between a few such states (training under autocast, evaluating under ``inference_mode``) stays on the fast path.
-Where this torch's ``TensorGuards`` cannot be built (its signature is Dynamo's, not a public API), every forward
-runs the loop, as before.
+Both yes: the forward goes on. Otherwise the loop runs and raises what it finds. When it finds nothing (a wrapped
+parameter frozen, a forward under autocast), the guard of *that* state is kept (``StateGuards``): up to
+``GUARD_STATES`` states, asked most recent first, the least recently seen dropped, so a run that alternates
+between a few states (training under autocast, evaluating under ``inference_mode``) stays on the fast path. The
+loop alone checks every forward, as before this Note, where the guard cannot serve:
+
+* a parameter that is not a plain strided tensor (sparse CSR, nested, a tensor subclass): ``TensorGuards`` reads
+  strides in C++, and for a CSR or nested tensor that read throws an error that ends the process;
+* a torch without a ``TensorGuards`` of this signature (it is Dynamo's, not a public API; 2.4 to 2.13 have it);
+* a run that meets ``MISSES_BEFORE_GIVING_UP`` new states in a row: it cycles through more states than are kept,
+  and building a guard every forward would cost more than the loop.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +56,9 @@ logger = logging.getLogger(__name__)
 GUARD_STATES = 4
 """States of the parameters (autocast or not, frozen or not, ...) whose guards ``Placement`` keeps at once (Note
 [Placement checked without a loop])."""
+MISSES_BEFORE_GIVING_UP = 2 * GUARD_STATES
+"""New states in a row, none seen again in between, after which ``StateGuards`` stops guarding: a run that cycles
+through more states than it keeps would build a guard every forward, costing more than the loop alone."""
 
 Entry = tuple[dict, str, str, torch.Tensor, torch.dtype, torch.device, torch.Size]
 """(owner's ``_parameters``, attribute, full name, the parameter, its dtype, device and shape when wrapped)."""
@@ -78,10 +88,13 @@ class Placement:
         self._owners = [params for params, *_ in self._entries]
         self._attrs = [attr for _, attr, *_ in self._entries]
         self._params = [p for _, _, _, p, *_ in self._entries]
-        self._guarded = self._params + [p for _, _, _, p, *_ in self._frozen]
-        self._guards: list[object] = []
-        self._guard_unavailable = False
-        self._remember_state()
+        self._states = StateGuards(self._params + [p for _, _, _, p, *_ in self._frozen])
+        self._states.remember()
+
+    @property
+    def guarded(self) -> bool:
+        """Whether an unchanged forward is checked without the loop (False: every forward runs ``check_each``)."""
+        return self._states.available
 
     def check(self, rank: int) -> None:
         """Raise ``RuntimeError`` naming every parameter that changed since wrapping; nothing changed: no Python
@@ -89,29 +102,15 @@ class Placement:
         if self._unchanged():
             return
         self.check_each(rank)
-        self._remember_state()  # nothing the loop compares changed: this state's guard, for the next forwards
+        self._states.remember()  # nothing the loop compares changed: this state's guard, for the next forwards
 
     def _unchanged(self) -> bool:
         """The same objects, dtypes, devices and shapes as a state seen before (False: maybe not; ask the loop)."""
-        if self._maybe_added or not self._guards:
+        if self._maybe_added:
             return False
         if any(map(operator.is_not, map(dict.get, self._owners, self._attrs), self._params)):
             return False
-        return any(guard.check(*self._guarded) for guard in self._guards)  # type: ignore[attr-defined]
-
-    def _remember_state(self) -> None:
-        """Keep the guard of the parameters as they are now, beside at most ``GUARD_STATES - 1`` earlier ones."""
-        if self._guard_unavailable:
-            return
-        try:
-            from torch._C._dynamo.guards import TensorGuards
-
-            guard = TensorGuards(*self._guarded, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        except (ImportError, TypeError, RuntimeError) as e:  # Dynamo's signature, not a public one: the loop alone
-            self._guard_unavailable = True
-            logger.debug("graphddp.DDP: no TensorGuards in this torch (%s); the parameters are checked in Python", e)
-            return
-        self._guards = [*self._guards[-(GUARD_STATES - 1):], guard]
+        return self._states.seen()
 
     def check_each(self, rank: int) -> None:
         """The loop: compare every parameter with its entry, raise naming every one that changed."""
@@ -150,3 +149,57 @@ def _entry(module: nn.Module, name: str, p: nn.Parameter) -> Entry:
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     return owner._parameters, attr, name, p, p.dtype, p.device, p.shape
+
+
+class StateGuards:
+    """Dynamo's C++ tensor check over fixed tensors, for the few states they were seen in (Note [Placement checked
+    without a loop]): ``seen`` asks, ``remember`` keeps the current state."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
+        self._guards: list[Any] = []  # torch._C._dynamo.guards.TensorGuards, the most recently seen state last
+        self._misses = 0
+        self.available = all(map(_guardable, self._tensors))
+        """False where the tensors are checked by the loop alone: a tensor the guard cannot read, no ``TensorGuards``
+        in this torch, or states that never repeat."""
+
+    def seen(self) -> bool:
+        """The tensors are as in a kept state, asked from the most recent one; that state becomes the most recent."""
+        guards = self._guards
+        for i in range(len(guards) - 1, -1, -1):
+            if guards[i].check(*self._tensors):
+                if i != len(guards) - 1:
+                    guards.append(guards.pop(i))
+                self._misses = 0
+                return True
+        return False
+
+    def remember(self) -> None:
+        """Keep the tensors' current state (one the loop accepted), dropping the least recently seen beyond
+        ``GUARD_STATES``; stop guarding after ``MISSES_BEFORE_GIVING_UP`` new states in a row."""
+        if not self.available or self.seen():
+            return
+        if self._guards:
+            self._misses += 1
+            if self._misses > MISSES_BEFORE_GIVING_UP:
+                self._give_up(f"{self._misses} new states in a row")
+                return
+        try:
+            from torch._C._dynamo.guards import TensorGuards
+
+            guard = TensorGuards(*self._tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except (ImportError, TypeError, RuntimeError) as e:  # Dynamo's signature, not a public one: the loop alone
+            self._give_up(f"no TensorGuards of the signature graphddp builds in this torch: {e}")
+            return
+        self._guards = [*self._guards[-(GUARD_STATES - 1):], guard]
+
+    def _give_up(self, why: str) -> None:
+        self.available = False
+        self._guards = []
+        logger.debug("graphddp.DDP: the parameters are checked in Python at every forward (%s)", why)
+
+
+def _guardable(t: torch.Tensor) -> bool:
+    """A tensor ``TensorGuards`` reads safely: plain, strided, not nested (it reads strides in C++, and a sparse CSR or
+    nested tensor's throw there ends the process, past any ``except``); a subclass is left to the loop too."""
+    return type(t) in (nn.Parameter, torch.Tensor) and t.layout == torch.strided and not t.is_nested
