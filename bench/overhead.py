@@ -48,6 +48,14 @@ ramps off. Two orders (``--interleave``):
   machine between rounds hits every mode alike; drift within a round (a mode's steps and its baseline's sit up to a
   minute apart) does not, and on a 2-vCPU VM it moved ratios of added times by about ±0.5.
 
+Each mode's steps run in turn under 0, 3 and 7 extra Python frames (``STACK_SHIFTS``), and a mode's figure is the
+median of its steps. CPython 3.11 keeps frames on a stack of 16 KiB chunks, maps a chunk when a call does not fit
+in the current one and unmaps it when that call returns: where a large frame (a compiled graph's code with a local
+per node: 12.6 KiB for the in-graph backward under aot_eager) ends just short of its chunk's end, every call made
+from it maps a fresh chunk and faults its pages in. Which steps that hits depends only on the harness's call depth,
+within a window of about two frames (session 52: ~990 faults a step at one depth, 4-10 at the 23 others tried),
+so no depth is kept for all of a mode's steps.
+
 Besides time, it *counts* (never times) the Python function calls one backward makes, per mode, with
 ``sys.setprofile`` in every thread that runs it: what a DDP adds over its baseline is the per-gradient and
 per-bucket Python the issue of a lean path is about — O(parameters) or O(buckets).
@@ -99,6 +107,9 @@ from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "bound-compiled", "bound-backward-compiled", "torch-compiled", "graphddp-compiled",
                   "graphddp-compiled-split")  # fmt: skip
+STACK_SHIFTS = (0, 3, 7)
+"""Extra Python frames the timed steps run under, in turn: a step's time must not rest on where CPython's frame stack
+puts a compiled graph's frame (the module's docstring)."""
 MODELS = ("gpt", "mlp")
 """The models ``--model`` names (``OverheadOptions.model``)."""
 LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled", "bound-ready", "bound-ready-torch")
@@ -339,7 +350,7 @@ def _rounds_of_modes(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
     for r in range(o.rounds):
         for mode in modes:
             torch._dynamo.reset()
-            prepared = _Prepared.build(mode, o, x, y, isolated=False)
+            prepared = PreparedMode.build(mode, o, x, y, isolated=False)
             prepared.warm_up(o)
             dist.barrier()
             for _ in range(o.steps):
@@ -359,7 +370,7 @@ def _rounds_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: t
 def _one_round_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y: torch.Tensor, record: dict[str, Any], *, last: bool) -> None:
     """One round of ``_rounds_of_steps``: its modes live only here, so none outlives the round (a loop variable
     kept the last one alive while the next round built all of its own)."""
-    prepared = {mode: _Prepared.build(mode, o, x, y, isolated=True) for mode in modes}
+    prepared = {mode: PreparedMode.build(mode, o, x, y, isolated=True) for mode in modes}
     for p in prepared.values():
         p.warm_up(o)
     for _ in range(o.steps):
@@ -371,7 +382,7 @@ def _one_round_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y
 
 
 @dataclasses.dataclass
-class _Prepared:
+class PreparedMode:
     """One mode, built: the step it times and what its record needs."""
 
     step: Callable[..., int | None]
@@ -381,7 +392,7 @@ class _Prepared:
     """A link mode's collectives per step (a DDP mode's come from the DDP)."""
 
     @classmethod
-    def build(cls, mode: str, o: OverheadOptions, x: torch.Tensor, y: torch.Tensor, *, isolated: bool) -> _Prepared:
+    def build(cls, mode: str, o: OverheadOptions, x: torch.Tensor, y: torch.Tensor, *, isolated: bool) -> PreparedMode:
         step_model, ddp = build_mode(mode, o, isolated=isolated)
         opt = torch.optim.SGD(step_model.parameters(), lr=1e-3)
         step = functools.partial(one_step, step_model, opt, x, y)
@@ -405,10 +416,12 @@ class _Prepared:
         _sync(o)
 
     def time_one(self, o: OverheadOptions, record: dict[str, Any]) -> None:
+        """One timed step, under the next of ``STACK_SHIFTS`` extra frames (the module's docstring says why)."""
+        shift = STACK_SHIFTS[len(record["times_s"]) % len(STACK_SHIFTS)]
         compiled = graphs_compiled()
         faults = minor_page_faults()
         start, cpu, here = time.perf_counter(), time.process_time(), time.thread_time()
-        self.step()
+        at_depth(shift, self.step)
         _sync(o)
         here = time.thread_time() - here  # read inside the process clock's interval, so the difference is >= 0
         record["page_faults"].append(minor_page_faults() - faults)
@@ -434,6 +447,11 @@ class _Prepared:
                 # "auto" decides on the link measured at construction, a close call over loopback that can go either
                 # way from one run to the next: a run's table says which way it went.
                 record["rows"] = list(self.ddp.bucket_plan.row_sparse_tables)
+
+
+def at_depth(frames: int, fn: Callable[[], Any]) -> Any:
+    """``fn()``, called under ``frames`` more Python frames of this function."""
+    return at_depth(frames - 1, fn) if frames else fn()
 
 
 def _sync(o: OverheadOptions) -> None:

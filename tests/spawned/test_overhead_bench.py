@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import sys
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ from bench.interleave import graphs_compiled, isolated_model
 from bench.overhead import (
     COMPILED_MODES,
     EAGER_MODES,
+    STACK_SHIFTS,
     CallCounter,
     OverheadOptions,
+    PreparedMode,
     baseline_of,
     batch_of,
     build_model,
@@ -115,6 +118,27 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
+
+
+def test_timed_steps_run_at_each_stack_shift_in_turn() -> None:
+    """A compiled graph's frame at the end of its frame-stack chunk makes every call from it map a fresh chunk
+    (module docstring): a mode's steps run under ``STACK_SHIFTS`` extra frames in turn, so its median is not one
+    depth's."""
+    depths: list[int] = []
+
+    def step() -> None:
+        frame, depth = sys._getframe(), 0
+        while frame is not None:
+            frame, depth = frame.f_back, depth + 1
+        depths.append(depth)
+
+    prepared = PreparedMode(step, None, 1)
+    record = {"times_s": [], "cpu_s": [], "other_threads_cpu_s": [], "page_faults": [], "compiles_while_timed": 0}
+    for _ in range(2 * len(STACK_SHIFTS)):
+        prepared.time_one(OverheadOptions(), record)
+    shallowest = min(depths)
+    assert [d - shallowest for d in depths] == [*STACK_SHIFTS, *STACK_SHIFTS]
+    assert len(record["times_s"]) == len(record["page_faults"]) == 2 * len(STACK_SHIFTS)
 
 
 def test_page_faults_are_counted_per_step_and_read_against_the_baseline() -> None:
