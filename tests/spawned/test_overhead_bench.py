@@ -263,6 +263,7 @@ def test_the_mlp_model_is_a_stack_of_small_layers_each_rank_on_its_own_batch() -
     assert model(x, y).ndim == 0
 
 
+@pytest.mark.slow  # a run of the bench; the default suite keeps the mlp model's options, shapes and batches
 def test_a_run_of_the_mlp_model_times_its_parameters(tmp_path) -> None:
     assert main(["--world-sizes", "1", "--inners", "", "--model", "mlp", "--layers", "40", "--width", "16",
                  "--steps", "1", "--rounds", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0  # fmt: skip
@@ -309,6 +310,7 @@ def test_a_position_table_tried_as_rows_is_timed_in_the_dense_plan(tmp_path) -> 
     assert by_mode["graphddp-eager"]["buckets"] == by_mode["bound"]["buckets"]  # graphddp's dense plan at the caps
 
 
+@pytest.mark.slow  # 13 s; the default suite checks that no hook runs in-graph in tests/spawned/test_in_graph.py
 @pytest.mark.timeout(300, func_only=True)
 def test_compiled_graphddp_reduces_in_graph_with_python_calls_per_bucket_not_per_parameter(tmp_path) -> None:
     assert main(["--world-sizes", "1", "--inners", "aot_eager", "--layers", "2", "--steps", "1", "--rounds", "1",
