@@ -254,8 +254,13 @@ def test_in_graph_matches_torch_ddp(name: str) -> None:
     expect_in_graph(name, run_on_ranks(check_in_graph, 2, name, timeout=300))
 
 
+IN_GRAPH_LEFT_TO_THE_SPLIT_TEST = {"inductor_cnn"}
+"""37 s in-graph, where the slow suite must stay inside CI's 30 minutes: the CNN reduces in-graph under aot_eager
+here, and under Inductor through the split, events recorded (``test_inductor_parity``)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(CASES) - set(IN_GRAPH_QUICK)) + sorted(INDUCTOR_CASES))
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(IN_GRAPH_QUICK)) + sorted(set(INDUCTOR_CASES) - IN_GRAPH_LEFT_TO_THE_SPLIT_TEST))
 def test_in_graph_matches_torch_ddp_every_case(name: str) -> None:
     expect_in_graph(name, run_on_ranks(check_in_graph, 2, name, timeout=900))
 
