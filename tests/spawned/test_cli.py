@@ -23,13 +23,6 @@ def check_demo_output(out: str, steps: int) -> None:
     assert "wte.weight" in out and re.search(r"^median iteration: graphddp compiled .* graphddp eager", out, re.M)
 
 
-@pytest.mark.slow  # the default suite stays under 10 minutes on 2 cores
-def test_demo_with_aot_eager() -> None:
-    result = run_cli("demo", "--steps", "6", "--inner", "aot_eager")
-    assert result.returncode == 0, result.stderr
-    check_demo_output(result.stdout, 6)
-
-
 def test_demo_rejects_bad_options_in_one_line() -> None:
     result = run_cli("demo", "--workload", "resnet")
     assert result.returncode == 2
