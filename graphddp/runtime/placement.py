@@ -16,7 +16,7 @@ same objects, shapes and dtypes, only other numbers.
 Note [Placement checked without a loop]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The comparison runs every forward, so its cost is a term of every step: as a Python loop, about 0.6 µs per
-parameter (90 µs for GPT-2's 148 tensors, 3 ms for a model of 5,000 small ones, where PyTorch's DDP checks nothing
+parameter (45-66 µs for the bench GPT's 148 tensors, 1.7-3.2 ms for 5,000 small ones in `bench.checks`, where PyTorch's DDP checks nothing
 per forward). So the forward first asks two questions that run without a Python frame per parameter:
 
 * *the same objects?* ``map(operator.is_not, map(dict.get, owners, names), params)``, iterated by ``any``: C calls
