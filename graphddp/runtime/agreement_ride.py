@@ -169,7 +169,7 @@ def with_ride(
 ) -> list[Any]:
     """``reductions`` (one per bucket), the riding bucket's graphddp's averaging all-reduce now over its carrier."""
     if ride is not None:
-        assert type(reductions[ride.bucket_index]) is AveragingReduction, reductions[ride.bucket_index]
+        assert isinstance(reductions[ride.bucket_index], AveragingReduction), reductions[ride.bucket_index]
         reductions = [*reductions]
         reductions[ride.bucket_index] = RidingReduction(group_of(ride.bucket_index), ride)
     return reductions
@@ -189,7 +189,7 @@ class RidingReduction(AveragingReduction):
         passage = self._ride.board(room)
         alias = carrier.view(carrier.shape)  # ``lend``: Note [A collective holds no Python object]
         gradients = buffer if carrier is not buffer else carrier[: bucket.numel]
-        in_flight = RiddenInFlight(self._allreduce([alias], self._sum), gradients, alias, room, passage)
+        in_flight = RiddenInFlight(self._allreduce([alias], self._options), gradients, alias, room, passage)
         if passage is not None:
             passage.departed(in_flight.wait)
         return in_flight

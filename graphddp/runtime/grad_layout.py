@@ -12,7 +12,8 @@ A bucket that holds one whole gradient (a parameter larger than the cap, most of
 layer's weight) gains nothing from a flat buffer: copying the gradient in and the average back out is two passes
 over the largest tensors of the model, for a buffer that is the gradient's own shape. So, under graphddp's
 averaging with copied gradients (``gradient_as_bucket_view=False``, the default), such a bucket's gradient is
-scaled by ``1/world`` in place and all-reduced in place (``GradInPlace``): ``.grad`` is the same tensor before and
+scaled by ``1/world`` in place (not at all where the backend averages: Note [Averaged on the wire] in
+``graphddp.runtime.reductions``) and all-reduced in place (``GradInPlace``): ``.grad`` is the same tensor before and
 after, holding the average, as with the copy; ``FlatBucket.reduced`` tells the launcher which tensor goes out.
 PyTorch's Reducer copies here too. With GPT-2's vocabulary the tied table is 70 % of the gradient bytes, and
 reducing it in place took graphddp-eager from 1.06 to 0.71 × what PyTorch's DDP adds to a two-rank step

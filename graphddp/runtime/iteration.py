@@ -70,7 +70,7 @@ import enum
 import functools
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -223,8 +223,9 @@ class Iteration:
 
     local_unused: list[int]
     """Parameters the usage policy found unused on this rank (marked ready at the backward's first hook)."""
-    prescale: float | None
-    """Gradients are multiplied by this while copied into their buckets (default hook), or not at all."""
+    prescales: Sequence[float | None]
+    """By bucket index: what its gradients are multiplied by while copied in (graphddp's averaging, where the
+    collective does not average: ``CommHook.prescales``), or None: not at all."""
     phase: Phase = Phase.PREPARED
     """The last of the iteration's collectives issued so far."""
     ending: Ending = NOT_BEGUN

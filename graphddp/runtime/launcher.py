@@ -68,6 +68,8 @@ class Launcher:
     def __init__(self, buckets: Sequence[FlatBucket], reductions: Sequence[Any], policy: EagerLaunch | ChainedLaunch, events: Any) -> None:
         assert len(buckets) == len(reductions)
         self.buckets, self.reductions, self.policy, self.events = list(buckets), list(reductions), policy, events
+        self.divides_by = tuple(r.divides_by for r in self.reductions)
+        """What each bucket's collective divides it by (Note [Averaged on the wire] in ``graphddp.runtime.reductions``)."""
         self._next = 0
         self._open: tuple[int, InFlight] | None = None  # launched last, maybe with a collective left to commit
         self._watched = False

@@ -130,8 +130,8 @@ class Reducer(TorchReducerSurface):
         self._launcher = self._make_launcher()  # new buckets: every row-sparse one tries rows again
 
     def _make_launcher(self) -> Launcher:
-        dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad)
-                 for b in self.buckets]
+        dense = [dense_reduction(self._hook, self._channels.of_bucket(b.index), self.rank, sparse=b.spec.sparse_grad,
+                                 dtype=b.dtype, device=b.device) for b in self.buckets]
         each = bucket_reductions(self.buckets, dense, rows=self._target.reduces_rows, channels=self._channels)
         reductions = with_ride(self._skip.reductions(self.buckets, each, dense), self.plans.ride, self._channels.of_bucket)
         return Launcher(self.buckets, reductions, self._policy, self._events)
@@ -199,8 +199,8 @@ class Reducer(TorchReducerSurface):
         self._slots.reset()
         self._launcher.reset()
         self.plans.ready_order.restart()
-        prescale = self._hook.prescale(self._active.divisor)  # None: a custom hook averages itself
-        self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescale)
+        prescales = self._hook.prescales(self._active.divisor, self._launcher.divides_by)  # Note [Averaged on the wire]
+        self._iteration = iteration = Iteration(self.usage.policy.locally_unused(outputs, self._index_of_id), prescales)
         iteration.before_last(self._launcher, self.usage, self.plans)  # the agreement and usage count (Note [Reducer])
         self._countdown.prepare(steady=not (iteration.local_unused or self._events.recording or self.plans.ready_order.learning))
         iteration.watch.watch(outputs)  # a backward that raises before the first hook is drained too
@@ -251,7 +251,7 @@ class Reducer(TorchReducerSurface):
     def _part_ready(self, where: Where, grad: torch.Tensor | None = None) -> None:
         """A part's slot is filled: with ``grad``, or zeros (no contribution this iteration)."""
         assert self._iteration is not None
-        self._events.record("ready", where[0], self._slots.fill_part(where, grad, self._iteration.prescale))
+        self._events.record("ready", where[0], self._slots.fill_part(where, grad, self._iteration.prescales[where[0]]))
         if (bucket := self._slots.mark_ready(where)) is not None:
             self.bucket_complete(bucket)
 
@@ -260,7 +260,7 @@ class Reducer(TorchReducerSurface):
         iteration = self._iteration
         assert iteration is not None
         self.stats.mark("comm_start")
-        self._slots.gather(bucket, iteration.prescale)
+        self._slots.gather(bucket, iteration.prescales[bucket.index])
         if self._launcher.launch_ready():
             iteration.ending.all_launched(self._finalize)
 
@@ -302,7 +302,7 @@ class Reducer(TorchReducerSurface):
     # -- join ------------------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for one synchronised iteration: the same collectives, every bucket on zeros."""
-        shadow = Iteration([], None)  # its usage entries: the last backward's, as PyTorch's (GradientUsage.entries)
+        shadow = Iteration([], ())  # its usage entries: the last backward's, as PyTorch's (GradientUsage.entries)
         shadow.before_last(self._launcher, self.usage, self.plans, joined=True)
         self._launcher.shadow()
         shadow.count_usage(self._launcher, self.usage, self.plans, joined=True)  # ChainedLaunch: after the waits

@@ -9,7 +9,8 @@ Every strategy's ``start(bucket, buffer)`` issues the bucket's first collective 
 * ``wait()`` returns the reduced bucket, checked: one tensor with the buffer's element count.
 
 ``dense_reduction``: the bucket through the user's comm hook (``HookReduction``), or graphddp's averaging
-all-reduce (``AveragingReduction``), one step, nothing to commit; a ``torch.sparse`` gradient under graphddp's
+all-reduce (``AveragingReduction``, or ``WireAveragingReduction`` where the backend averages: Note [Averaged on the
+wire]), one step, nothing to commit; a ``torch.sparse`` gradient under graphddp's
 averaging through all-gathers, two steps (``GatheredSparseReduction``, Note [Sparse gradients, gathered]). The
 averaging all-reduce keeps the collective's ``Work`` and waits on it: no future, no callback. On a GPU a Python
 future chain (``get_future().then(...)``, its ``value()``) costs ~0.4 ms of CPU per bucket, measured on an H100
@@ -30,6 +31,32 @@ in two steps, both issued from the thread that runs backward:
 The outcome depends only on the all-reduced mask, so every rank takes the same branch. A table that went dense
 ``DENSE_STREAK_LIMIT`` times in a row gives up rows (``gave_up``): reduced dense without trying; at the next forward
 the Reducer plans it dense (Note [Plan agreement] in ``graphddp.runtime.plans``, "tables gone dense").
+
+Note [Averaged on the wire]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+NCCL averages inside its all-reduce (``ReduceOp.AVG``: each rank's contribution multiplied by ``1/world`` as it is
+summed, no pass of its own), and gloo does since PyTorch 2.8 (the sum, then one division on gloo's thread, off the
+thread that runs backward). There a plain dense bucket under graphddp's averaging is copied in unscaled and
+all-reduced with ``AVG`` (``WireAveragingReduction``): the ``mul_`` of the whole bucket (or of a lone gradient,
+Note [A lone gradient reduced where it lies]) is gone from the backward's thread, one kernel launch and one pass
+over the bucket per bucket on a GPU. ``averages_on_the_wire`` is the one rule, per bucket:
+
+* the bucket's process group runs its collectives on a backend in ``WIRE_AVERAGING`` (by name, on the bucket's
+  device: NCCL; gloo from PyTorch 2.8, floating dtypes of 32 bits or more only, since gloo sums before it divides
+  and a float16 or bfloat16 sum can overflow where the scaled gradients would not);
+* graphddp's averaging reduces it (a comm hook averages as it likes: ``HookReduction``), whole and dense: a table
+  reduced as rows (``RowSparseReduction``, whose dense fallback then sums too), a ``torch.sparse`` gradient
+  (all-gathers) and the bucket that carries the plan agreement (its counts must be summed: Note [The agreement
+  rides a bucket]) keep the scaled copy and a sum.
+
+Each reduction says what its collective divides by (``divides_by``: the group's size for ``AVG``, else 1), and the
+Reducer scales a bucket's gradients on their way in by ``divides_by / divisor`` (``CommHook.prescales``): nothing
+for ``AVG`` over the world size, ``1/divisor`` for a sum, and ``world/active`` under ``join`` with
+``divide_by_initial_world_size=False``, so the average is over the ranks still training either way. The results
+equal the scaled sum's up to rounding (exactly for a world size that is a power of two), as PyTorch's DDP allows
+itself: its comm hook ``allreduce_hook`` divides before the sum, its C++ Reducer while copying in. The compiled
+in-graph strategy keeps its division (Note [In-graph reduction] in ``graphddp/compiler/in_graph.py``): Inductor
+writes each quotient straight into the bucket, so there the division costs no pass of its own.
 
 Note [Sparse gradients, gathered]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,7 +84,8 @@ steps in C++; here each Python call is time a launch-bound backward waits for):
 
 * into the bucket: one ``_foreach_copy_`` of its gradients and, for graphddp's averaging, one ``mul_`` of the
   whole buffer by ``1/world`` (``grad_layout.CopiedGrads.gather``: the same rounding as a scaled copy, as the
-  dtypes are equal; a bucket of another dtype, parts or gradients missing take the per-parameter path);
+  dtypes are equal; a bucket of another dtype, parts or gradients missing take the per-parameter path); no
+  ``mul_`` where the collective averages itself (Note [Averaged on the wire]);
 * the collective: ``ProcessGroup.allreduce`` called directly (``torch.distributed.all_reduce`` checks its arguments
   in Python every call: ten calls per bucket), on the *current* stream, waited through its ``Work``: no future, no
   callback, no stream of graphddp's own (on CUDA the process group orders its stream after the current one when
@@ -82,6 +110,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from ..passes import ROW_SPARSE_MAX_DENSITY
 from .buckets import FlatBucket, GradBucket
@@ -91,6 +120,9 @@ from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, len
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
+WIRE_AVERAGING: dict[str, tuple[tuple[int, int], int]] = {"nccl": ((2, 4), 16), "gloo": ((2, 8), 32)}
+"""Backends whose all-reduce takes ``ReduceOp.AVG``, by name: from which PyTorch version, and the fewest bits of a
+floating dtype it averages (gloo sums, then divides: a 16-bit sum may overflow). Note [Averaged on the wire]."""
 
 
 class InFlight(Protocol):
@@ -135,13 +167,15 @@ class CommHook:
         hook of the user's, whose wire graphddp cannot know). The automatic caps predict the bytes so sent."""
         return builtin_hook(self.fn)[1] if self.custom else None
 
-    def prescale(self, divisor: Callable[[], int]) -> float | None:
-        """What gradients are multiplied by while copied into their buckets: ``1 / divisor()`` for graphddp's
-        averaging, which only sums; None for a custom hook (it averages itself) or a divisor of 1."""
+    def prescales(self, divisor: Callable[[], int], divides_by: Sequence[int]) -> list[float | None]:
+        """What each bucket's gradients are multiplied by while copied into it, for buckets whose collectives
+        divide by ``divides_by`` (Note [Averaged on the wire]): ``divides_by / divisor()`` under graphddp's
+        averaging, so the bucket ends up averaged over ``divisor()`` ranks, or None where that is 1; None for a
+        custom hook (it averages itself, and ``divisor``, which may wait for ``join``'s count, is not asked)."""
         if self.custom:
-            return None
-        by = divisor()
-        return 1.0 / by if by != 1 else None
+            return [None] * len(divides_by)
+        ranks = divisor()
+        return [by / ranks if by != ranks else None for by in divides_by]
 
 
 def builtin_hook(fn: Any) -> tuple[bool, torch.dtype | None]:
@@ -177,6 +211,8 @@ class HookReduction:
 
     gave_up = False
     """Never tries rows (see ``RowSparseReduction.gave_up``)."""
+    divides_by = 1
+    """What the bucket's collective divides it by (Note [Averaged on the wire]): a hook averages as it likes."""
 
     def __init__(self, hook: CommHook, rank: int) -> None:
         self.hook, self.rank = hook, rank
@@ -199,14 +235,32 @@ class AveragingReduction:
 
     gave_up = False
     """Never tries rows (see ``RowSparseReduction.gave_up``)."""
+    divides_by = 1
+    """What the collective divides the bucket by: it sums (Note [Averaged on the wire])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self._allreduce = group.allreduce  # what dist.all_reduce calls, after its per-call argument checks
-        self._sum = dist.AllreduceOptions()  # ReduceOp.SUM
+        self._options = dist.AllreduceOptions()  # ReduceOp.SUM
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> AveragedInFlight:
         alias = buffer.view(buffer.shape)  # ``lend``, inlined: Note [A collective holds no Python object]
-        return AveragedInFlight(self._allreduce([alias], self._sum), buffer, alias)
+        return AveragedInFlight(self._allreduce([alias], self._options), buffer, alias)
+
+
+class WireAveragingReduction(AveragingReduction):
+    """graphddp's averaging all-reduce where the backend averages (``ReduceOp.AVG``): the Reducer copies the
+    gradients in unscaled (Note [Averaged on the wire])."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(group)
+        self.divides_by = group.size()
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.AVG
+
+    def summing(self) -> AveragingReduction:
+        """The same bucket's all-reduce as a sum, for a reduction that needs one (a table's rows)."""
+        return AveragingReduction(self.group)
 
 
 class LocalReduction:
@@ -214,6 +268,7 @@ class LocalReduction:
     in ``.grad`` (``grad_layout.LocalGrads`` moves nothing), as ``local_average`` decides."""
 
     gave_up = False
+    divides_by = 1
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> SkippedInFlight:
         return SkippedInFlight(buffer, outcome=None)
@@ -224,6 +279,7 @@ class GatheredSparseReduction:
     sparse all-reduce (Note [Sparse gradients, gathered]). The Reducer scaled it while putting it in its bucket."""
 
     gave_up = False
+    divides_by = 1
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -241,14 +297,40 @@ def local_average(world_size: int, hook: CommHook) -> bool:
 DenseReduction = HookReduction | AveragingReduction | LocalReduction | GatheredSparseReduction
 
 
-def dense_reduction(hook: CommHook, group: dist.ProcessGroup, rank: int, *, sparse: bool = False) -> DenseReduction:
-    """The whole bucket through ``hook``: the user's (a future), graphddp's averaging (its ``Work``; a ``torch.sparse``
+def dense_reduction(
+    hook: CommHook, group: dist.ProcessGroup, rank: int, *, sparse: bool = False, dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> DenseReduction:  # fmt: skip
+    """The whole bucket through ``hook``: the user's (a future), graphddp's averaging (its ``Work``; averaged by the
+    backend where ``averages_on_the_wire`` says so for the bucket's ``dtype`` on ``device``; a ``torch.sparse``
     gradient, ``sparse``, by all-gathers), or nothing to do on one rank."""
     if hook.custom:
         return HookReduction(hook, rank)  # a user's hook gets a sparse gradient as it is, as in PyTorch
     if local_average(group.size(), hook):
         return LocalReduction()
-    return GatheredSparseReduction(group) if sparse else AveragingReduction(group)
+    if sparse:
+        return GatheredSparseReduction(group)
+    if dtype is not None and device is not None and averages_on_the_wire(backend_name(group, device), dtype):
+        return WireAveragingReduction(group)
+    return AveragingReduction(group)
+
+
+def averages_on_the_wire(backend: str, dtype: torch.dtype, version: Any = torch.__version__) -> bool:
+    """The one rule of Note [Averaged on the wire]: a dense bucket of ``dtype`` is averaged by ``backend``'s
+    all-reduce (``ReduceOp.AVG``) under PyTorch ``version``, not scaled on its way in."""
+    if backend not in WIRE_AVERAGING or not dtype.is_floating_point or dtype.is_complex:
+        return False
+    since, fewest_bits = WIRE_AVERAGING[backend]
+    return TorchVersion(str(version)) >= since and torch.finfo(dtype).bits >= fewest_bits
+
+
+def backend_name(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The name of the backend that runs ``group``'s collectives on ``device`` (``"gloo"``, ``"nccl"``), or ``""``
+    when the group cannot say (a process group written in Python)."""
+    try:
+        return group._get_backend(device).name().lower()
+    except (RuntimeError, AttributeError, ValueError, TypeError):
+        return ""
 
 
 def bucket_reductions(
@@ -257,9 +339,15 @@ def bucket_reductions(
     """One strategy per bucket, on the bucket's channel (Note [Channels] in ``graphddp.runtime.channels``): an
     embedding table's rows where rows apply (``rows``), else the bucket's ``dense`` reduction."""
     return [
-        RowSparseReduction(dense[b.index], group=channels.of_bucket(b.index)) if rows and b.spec.row_sparse else dense[b.index]
+        RowSparseReduction(summing(dense[b.index]), group=channels.of_bucket(b.index)) if rows and b.spec.row_sparse else dense[b.index]
         for b in buckets
     ]
+
+
+def summing(dense: DenseReduction) -> DenseReduction:
+    """``dense``, summing where it would average on the wire: a table's rows are scaled on their way in, and its
+    dense fallback must reduce what the rows would (Note [Averaged on the wire])."""
+    return dense.summing() if isinstance(dense, WireAveragingReduction) else dense
 
 
 class DenseInFlight:
@@ -354,6 +442,7 @@ class SkippedReduction:
 
     def __init__(self, dense: DenseReduction) -> None:
         self.dense = dense
+        self.divides_by = dense.divides_by  # its late all-reduce is ``dense``'s
 
     def start(self, bucket: FlatBucket, buffer: torch.Tensor, is_last: bool) -> SkippedInFlight:
         return SkippedInFlight(buffer)
@@ -486,7 +575,11 @@ class DenseStreak:
 class RowSparseReduction:
     """A row-sparse bucket (one 2-D table): rows while they stay few, dense after a streak of dense outcomes."""
 
+    divides_by = 1
+    """Rows and the dense fallback both sum (``summing``)."""
+
     def __init__(self, dense: DenseReduction, *, group: dist.ProcessGroup) -> None:
+        assert dense.divides_by == 1, "a table's rows are scaled on their way in: its dense fallback must sum"
         self.dense, self.group = dense, group
         self._streak = DenseStreak()
 

@@ -52,7 +52,8 @@ def launched(done_at: list[float], policy) -> tuple[Launcher, Clock, list[int]]:
         b = types.SimpleNamespace(index=i, complete=True, started=True)
         b.in_flight = FakeInFlight(clock, t, waited, i)
         buckets.append(b)
-    return Launcher(buckets, [None] * len(buckets), policy, NullEvents()), clock, waited
+    reductions = [types.SimpleNamespace(divides_by=1)] * len(buckets)  # stand-ins: these buckets are already in flight
+    return Launcher(buckets, reductions, policy, NullEvents()), clock, waited
 
 
 def test_buckets_come_as_their_reductions_complete(monkeypatch) -> None:
