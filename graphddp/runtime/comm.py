@@ -150,7 +150,8 @@ class AverageState:
     """State of graphddp's default hook: the group, and what to divide the sum by in this iteration.
 
     The Reducer scales gradients by ``1 / divisor`` while copying them into the bucket (as PyTorch's C++
-    Reducer does), so it sets ``divisor`` to 1 and the hook makes no extra pass over the buffer.
+    Reducer does), or the backend averages (Note [Averaged on the wire] in ``graphddp.runtime.reductions``), so it
+    sets ``divisor`` to 1 and the hook makes no extra pass over the buffer.
     """
 
     def __init__(self, process_group: dist.ProcessGroup) -> None:

@@ -18,8 +18,9 @@ gradient (``nn.Embedding(sparse=True)``) comes back through ``SparseGradCast`` (
 gradient) and is averaged in ``reduce_dtype`` as well (``buckets.SparseGradBucket.put`` casts it).
 
 The average: graphddp scales each gradient by 1/world while copying it into its bucket (as PyTorch's default
-Reducer does); PyTorch's mixed-precision hook divides after the sum. In a low-precision ``reduce_dtype`` the two
-round differently when the world size is not a power of two.
+Reducer does; in a ``reduce_dtype`` of 16 bits always, since only wider buckets may be averaged by the backend,
+Note [Averaged on the wire] in ``graphddp.runtime.reductions``); PyTorch's mixed-precision hook divides after the
+sum. In a low-precision ``reduce_dtype`` the two round differently when the world size is not a power of two.
 """
 
 from __future__ import annotations

@@ -34,16 +34,22 @@ the Reducer plans it dense (Note [Plan agreement] in ``graphddp.runtime.plans``,
 
 Note [Averaged on the wire]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-NCCL averages inside its all-reduce (``ReduceOp.AVG``: each rank's contribution multiplied by ``1/world`` as it is
-summed, no pass of its own), and gloo does since PyTorch 2.8 (the sum, then one division on gloo's thread, off the
-thread that runs backward). There a plain dense bucket under graphddp's averaging is copied in unscaled and
-all-reduced with ``AVG`` (``WireAveragingReduction``): the ``mul_`` of the whole bucket (or of a lone gradient,
-Note [A lone gradient reduced where it lies]) is gone from the backward's thread, one kernel launch and one pass
-over the bucket per bucket on a GPU. ``averages_on_the_wire`` is the one rule, per bucket:
+gloo averages inside its all-reduce since PyTorch 2.8 (``ReduceOp.AVG``: the sum, then one division on gloo's
+worker thread, off the thread that runs backward). There a plain dense bucket under graphddp's averaging is copied
+in unscaled and all-reduced with ``AVG`` (``WireAveragingReduction``): the ``mul_`` of the whole bucket (or of a
+lone gradient, Note [A lone gradient reduced where it lies]) leaves the backward's thread, a pass over every bucket
+that a host with a core to spare for gloo's worker no longer pays on the critical path (on a host without one, as
+the 2-vCPU bench VM, it only moves: ``docs/benchmarks.md``, session 53). ``averages_on_the_wire`` is the one rule,
+per bucket:
 
 * the bucket's process group runs its collectives on a backend in ``WIRE_AVERAGING`` (by name, on the bucket's
-  device: NCCL; gloo from PyTorch 2.8, floating dtypes of 32 bits or more only, since gloo sums before it divides
-  and a float16 or bfloat16 sum can overflow where the scaled gradients would not);
+  device): gloo from PyTorch 2.8, floating dtypes of 32 bits or more only, since gloo sums before it divides and a
+  float16 or bfloat16 sum can overflow where the scaled gradients would not. Not NCCL, though it takes ``AVG``
+  too: for floating types it runs ``AVG`` as a sum with each contribution pre-multiplied by ``1/world``, that
+  scalar rounded to the bucket's dtype first (a constant bias of +-0.2 % in bfloat16 at 3, 6, 7 or 12 ranks), and,
+  read in NCCL's kernel generator but not measured, its NVLink SHARP (NVLS) algorithms do not implement that
+  pre-multiplied sum, so on an NVSwitch node a bucket could lose NVLS to save a ``mul_`` that costs a GPU
+  microseconds. NCCL keeps the scaled sum until a multi-GPU run measures both (``docs/gpu.md``);
 * graphddp's averaging reduces it (a comm hook averages as it likes: ``HookReduction``), whole and dense: a table
   reduced as rows (``RowSparseReduction``, whose dense fallback then sums too), a ``torch.sparse`` gradient
   (all-gathers) and the bucket that carries the plan agreement (its counts must be summed: Note [The agreement
@@ -120,9 +126,10 @@ from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, len
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
-WIRE_AVERAGING: dict[str, tuple[tuple[int, int], int]] = {"nccl": ((2, 4), 16), "gloo": ((2, 8), 32)}
-"""Backends whose all-reduce takes ``ReduceOp.AVG``, by name: from which PyTorch version, and the fewest bits of a
-floating dtype it averages (gloo sums, then divides: a 16-bit sum may overflow). Note [Averaged on the wire]."""
+WIRE_AVERAGING: dict[str, tuple[tuple[int, int], int]] = {"gloo": ((2, 8), 32)}
+"""Backends whose all-reduce graphddp lets average (``ReduceOp.AVG``), by name: from which PyTorch version, and the
+fewest bits of a floating dtype (gloo sums, then divides: a 16-bit sum may overflow). Not NCCL, for now: Note
+[Averaged on the wire] says why."""
 
 
 class InFlight(Protocol):
@@ -155,7 +162,8 @@ class CommHook:
 
     @classmethod
     def averaging(cls, group: dist.ProcessGroup) -> CommHook:
-        """graphddp's averaging all-reduce: it only sums, as the Reducer scales while copying into the bucket."""
+        """graphddp's averaging all-reduce: the Reducer scales while copying into the bucket, or the backend averages
+        (Note [Averaged on the wire])."""
         state = AverageState(group)
         state.divisor = 1
         return cls(state, average_allreduce_hook, custom=False)

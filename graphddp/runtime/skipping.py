@@ -73,7 +73,8 @@ class SkipNeverUsed:
                 continue
             events.record("late", k)
             # What its gather left: the buffer, or a gradient reduced where it lies (Note [A lone gradient reduced
-            # where it lies] in graphddp.runtime.grad_layout), scaled and not yet summed.
+            # where it lies] in graphddp.runtime.grad_layout), scaled for its collective (Note [Averaged on the wire]
+            # in graphddp.runtime.reductions) and not yet reduced.
             buffer = bucket.zeros() if joined else bucket.reduced
             with no_backward_context():  # Note [A collective holds no Python object]
                 in_flight = self._skipped[k].dense.start(bucket, buffer, False)

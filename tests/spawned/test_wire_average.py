@@ -1,5 +1,5 @@
 """Buckets averaged by the backend's all-reduce (Note [Averaged on the wire] in ``graphddp.runtime.reductions``), on
-spawned gloo ranks (gloo takes ``ReduceOp.AVG`` from PyTorch 2.8): the all-reduces a steady backward issues, and
+spawned gloo ranks (gloo takes ``ReduceOp.AVG`` from PyTorch 2.8; graphddp leaves NCCL on the scaled sum): the all-reduces a steady backward issues, and
 what runs on the backward's thread, recorded by a dispatch mode; the gradients against PyTorch's DDP and against
 an average made by hand, at world sizes 2 and 3 (where ``1/3`` is not exact), and under ``join`` averaging over the
 ranks still training."""
@@ -73,7 +73,8 @@ def steady_backward(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_steady_backward_sends_every_bucket_averaged_but_the_agreements(world: int) -> None:
-    assert averages_on_the_wire("gloo", torch.float32), "gloo averages from PyTorch 2.8; constraints.txt pins newer"
+    if not averages_on_the_wire("gloo", torch.float32):  # CI pins a newer torch (constraints.txt): it runs there
+        pytest.skip(f"gloo averages from PyTorch 2.8; this is {torch.__version__}")
     for seen in run_on_ranks(steady_backward, world):
         assert seen["buckets"] == 3, seen
         # Every bucket but the last, which carries the plan agreement's counts (Note [The agreement rides a
