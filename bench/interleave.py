@@ -4,7 +4,8 @@ A benchmark that times one mode after another compares steps taken up to a minut
 drifts on that scale (``docs/benchmarks.md``: two identical builds 12 % apart in one cell, rounds of one mode
 bimodal with no page fault and no steal). Timing one step of each mode in turn, every mode built and alive, puts a
 mode's steps and its baseline's one pass over the modes apart, so drift slower than that moves them alike.
-``bench.overhead`` and ``bench`` (``--interleave steps``) both do it with what is here.
+``bench.overhead`` and ``bench`` (``--interleave steps``) both do it with what is here, reversing the order on every
+other pass (``pass_order``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ import torch
 INTERLEAVINGS = ("steps", "modes")
 """``steps``: every mode alive at once, one step of each in turn; ``modes``: one mode alive at a time, its steps
 in a row, each mode built afresh every round."""
+
+
+def pass_order(modes: list[str], k: int) -> list[str]:
+    """The order of pass ``k`` over the modes: as listed on even passes, reversed on odd ones, so each mode follows
+    each of its neighbours as often as it precedes it. A step pays for the mode timed just before it (session 53:
+    graphddp-eager timed right after PyTorch's DDP added 0.1-0.3 x PyTorch's added time more than timed right
+    before it, ``docs/benchmarks.md``); in one fixed order that cost fell on the later of the two DDPs every time."""
+    return list(modes) if k % 2 == 0 else list(reversed(modes))
 
 
 def isolated_model(model: torch.nn.Module, tag: str) -> torch.nn.Module:

@@ -37,9 +37,10 @@ Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOpti
 ramps off. Two orders (``--interleave``):
 
 - ``steps`` (the default): each round builds every mode, warms each up, then times one step of each mode in turn,
-  ``--steps`` times over, with a barrier before each step. A mode's steps and its baseline's are then at most one
-  pass over the modes apart (~2.5 s for the 14 modes at two ranks), so a ratio of added times is not moved by
-  drift slower than that. Each mode's model gets a ``forward`` code object of its own (``isolated_model``): Dynamo
+  ``--steps`` times over, with a barrier before each step, the modes in the listed order on even passes and in
+  reverse on odd ones (``pass_order``: a step pays for the mode before it, so no mode always follows the same
+  one). A mode's steps and its baseline's are then at most two passes over the modes apart (~2.5 s a pass for the
+  14 modes at two ranks), so a ratio of added times is not moved by drift slower than that. Each mode's model gets a ``forward`` code object of its own (``isolated_model``): Dynamo
   keeps its compiled code per code object, so no mode's step looks through another mode's cache entries, and no
   compiled graph is reused by another mode. A step that compiles anything while timed is counted
   (``compiles_while_timed``) and the run says so.
@@ -101,7 +102,7 @@ from graphddp.tools.launch import free_port, import_before_init
 
 from .allocator import ALLOCATORS, allocator_env, minor_page_faults
 from .as_ready import AsReady, bucket_layout, ready_order
-from .interleave import INTERLEAVINGS, graphs_compiled, isolated_model, shared_frames
+from .interleave import INTERLEAVINGS, graphs_compiled, isolated_model, pass_order, shared_frames
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
 EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
@@ -373,10 +374,10 @@ def _one_round_of_steps(o: OverheadOptions, modes: list[str], x: torch.Tensor, y
     prepared = {mode: PreparedMode.build(mode, o, x, y, isolated=True) for mode in modes}
     for p in prepared.values():
         p.warm_up(o)
-    for _ in range(o.steps):
-        for mode, p in prepared.items():
+    for k in range(o.steps):
+        for mode in pass_order(modes, k):
             dist.barrier()
-            p.time_one(o, record[mode])
+            prepared[mode].time_one(o, record[mode])
     for mode, p in prepared.items():
         p.end_round(record[mode], last=last)
 

@@ -7,8 +7,9 @@ Each round goes through every mode, in one of two orders (``--interleave``, ``be
   mode is built. Only one mode is alive at a time. Drift of a shared machine between rounds hits every mode alike;
   drift within a round does not: a mode's iterations and the limit's sit up to a minute apart, and on a 2-vCPU VM
   one cell's rounds differed by more than 10 % (``docs/benchmarks.md``, session 48).
-- ``steps``: build and warm up every mode, then time one iteration of each in turn, so drift slower than one pass
-  over the modes moves them alike. Every mode is resident at once (memory is the sum of the modes'; in the first
+- ``steps``: build and warm up every mode, then time one iteration of each in turn, the order reversed on every
+  other pass (``pass_order``: an iteration pays for the mode before it), so drift slower than two passes over the
+  modes moves them alike. Every mode is resident at once (memory is the sum of the modes'; in the first
   sessions, with glibc handing memory back, that made every mode slower: ``--allocator retain`` keeps it).
 
 Writes ``rank{R}.json`` into the run's folder: per mode, the iteration times with the round each was timed in,
@@ -46,7 +47,7 @@ from graphddp.tools.launch import init_process_group
 from graphddp.tools.workloads import Workload, build_workload
 
 from .allocator import minor_page_faults
-from .interleave import graphs_compiled, isolated_model, shared_frames
+from .interleave import graphs_compiled, isolated_model, pass_order, shared_frames
 from .modes import ModeConfig, ModeName, Step, build, optimizer_for, reduction_ran
 
 
@@ -130,9 +131,9 @@ def _one_round_of_steps(config: dict, mode_config: ModeConfig, rank: int, result
             m.step(m.workload.make_batch(m.data))
     timed: dict[str, list[Timed]] = {mode: [] for mode in modes}
     compiled = graphs_compiled()
-    for _ in range(_iters_in_round(config, r)):
-        for mode, m in prepared.items():
-            timed[mode].append(timed_step(m))
+    for k in range(_iters_in_round(config, r)):
+        for mode in pass_order(modes, k):
+            timed[mode].append(timed_step(prepared[mode]))
     if graphs_compiled() != compiled:  # a timed step compiled: its time is not a steady step's
         results["compiles_while_timed"] = results.get("compiles_while_timed", 0) + graphs_compiled() - compiled
         say(f"round {r + 1}/{rounds}: {graphs_compiled() - compiled} graph(s) compiled while timed", flush=True)

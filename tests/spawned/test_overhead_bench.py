@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import mmap
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from bench.allocator import minor_page_faults
-from bench.interleave import graphs_compiled, isolated_model
+from bench.interleave import graphs_compiled, isolated_model, pass_order
 from bench.overhead import (
     COMPILED_MODES,
     EAGER_MODES,
@@ -118,6 +119,15 @@ def test_summary_measures_each_ddp_against_its_baseline() -> None:
     assert rows["graphddp-compiled:aot_eager"]["added_vs_torch"] == pytest.approx(0.25)
     assert rows["graphddp-compiled:aot_eager"]["added_calls"] == 10
     assert rows["graphddp-compiled-split:aot_eager"]["added_vs_torch"] == pytest.approx(1.25)  # against torch-compiled
+
+
+def test_passes_alternate_the_order_so_no_mode_always_follows_the_same_one() -> None:
+    modes = ["local", "torch-eager", "graphddp-eager"]
+    passes = [pass_order(modes, k) for k in range(4)]
+    assert passes[0] == passes[2] == modes and passes[1] == passes[3] == modes[::-1]
+    follows = collections.Counter((a, b) for order in passes for a, b in zip(order, order[1:]))
+    assert follows[("torch-eager", "graphddp-eager")] == follows[("graphddp-eager", "torch-eager")] == 2
+    assert pass_order(modes, 1) is not modes and modes == ["local", "torch-eager", "graphddp-eager"]  # untouched
 
 
 def test_timed_steps_run_at_each_stack_shift_in_turn() -> None:
