@@ -263,12 +263,7 @@ class WireAveragingReduction(AveragingReduction):
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__(group)
         self.divides_by = group.size()
-        self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.AVG
-
-    def summing(self) -> AveragingReduction:
-        """The same bucket's all-reduce as a sum, for a reduction that needs one (a table's rows)."""
-        return AveragingReduction(self.group)
 
 
 class LocalReduction:
@@ -355,7 +350,7 @@ def bucket_reductions(
 def summing(dense: DenseReduction) -> DenseReduction:
     """``dense``, summing where it would average on the wire: a table's rows are scaled on their way in, and its
     dense fallback must reduce what the rows would (Note [Averaged on the wire])."""
-    return dense.summing() if isinstance(dense, WireAveragingReduction) else dense
+    return AveragingReduction(dense.group) if isinstance(dense, WireAveragingReduction) else dense
 
 
 class DenseInFlight:
