@@ -34,33 +34,37 @@ the Reducer plans it dense (Note [Plan agreement] in ``graphddp.runtime.plans``,
 
 Note [Averaged on the wire]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-gloo averages inside its all-reduce since PyTorch 2.8 (``ReduceOp.AVG``: the sum, then one division on gloo's
-worker thread, off the thread that runs backward). There a plain dense bucket under graphddp's averaging is copied
-in unscaled and all-reduced with ``AVG`` (``WireAveragingReduction``): the ``mul_`` of the whole bucket (or of a
-lone gradient, Note [A lone gradient reduced where it lies]) leaves the backward's thread, a pass over every bucket
-that a host with a core to spare for gloo's worker no longer pays on the critical path (on a host without one, as
-the 2-vCPU bench VM, it only moves: ``docs/benchmarks.md``, session 53). ``averages_on_the_wire`` is the one rule,
-per bucket:
+A backend may average inside its all-reduce (``ReduceOp.AVG``): gloo from PyTorch 2.8 (the sum, then one division
+on gloo's worker thread), NCCL (each contribution pre-multiplied by ``1/world`` in the kernel). A plain dense bucket
+under graphddp's averaging could then be copied in unscaled and sent with ``AVG`` (``WireAveragingReduction``): the
+``mul_`` of the whole bucket (or of a lone gradient, Note [A lone gradient reduced where it lies]) would leave the
+backward's thread. ``averages_on_the_wire`` is the one rule, per bucket:
 
-* the bucket's process group runs its collectives on a backend in ``WIRE_AVERAGING`` (by name, on the bucket's
-  device): gloo from PyTorch 2.8, floating dtypes of 32 bits or more only, since gloo sums before it divides and a
-  float16 or bfloat16 sum can overflow where the scaled gradients would not. Not NCCL, though it takes ``AVG``
-  too: for floating types it runs ``AVG`` as a sum with each contribution pre-multiplied by ``1/world``, that
-  scalar rounded to the bucket's dtype first (a constant bias of +-0.2 % in bfloat16 at 3, 6, 7 or 12 ranks), and,
-  read in NCCL's kernel generator but not measured, its NVLink SHARP (NVLS) algorithms do not implement that
-  pre-multiplied sum, so on an NVSwitch node a bucket could lose NVLS to save a ``mul_`` that costs a GPU
-  microseconds. NCCL keeps the scaled sum until a multi-GPU run measures both (``docs/gpu.md``);
-* graphddp's averaging reduces it (a comm hook averages as it likes: ``HookReduction``), whole and dense: a table
-  reduced as rows (``RowSparseReduction``, whose dense fallback then sums too), a ``torch.sparse`` gradient
-  (all-gathers) and the bucket that carries the plan agreement (its counts must be summed: Note [The agreement
-  rides a bucket]) keep the scaled copy and a sum.
+* the backend averages such a bucket correctly (``AVERAGES_CORRECTLY``, by name, on the bucket's device): floating
+  dtypes of 32 bits or more only. gloo sums before it divides, so a float16 or bfloat16 sum can overflow where the
+  scaled gradients would not; NCCL rounds its ``1/world`` pre-multiplier to the bucket's dtype first (a constant
+  bias of +-0.2 % in bfloat16 at 3, 6, 7 or 12 ranks);
+* and it pays there (``WIRE_AVERAGING``): **no backend so far**. On gloo the division is one more pass over the
+  bucket on gloo's worker, after the sum, on data that has left the cache, while the ``mul_`` it replaces runs on
+  a bucket just copied in: ``python -m bench.wire_average`` (the bench's ten GPT buckets, 2 ranks, 2 vCPUs) measured
+  the ``mul_`` at 0.5-0.6 ms of the backward's thread a step and the division at 0.8-0.9 ms of gloo's; inside the DDP's
+  step the scaled sum cost 0.5-1.5 ms less CPU and was 0.5-1.9 ms faster (``docs/benchmarks.md``, session 54). A
+  host's cores are most often all busy training (intra-op threads, other ranks), so moving a pass to a worker
+  thread does not make it free. NCCL is not measured: read in its kernel generator, its NVLink SHARP (NVLS)
+  algorithms do not implement the pre-multiplied sum, so on an NVSwitch node a bucket could lose NVLS to save a
+  ``mul_`` that costs a GPU microseconds (``docs/gpu.md`` says what a multi-GPU run should measure);
+* graphddp's averaging reduces the bucket (a comm hook averages as it likes: ``HookReduction``), whole and dense: a
+  table reduced as rows (``RowSparseReduction``, whose dense fallback then sums too: ``summing``), a
+  ``torch.sparse`` gradient (all-gathers) and the bucket that carries the plan agreement (its counts must be summed:
+  Note [The agreement rides a bucket]) keep the scaled copy and a sum.
 
 Each reduction says what its collective divides by (``divides_by``: the group's size for ``AVG``, else 1), and the
 Reducer scales a bucket's gradients on their way in by ``divides_by / divisor`` (``CommHook.prescales``): nothing
 for ``AVG`` over the world size, ``1/divisor`` for a sum, and ``world/active`` under ``join`` with
 ``divide_by_initial_world_size=False``, so the average is over the ranks still training either way. The results
 equal the scaled sum's up to rounding (exactly for a world size that is a power of two), as PyTorch's DDP allows
-itself: its comm hook ``allreduce_hook`` divides before the sum, its C++ Reducer while copying in. The compiled
+itself: its comm hook ``allreduce_hook`` divides before the sum, its C++ Reducer while copying in. (The tests run the
+rule with gloo let in: ``tests/spawned/test_wire_average.py``.) The compiled
 in-graph strategy keeps its division (Note [In-graph reduction] in ``graphddp/compiler/in_graph.py``): Inductor
 writes each quotient straight into the bucket, so there the division costs no pass of its own.
 
@@ -126,10 +130,14 @@ from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, len
 
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
-WIRE_AVERAGING: dict[str, tuple[tuple[int, int], int]] = {"gloo": ((2, 8), 32)}
-"""Backends whose all-reduce graphddp lets average (``ReduceOp.AVG``), by name: from which PyTorch version, and the
-fewest bits of a floating dtype (gloo sums, then divides: a 16-bit sum may overflow). Not NCCL, for now: Note
-[Averaged on the wire] says why."""
+AVERAGES_CORRECTLY: dict[str, tuple[tuple[int, int], int]] = {"gloo": ((2, 8), 32), "nccl": ((2, 4), 32)}
+"""Backends whose ``ReduceOp.AVG`` gives what the scaled sum gives, by name: from which PyTorch version, and the
+fewest bits of a floating dtype (gloo sums, then divides: a 16-bit sum may overflow; NCCL pre-multiplies by
+``1/world`` rounded to the dtype: a bias in bfloat16)."""
+WIRE_AVERAGING: frozenset[str] = frozenset()
+"""Of those, the backends graphddp lets average: where ``AVG`` was measured to cost less than the scaled sum. None
+so far (Note [Averaged on the wire] says why): gloo's division costs its worker more than the ``mul_`` it saves the
+backward's thread, and NCCL is not measured."""
 
 
 class InFlight(Protocol):
@@ -318,12 +326,14 @@ def dense_reduction(
     return AveragingReduction(group)
 
 
-def averages_on_the_wire(backend: str, dtype: torch.dtype, version: Any = torch.__version__) -> bool:
+def averages_on_the_wire(backend: str, dtype: torch.dtype, version: Any = torch.__version__, *, used: frozenset[str] | None = None) -> bool:
     """The one rule of Note [Averaged on the wire]: a dense bucket of ``dtype`` is averaged by ``backend``'s
-    all-reduce (``ReduceOp.AVG``) under PyTorch ``version``, not scaled on its way in."""
-    if backend not in WIRE_AVERAGING or not dtype.is_floating_point or dtype.is_complex:
+    all-reduce (``ReduceOp.AVG``) under PyTorch ``version``, not scaled on its way in: where the backend is one of
+    ``used`` (``WIRE_AVERAGING`` unless given) and averages such a bucket correctly (``AVERAGES_CORRECTLY``)."""
+    used = WIRE_AVERAGING if used is None else used
+    if backend not in used or backend not in AVERAGES_CORRECTLY or not dtype.is_floating_point or dtype.is_complex:
         return False
-    since, fewest_bits = WIRE_AVERAGING[backend]
+    since, fewest_bits = AVERAGES_CORRECTLY[backend]
     return TorchVersion(str(version)) >= since and torch.finfo(dtype).bits >= fewest_bits
 
 

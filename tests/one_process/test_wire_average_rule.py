@@ -21,11 +21,14 @@ from graphddp.runtime.reductions import (
     summing,
 )
 
+LET_IN = frozenset({"gloo", "nccl"})
+"""Both backends let average, to see what each averages correctly."""
+
 
 @pytest.mark.parametrize(
     ("backend", "dtype", "version", "expected"),
     [
-        ("nccl", torch.float32, "2.13.0", False),  # not until measured: it may cost NCCL its NVLS algorithms
+        ("nccl", torch.float32, "2.13.0", True),  # a sum pre-multiplied by 1/world in float32: PyTorch's DDP's rounding
         ("nccl", torch.bfloat16, "2.13.0", False),  # its 1/world pre-multiplier rounded to bfloat16: a bias
         ("gloo", torch.int64, "2.13.0", False),  # an integer average would truncate
         ("gloo", torch.complex64, "2.13.0", False),
@@ -38,8 +41,15 @@ from graphddp.runtime.reductions import (
         ("", torch.float32, "2.13.0", False),  # a group that cannot name its backend
     ],
 )
-def test_which_backends_average_on_the_wire(backend: str, dtype: torch.dtype, version: str, expected: bool) -> None:
-    assert averages_on_the_wire(backend, dtype, version) is expected
+def test_which_backends_average_correctly_on_the_wire(backend: str, dtype: torch.dtype, version: str, expected: bool) -> None:
+    assert averages_on_the_wire(backend, dtype, version, used=LET_IN) is expected
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_no_backend_is_let_average_by_default(backend: str) -> None:
+    """gloo's division costs its worker more than the ``mul_`` saves (``bench.wire_average``); NCCL is not measured."""
+    assert not averages_on_the_wire(backend, torch.float32, "2.13.0")
+    assert averages_on_the_wire(backend, torch.float32, "2.13.0", used=frozenset({backend}))
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,16 @@
 """Buckets averaged by the backend's all-reduce (Note [Averaged on the wire] in ``graphddp.runtime.reductions``), on
-spawned gloo ranks (gloo takes ``ReduceOp.AVG`` from PyTorch 2.8; graphddp leaves NCCL on the scaled sum): the all-reduces a steady backward issues, and
-what runs on the backward's thread, recorded by a dispatch mode; the gradients against PyTorch's DDP and against
-an average made by hand, at world sizes 2 and 3 (where ``1/3`` is not exact), and under ``join`` averaging over the
-ranks still training."""
+spawned gloo ranks. No backend is let average by default (gloo's division costs more than the ``mul_`` it saves),
+so the rule's path is run with gloo let in (``WIRE_AVERAGING`` patched in each rank; gloo takes ``ReduceOp.AVG``
+from PyTorch 2.8): the all-reduces a steady backward issues, and what runs on the backward's thread, recorded by a
+dispatch mode, by default and let in; the gradients against PyTorch's DDP and against an average made by hand, at
+world sizes 2 and 3 (where ``1/3`` is not exact), and under ``join`` averaging over the ranks still training."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -17,13 +20,24 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphddp
-from graphddp.runtime.reductions import averages_on_the_wire
+from graphddp.runtime import reductions
 
 CAPS = {"bucket_cap_mb": 0.3, "first_bucket_cap_mb": 0.3, "bucket_ramps": False}
 """0.3 MiB caps: a bucket closes once it holds its cap or more, so two of ``model``'s 256 x 256 layers (0.25 MiB
 and a bias each) fill one: three buckets."""
 AVG, SUM = 1, 0
 """``ReduceOp.RedOpType`` as the dispatcher's ``c10d.allreduce_`` carries it (``op()`` of its argument)."""
+
+
+def gloo_let_in(let_in: bool = True) -> contextlib.AbstractContextManager:
+    """In a rank: gloo let average on the wire (``WIRE_AVERAGING``) for as long as the DDP lives (a new plan
+    rebuilds its reductions through the rule)."""
+    return mock.patch.object(reductions, "WIRE_AVERAGING", frozenset({"gloo"})) if let_in else contextlib.nullcontext()
+
+
+def skip_unless_gloo_averages() -> None:
+    if not reductions.averages_on_the_wire("gloo", torch.float32, used=frozenset({"gloo"})):  # CI pins a newer torch
+        pytest.skip(f"gloo averages from PyTorch 2.8; this is {torch.__version__}")
 
 
 def model() -> nn.Module:
@@ -51,8 +65,13 @@ class Recorded(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def steady_backward(rank: int, world: int) -> dict[str, Any]:
+def steady_backward(rank: int, world: int, let_in: bool) -> dict[str, Any]:
     """Three steps to reach the steady plan, then one recorded; every step's gradients beside PyTorch's DDP's."""
+    with gloo_let_in(let_in):
+        return _steady_backward(rank)
+
+
+def _steady_backward(rank: int) -> dict[str, Any]:
     ours, theirs = graphddp.DDP(model(), **CAPS), nn.parallel.DistributedDataParallel(model(), bucket_cap_mb=0.3)
     seen: dict[str, Any] = {}
     for step in range(4):
@@ -71,11 +90,18 @@ def steady_backward(rank: int, world: int) -> dict[str, Any]:
     return seen
 
 
+def test_by_default_every_bucket_is_scaled_on_its_way_in_and_summed() -> None:
+    """gloo is not let average (it costs more than it saves): one ``mul_`` per bucket, every all-reduce a sum."""
+    for seen in run_on_ranks(steady_backward, 2, False):
+        assert seen["buckets"] == 3, seen
+        assert seen["reduce_ops"] == [SUM, SUM, SUM], seen
+        assert seen["mul_"] == 3, seen
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_steady_backward_sends_every_bucket_averaged_but_the_agreements(world: int) -> None:
-    if not averages_on_the_wire("gloo", torch.float32):  # CI pins a newer torch (constraints.txt): it runs there
-        pytest.skip(f"gloo averages from PyTorch 2.8; this is {torch.__version__}")
-    for seen in run_on_ranks(steady_backward, world):
+    skip_unless_gloo_averages()
+    for seen in run_on_ranks(steady_backward, world, True):
         assert seen["buckets"] == 3, seen
         # Every bucket but the last, which carries the plan agreement's counts (Note [The agreement rides a
         # bucket]): those must be summed, so its gradients are scaled on their way in, by the one mul_ left.
@@ -85,8 +111,13 @@ def test_a_steady_backward_sends_every_bucket_averaged_but_the_agreements(world:
 
 def joined_early(rank: int, world: int, divide_by_initial_world_size: bool) -> list[torch.Tensor]:
     """Rank 0 trains one step, the others three, under ``join``; the last step's gradients on the last rank."""
-    ddp = graphddp.DDP(model(), **CAPS)
-    steps = 1 if rank == 0 else 3
+    with gloo_let_in():
+        ddp = graphddp.DDP(model(), **CAPS)
+        steps = 1 if rank == 0 else 3
+        return _joined_early(ddp, rank, steps, divide_by_initial_world_size)
+
+
+def _joined_early(ddp: graphddp.DDP, rank: int, steps: int, divide_by_initial_world_size: bool) -> list[torch.Tensor]:
     with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
         for step in range(steps):
             ddp.zero_grad(set_to_none=True)
@@ -116,14 +147,15 @@ def hook_sums(rank: int, world: int) -> dict[str, Any]:
     """A comm hook (PyTorch's ``allreduce_hook``) averages itself: graphddp scales nothing, sends what it is given."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    ddp = graphddp.DDP(model(), **CAPS)
-    ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-    for step in range(3):
-        ddp(batch(rank, step)).square().mean().backward()
-        ddp.zero_grad(set_to_none=True)
-    loss = ddp(batch(rank, 3)).square().mean()
-    with Recorded() as recorded:
-        loss.backward()
+    with gloo_let_in():
+        ddp = graphddp.DDP(model(), **CAPS)
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+        for step in range(3):
+            ddp(batch(rank, step)).square().mean().backward()
+            ddp.zero_grad(set_to_none=True)
+        loss = ddp(batch(rank, 3)).square().mean()
+        with Recorded() as recorded:
+            loss.backward()
     return {"reduce_ops": recorded.reduce_ops, "grads": [p.grad for p in ddp.parameters()]}
 
 
