@@ -54,3 +54,10 @@ def test_it_prints_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_options_say_what_is_wrong(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         WireAverageOptions(**options)
+
+
+def test_more_ranks_than_gpus_on_nccl_is_refused(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit):
+        main(["--device", "cuda", "--world-size", "2"])
+    assert "needs a GPU per rank; this machine has 1" in capsys.readouterr().err
