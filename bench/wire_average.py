@@ -16,9 +16,11 @@ written, as in a DDP. The two
 ways are interleaved step by step (``pass_order``: in turn, the order reversed every other pass), with a barrier
 before each step. Per step it reports, as the median over steps and the mean over ranks: wall time; CPU time of the
 calling thread (the ``mul_`` and the launches); and CPU time of every other thread of the process (the process
-group's workers: gloo reduces there). On a host whose cores the ranks share (2 vCPUs, 2 ranks), a pass moved onto
+group's workers: gloo reduces there), and of the whole process (its own median, not the sum of the two). On a host
+whose cores the ranks share (2 vCPUs, 2 ranks), a pass moved onto
 a worker thread is not free: it is CPU the other rank's backward does not get, so the total is what counts there.
-On CUDA, the CPU columns only show the launches; wall time (with the stream synchronised) is the figure.
+On CUDA the CPU clocks are read before the stream is synchronised, so they show the launches only; wall time
+(after it) is the figure.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .overhead import spawn_and_collect
 
 GPT_BUCKETS = (264192, 264320, 264576) * 3 + (532736,)
 """Elements of each bucket of ``bench.overhead``'s GPT plan (148 tensors at width 128, vocabulary 4096, caps of
-1 MiB): nine of a transformer block's worth and the last with the tied table."""
+1 MiB): nine of the twelve blocks' parameters, a block and a third each, and the last with the tied table."""
 WAYS = ("sum", "avg")
 
 
@@ -98,22 +100,23 @@ def run_rank(rank: int, world_size: int, port: int, o: WireAverageOptions, resul
     device = torch.device(o.device, rank) if o.device == "cuda" else torch.device("cpu")
     if o.device == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(o.backend, rank=rank, world_size=world_size)
+    dist.init_process_group(o.backend, rank=rank, world_size=world_size, device_id=device if o.device == "cuda" else None)
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(rank)
     grads = [torch.randn(n, generator=generator).to(device=device, dtype=getattr(torch, o.dtype)) for n in o.sizes]
     buckets = [torch.empty_like(grad) for grad in grads]
-    record: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
+    record: dict[str, list[tuple[float, float, float, float]]] = {way: [] for way in WAYS}
     for k in range(o.warmup + o.steps):
         for way in pass_order(list(WAYS), k):
             dist.barrier()
             wall, caller, process = time.perf_counter(), time.thread_time(), time.process_time()
             one_step(group, grads, buckets, way)
+            caller, process = time.thread_time() - caller, time.process_time() - process  # before a CUDA sync spins
             if o.device == "cuda":
                 torch.cuda.synchronize()
-            wall, caller, process = time.perf_counter() - wall, time.thread_time() - caller, time.process_time() - process
+            wall = time.perf_counter() - wall
             if k >= o.warmup:
-                record[way].append((wall, caller, process - caller))
+                record[way].append((wall, caller, process - caller, process))
     results.put((rank, {way: [statistics.median(column) * 1e3 for column in zip(*steps)] for way, steps in record.items()}))
     dist.destroy_process_group()
 
@@ -121,29 +124,38 @@ def run_rank(rank: int, world_size: int, port: int, o: WireAverageOptions, resul
 def summarise(per_rank: dict[int, dict[str, list[float]]]) -> list[dict[str, Any]]:
     rows = []
     for way in WAYS:
-        wall, caller, others = (statistics.mean(per_rank[r][way][i] for r in per_rank) for i in range(3))
+        wall, caller, others, process = (statistics.mean(per_rank[r][way][i] for r in per_rank) for i in range(4))
         rows.append({"way": way, "wall_ms": wall, "caller_cpu_ms": caller, "other_threads_cpu_ms": others,
-                     "cpu_ms": caller + others})  # fmt: skip
+                     "cpu_ms": process})  # fmt: skip
     return rows
+
+
+def element_counts(text: str) -> tuple[int, ...]:
+    """``--sizes``: comma-separated element counts (``"1000,2000"``)."""
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (elements per bucket), got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     d = WireAverageOptions()
     p = argparse.ArgumentParser(prog="python -m bench.wire_average", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=d.world_size)
-    p.add_argument("--sizes", default=",".join(map(str, d.sizes)), help="elements of each bucket, comma-separated")
+    p.add_argument("--sizes", type=element_counts, default=d.sizes, help="elements of each bucket, comma-separated")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     a = p.parse_args(argv)
     try:
-        o = WireAverageOptions(world_size=a.world_size, sizes=tuple(int(s) for s in a.sizes.split(",") if s), dtype=a.dtype,
+        o = WireAverageOptions(world_size=a.world_size, sizes=a.sizes, dtype=a.dtype,
                                steps=a.steps, warmup=a.warmup, device=a.device)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     if o.device == "cuda" and o.world_size > torch.cuda.device_count():
-        p.error(f"--world-size {o.world_size} on NCCL needs a GPU per rank; this machine has {torch.cuda.device_count()}")
+        p.error(f"--world-size {o.world_size} on NCCL needs a GPU per rank; this machine has {torch.cuda.device_count()}: "
+                "pass --world-size at most that, or --device cpu")
     print(f"bench.wire_average: {o.world_size} ranks on {o.device} ({o.backend}), {len(o.sizes)} buckets of {o.dtype}, "
           f"{sum(o.sizes)} elements, {o.steps} steps per way", flush=True)  # fmt: skip
     rows = summarise(spawn_and_collect(run_rank, o.world_size, free_port(), o))

@@ -40,7 +40,7 @@ under graphddp's averaging could then be copied in unscaled and sent with ``AVG`
 ``mul_`` of the whole bucket (or of a lone gradient, Note [A lone gradient reduced where it lies]) would leave the
 backward's thread. ``averages_on_the_wire`` is the one rule, per bucket:
 
-* the backend averages such a bucket correctly (``AVERAGES_CORRECTLY``, by name, on the bucket's device): floating
+* the backend averages such a bucket correctly (``averages_correctly``, by name, on the bucket's device): floating
   dtypes of 32 bits or more only. gloo sums before it divides, so a float16 or bfloat16 sum can overflow where the
   scaled gradients would not; NCCL rounds its ``1/world`` pre-multiplier to the bucket's dtype first (a constant
   bias of +-0.2 % in bfloat16 at 3, 6, 7 or 12 ranks);
@@ -131,13 +131,16 @@ from .launch_context import GIVE_BACK_LIMIT_S, TELLS_USE_COUNTS, given_back, len
 DENSE_STREAK_LIMIT = 2
 """After this many dense outcomes in a row, a row-sparse bucket is reduced dense without trying."""
 AVERAGES_CORRECTLY: dict[str, tuple[tuple[int, int], int]] = {"gloo": ((2, 8), 32), "nccl": ((2, 4), 32)}
-"""Backends whose ``ReduceOp.AVG`` gives what the scaled sum gives, by name: from which PyTorch version, and the
+"""Backends whose ``ReduceOp.AVG`` gives what the scaled sum gives, by name: from which PyTorch version (gloo took
+``AVG`` in 2.8; NCCL has had it longer than graphddp supports PyTorch, so 2.4, ``pyproject.toml``'s floor), and the
 fewest bits of a floating dtype (gloo sums, then divides: a 16-bit sum may overflow; NCCL pre-multiplies by
 ``1/world`` rounded to the dtype: a bias in bfloat16)."""
 WIRE_AVERAGING: frozenset[str] = frozenset()
 """Of those, the backends graphddp lets average: where ``AVG`` was measured to cost less than the scaled sum. None
 so far (Note [Averaged on the wire] says why): gloo's division costs its worker more than the ``mul_`` it saves the
-backward's thread, and NCCL is not measured."""
+backward's thread, and NCCL is not measured. The mechanism (``WireAveragingReduction``, ``summing``, the
+reductions' ``divides_by``) is kept for NCCL, which a multi-GPU run of ``bench.wire_average`` decides
+(``docs/gpu.md``); the tests run it with gloo let in."""
 
 
 class InFlight(Protocol):
@@ -326,12 +329,17 @@ def dense_reduction(
     return AveragingReduction(group)
 
 
-def averages_on_the_wire(backend: str, dtype: torch.dtype, version: Any = torch.__version__, *, used: frozenset[str] | None = None) -> bool:
+def averages_on_the_wire(backend: str, dtype: torch.dtype, version: Any = torch.__version__) -> bool:
     """The one rule of Note [Averaged on the wire]: a dense bucket of ``dtype`` is averaged by ``backend``'s
-    all-reduce (``ReduceOp.AVG``) under PyTorch ``version``, not scaled on its way in: where the backend is one of
-    ``used`` (``WIRE_AVERAGING`` unless given) and averages such a bucket correctly (``AVERAGES_CORRECTLY``)."""
-    used = WIRE_AVERAGING if used is None else used
-    if backend not in used or backend not in AVERAGES_CORRECTLY or not dtype.is_floating_point or dtype.is_complex:
+    all-reduce (``ReduceOp.AVG``) under PyTorch ``version``, not scaled on its way in: where graphddp lets the
+    backend average (``WIRE_AVERAGING``) and it averages such a bucket correctly (``averages_correctly``)."""
+    return backend in WIRE_AVERAGING and averages_correctly(backend, dtype, version)
+
+
+def averages_correctly(backend: str, dtype: torch.dtype, version: Any = torch.__version__) -> bool:
+    """Does ``backend``'s ``ReduceOp.AVG`` under PyTorch ``version`` give a bucket of ``dtype`` what the scaled sum
+    gives (``AVERAGES_CORRECTLY``)? What the backend can do, whether or not graphddp lets it."""
+    if backend not in AVERAGES_CORRECTLY or not dtype.is_floating_point or dtype.is_complex:
         return False
     since, fewest_bits = AVERAGES_CORRECTLY[backend]
     return TorchVersion(str(version)) >= since and torch.finfo(dtype).bits >= fewest_bits

@@ -9,20 +9,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graphddp.runtime import reductions
 from graphddp.runtime.reductions import (
     AveragingReduction,
     CommHook,
     RowSparseReduction,
     SkippedReduction,
     WireAveragingReduction,
+    averages_correctly,
     averages_on_the_wire,
     backend_name,
     dense_reduction,
     summing,
 )
-
-LET_IN = frozenset({"gloo", "nccl"})
-"""Both backends let average, to see what each averages correctly."""
 
 
 @pytest.mark.parametrize(
@@ -42,14 +41,22 @@ LET_IN = frozenset({"gloo", "nccl"})
     ],
 )
 def test_which_backends_average_correctly_on_the_wire(backend: str, dtype: torch.dtype, version: str, expected: bool) -> None:
-    assert averages_on_the_wire(backend, dtype, version, used=LET_IN) is expected
+    assert averages_correctly(backend, dtype, version) is expected
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_no_backend_is_let_average_by_default(backend: str) -> None:
-    """gloo's division costs its worker more than the ``mul_`` saves (``bench.wire_average``); NCCL is not measured."""
+    """Both average a float32 bucket correctly, and neither is let: gloo's division costs its worker more than the
+    ``mul_`` saves (``bench.wire_average``); NCCL is not measured."""
+    assert averages_correctly(backend, torch.float32, "2.13.0")
     assert not averages_on_the_wire(backend, torch.float32, "2.13.0")
-    assert averages_on_the_wire(backend, torch.float32, "2.13.0", used=frozenset({backend}))
+
+
+def test_a_backend_let_in_averages_what_it_averages_correctly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reductions, "WIRE_AVERAGING", frozenset({"gloo"}))
+    assert averages_on_the_wire("gloo", torch.float32, "2.13.0")
+    assert not averages_on_the_wire("gloo", torch.bfloat16, "2.13.0")  # not correctly: it may overflow
+    assert not averages_on_the_wire("nccl", torch.float32, "2.13.0")  # not let in
 
 
 @pytest.mark.parametrize(

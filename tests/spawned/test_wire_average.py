@@ -36,7 +36,7 @@ def gloo_let_in(let_in: bool = True) -> contextlib.AbstractContextManager:
 
 
 def skip_unless_gloo_averages() -> None:
-    if not reductions.averages_on_the_wire("gloo", torch.float32, used=frozenset({"gloo"})):  # CI pins a newer torch
+    if not reductions.averages_correctly("gloo", torch.float32):  # CI pins a newer torch (constraints.txt)
         pytest.skip(f"gloo averages from PyTorch 2.8; this is {torch.__version__}")
 
 
@@ -109,20 +109,19 @@ def test_a_steady_backward_sends_every_bucket_averaged_but_the_agreements(world:
         assert seen["mul_"] == 1, seen
 
 
-def joined_early(rank: int, world: int, divide_by_initial_world_size: bool) -> list[torch.Tensor]:
-    """Rank 0 trains one step, the others three, under ``join``; the last step's gradients on the last rank."""
+def joined_early(rank: int, world: int, divide_by_initial_world_size: bool) -> dict[str, Any]:
+    """Rank 0 trains one step, the others three, under ``join``; the last step's gradients, and the reduce ops its
+    backward issued."""
     with gloo_let_in():
         ddp = graphddp.DDP(model(), **CAPS)
         steps = 1 if rank == 0 else 3
-        return _joined_early(ddp, rank, steps, divide_by_initial_world_size)
-
-
-def _joined_early(ddp: graphddp.DDP, rank: int, steps: int, divide_by_initial_world_size: bool) -> list[torch.Tensor]:
-    with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
-        for step in range(steps):
-            ddp.zero_grad(set_to_none=True)
-            ddp(batch(rank, step)).square().mean().backward()
-    return [p.grad.clone() for p in ddp.parameters()]
+        with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
+            for step in range(steps):
+                ddp.zero_grad(set_to_none=True)
+                loss = ddp(batch(rank, step)).square().mean()
+                with Recorded() as recorded:
+                    loss.backward()
+    return {"grads": [p.grad.clone() for p in ddp.parameters()], "reduce_ops": recorded.reduce_ops}
 
 
 def by_hand(rank: int, step: int) -> list[torch.Tensor]:
@@ -136,11 +135,13 @@ def test_under_join_the_average_is_over_the_ranks_it_should_be(divide_by_initial
     """At the last step only ranks 1 and 2 train: their gradients summed, divided by 3 (the initial world size)
     or by 2 (the ranks still training), which the backend's ``AVG`` over 3 ranks gives only with the gradients
     scaled by 3/2 on their way in."""
+    skip_unless_gloo_averages()
     results = run_on_ranks(joined_early, 3, divide_by_initial_world_size)
     divisor = 3 if divide_by_initial_world_size else 2
     expected = [(a + b) / divisor for a, b in zip(by_hand(1, 2), by_hand(2, 2))]
     for rank in (1, 2):
-        torch.testing.assert_close(results[rank], expected, msg=f"rank {rank}")
+        assert results[rank]["reduce_ops"] == [AVG, AVG, SUM], results[rank]["reduce_ops"]  # the let-in path
+        torch.testing.assert_close(results[rank]["grads"], expected, msg=f"rank {rank}")
 
 
 def hook_sums(rank: int, world: int) -> dict[str, Any]:

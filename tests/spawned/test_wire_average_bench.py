@@ -8,13 +8,13 @@ import torch.distributed as dist
 from ranks import run_on_ranks
 
 from bench.wire_average import WAYS, WireAverageOptions, main, one_step
-from graphddp.runtime.reductions import averages_on_the_wire
+from graphddp.runtime.reductions import averages_correctly
 
 
-def both_ways(rank: int, world: int) -> dict[str, torch.Tensor]:
+def both_ways(rank: int, world: int, ways: tuple[str, ...]) -> dict[str, torch.Tensor]:
     grads = [torch.full((5,), float(rank + 1)), torch.arange(7, dtype=torch.float32) * (rank + 1)]
     averaged = {}
-    for way in WAYS:
+    for way in ways:
         buckets = [torch.empty_like(g) for g in grads]
         one_step(dist.group.WORLD, grads, buckets, way)
         averaged[way] = torch.cat(buckets)
@@ -23,12 +23,12 @@ def both_ways(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_scaled_sum_and_the_backends_average_give_the_average(world: int) -> None:
-    if not averages_on_the_wire("gloo", torch.float32, used=frozenset({"gloo"})):
-        pytest.skip(f"gloo averages from PyTorch 2.8; this is {torch.__version__}")
+    ways = WAYS if averages_correctly("gloo", torch.float32) else ("sum",)  # gloo takes AVG from PyTorch 2.8
     mean = sum(range(1, world + 1)) / world
     expected = torch.cat([torch.full((5,), mean), torch.arange(7, dtype=torch.float32) * mean])
-    for rank, averaged in enumerate(run_on_ranks(both_ways, world)):
-        for way in WAYS:
+    for rank, averaged in enumerate(run_on_ranks(both_ways, world, ways)):
+        assert set(averaged) == set(ways)
+        for way in ways:
             torch.testing.assert_close(averaged[way], expected, msg=f"rank {rank}, {way}")
 
 
@@ -60,4 +60,10 @@ def test_more_ranks_than_gpus_on_nccl_is_refused(capsys: pytest.CaptureFixture[s
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit):
         main(["--device", "cuda", "--world-size", "2"])
-    assert "needs a GPU per rank; this machine has 1" in capsys.readouterr().err
+    assert "needs a GPU per rank; this machine has 1: pass --world-size at most that, or --device cpu" in capsys.readouterr().err
+
+
+def test_sizes_that_are_not_integers_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--sizes", "1000,x", "--device", "cpu"])
+    assert "--sizes: must be comma-separated integers (elements per bucket), got '1000,x'" in capsys.readouterr().err
