@@ -4,23 +4,22 @@ A DDP averages a bucket in one of two ways, and ``WIRE_AVERAGING`` (Note [Averag
 ``graphddp.runtime.reductions``) picks, per backend, the one measured here:
 
 - ``sum``: the caller multiplies the bucket by ``1/world`` (one ``mul_``, on the thread that runs backward, right
-  after the bucket was copied in, so on data still in cache), then all-reduces it with ``ReduceOp.SUM``: what
-  PyTorch's DDP does, and graphddp on a backend not in the table;
+  after the bucket was copied in, so on data still in cache where the bucket fits), then all-reduces it with
+  ``ReduceOp.SUM``: what PyTorch's DDP does, and graphddp on a backend not in the table;
 - ``avg``: the bucket goes unscaled and is all-reduced with ``ReduceOp.AVG``, the backend dividing (gloo: one more
   pass on its worker thread, after the sum; NCCL: each contribution pre-multiplied inside the kernel).
 
 Every step copies each bucket in from a tensor of its own (the gradients) and all-reduces it, for buckets of the
 sizes given (``--sizes``; the default is the ten buckets ``bench.overhead``'s GPT plan makes at 1 MiB caps), one
-after the other without waiting, then waits for all, as a backward does; so ``sum``'s ``mul_`` runs on a bucket just
-written, as in a DDP. The two
-ways are interleaved step by step (``pass_order``: in turn, the order reversed every other pass), with a barrier
-before each step. Per step it reports, as the median over steps and the mean over ranks: wall time; CPU time of the
-calling thread (the ``mul_`` and the launches); and CPU time of every other thread of the process (the process
-group's workers: gloo reduces there), and of the whole process (its own median, not the sum of the two). On a host
-whose cores the ranks share (2 vCPUs, 2 ranks), a pass moved onto
-a worker thread is not free: it is CPU the other rank's backward does not get, so the total is what counts there.
-On CUDA the CPU clocks are read before the stream is synchronised, so they show the launches only; wall time
-(after it) is the figure.
+after the other without waiting, then waits for all, as a backward does; so ``sum``'s ``mul_`` runs on a bucket
+just written, as in a DDP. The two ways are interleaved step by step (``pass_order``: in turn, the order reversed
+every other pass), with a barrier before each step. Per step it reports, as the median over steps and the mean over
+ranks: wall time; CPU time of the calling thread (the copies, the ``mul_`` and the launches); CPU time of every
+other thread of the process (the process group's workers: gloo reduces there); and CPU time of the whole process
+(its own median, not the sum of the two). On a host whose cores the ranks share (2 vCPUs, 2 ranks), a pass moved
+onto a worker thread is not free: it is CPU the other rank's backward does not get, so the total is what counts
+there. On CUDA the CPU clocks are read before the stream is synchronised, so they show the launches only; wall
+time (after it) is the figure.
 """
 
 from __future__ import annotations
