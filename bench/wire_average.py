@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from graphddp.tools.launch import free_port
+from graphddp.tools.launch import free_port, import_before_init
 
 from .interleave import pass_order
 from .overhead import spawn_and_collect
@@ -99,9 +99,18 @@ def run_rank(rank: int, world_size: int, port: int, o: WireAverageOptions, resul
     device = torch.device(o.device, rank) if o.device == "cuda" else torch.device("cpu")
     if o.device == "cuda":
         torch.cuda.set_device(device)
+    import_before_init()  # Note [The default group outlives destroy_process_group]
     dist.init_process_group(o.backend, rank=rank, world_size=world_size, device_id=device if o.device == "cuda" else None)
+    try:
+        results.put((rank, time_both_ways(o, device)))
+    finally:
+        dist.destroy_process_group()
+
+
+def time_both_ways(o: WireAverageOptions, device: torch.device) -> dict[str, list[float]]:
+    """This rank's medians, per way: wall, caller CPU, other threads' CPU and the process's CPU, in ms a step."""
     group = dist.group.WORLD
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(dist.get_rank())
     grads = [torch.randn(n, generator=generator).to(device=device, dtype=getattr(torch, o.dtype)) for n in o.sizes]
     buckets = [torch.empty_like(grad) for grad in grads]
     record: dict[str, list[tuple[float, float, float, float]]] = {way: [] for way in WAYS}
@@ -116,8 +125,7 @@ def run_rank(rank: int, world_size: int, port: int, o: WireAverageOptions, resul
             wall = time.perf_counter() - wall
             if k >= o.warmup:
                 record[way].append((wall, caller, process - caller, process))
-    results.put((rank, {way: [statistics.median(column) * 1e3 for column in zip(*steps)] for way, steps in record.items()}))
-    dist.destroy_process_group()
+    return {way: [statistics.median(column) * 1e3 for column in zip(*steps)] for way, steps in record.items()}
 
 
 def summarise(per_rank: dict[int, dict[str, list[float]]]) -> list[dict[str, Any]]:
