@@ -17,6 +17,15 @@ DDPs rebuild their buckets in after their first iteration):
 * ``torch``: PyTorch's (``bench.modes.torch_buckets``, PyTorch's own function; PyTorch's DDP built with the cap,
   as ``bench.overhead`` builds it, makes that the first bucket's cap too).
 
+``BareDDP`` is the same with the data path of a DDP added and nothing else: when a bucket is complete its gradients
+are copied into its buffer (one ``_foreach_copy_``) and scaled by ``1 / world size`` (one ``mul_``), and after the
+wait the averages are copied back into ``.grad`` (one ``_foreach_copy_`` per bucket): graphddp's lean bucket path
+(Note [Lean bucket path] in ``graphddp.runtime.reductions``) without a line of graphddp's bookkeeping (no plan
+agreement, no usage, no checks, no ordering rules beyond bucket order). It averages correctly, so it is a DDP,
+for a static graph with every parameter used: what a DDP written in Python that copies as graphddp copies cannot
+get under on the machine. (PyTorch's C++ Reducer copies each gradient as it arrives, scaling while copying, so for
+it this is a reference, not a floor.)
+
 Since session 32 the two coincide (ramps off, graphddp closes a bucket once it holds its cap or more, as PyTorch
 does: ``BucketCaps.closes_over_cap``); before, graphddp kept every bucket within its cap and cut 13 buckets of the
 bench GPT where PyTorch cut 10. Both are still measured: each from its own DDP's rules.
@@ -80,6 +89,13 @@ class AsReady:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, k))
 
+    def _send(self, k: int) -> Any:
+        """Bucket ``k``'s all-reduce, issued."""
+        return dist.all_reduce(self.buffers[k], async_op=True)
+
+    def _received(self, k: int) -> None:
+        """Bucket ``k``'s all-reduce is done."""
+
     def _accumulated(self, k: int, _param: nn.Parameter) -> None:
         if not self._queued:  # the backward's first gradient: wait at its end, as a DDP does
             torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
@@ -89,14 +105,15 @@ class AsReady:
             return
         self._ready[k] = True
         while len(self._works) < len(self.buffers) and self._ready[len(self._works)]:  # launch in bucket order
-            self._works.append(dist.all_reduce(self.buffers[len(self._works)], async_op=True))
+            self._works.append(self._send(len(self._works)))
 
     def _wait_all(self) -> None:
         """End of backward: every bucket's all-reduce is done before ``backward()`` returns (the optimizer needs the
         averages), as in a DDP."""
         assert len(self._works) == len(self.buffers), f"{len(self._works)} of {len(self.buffers)} buckets became ready"
-        for work in self._works:
+        for k, work in enumerate(self._works):
             work.wait()
+            self._received(k)
         self.waited = True
 
     def step(self, step: Callable[..., int | None], count: Any = None) -> int | None:
@@ -106,3 +123,24 @@ class AsReady:
         calls = step(count)
         assert self.waited, "the backward ended without waiting for its all-reduces"
         return calls
+
+
+class BareDDP(AsReady):
+    """``AsReady`` with a DDP's data path: a bucket's gradients copied in and scaled by ``1 / world size`` before it
+    is sent, the averages copied back into ``.grad`` after its wait; nothing else (the module's docstring)."""
+
+    def __init__(self, buckets: Sequence[Sequence[nn.Parameter]], device: torch.device | str | None = None) -> None:
+        super().__init__(buckets, device)
+        self.params = [list(b) for b in buckets]
+        self.views = [  # per bucket, per parameter: its slice of the buffer, shaped like it
+            [v.view(p.shape) for v, p in zip(torch.split(buffer, [p.numel() for p in b]), b)] for buffer, b in zip(self.buffers, buckets)
+        ]
+        self.scale = 1.0 / dist.get_world_size()
+
+    def _send(self, k: int) -> Any:
+        torch._foreach_copy_(self.views[k], [p.grad for p in self.params[k]])
+        self.buffers[k].mul_(self.scale)
+        return super()._send(k)
+
+    def _received(self, k: int) -> None:
+        torch._foreach_copy_([p.grad for p in self.params[k]], self.views[k])

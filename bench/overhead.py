@@ -32,6 +32,11 @@ below),
   collectives, sent as an eager DDP sends them. ``bound-ready`` sends graphddp's buckets, ``bound-ready-torch``
   PyTorch's, so a DDP's distance from its own layout's row is its own cost (since session 32 the two layouts
   are the same: ramps off, graphddp closes a bucket at its cap or more, as PyTorch does).
+- ``bare-ddp`` (eager): ``bound-ready`` with a DDP's data path and nothing else (``bench.as_ready.BareDDP``): a
+  complete bucket's gradients copied into its buffer and scaled, sent, and the averages copied back after the
+  wait, as graphddp's lean bucket path does, with none of graphddp's bookkeeping. graphddp-eager's distance from it
+  is graphddp's bookkeeping; PyTorch's distance from it is what its C++ Reducer saves, or costs, over a DDP in
+  Python that copies as graphddp does.
 
 Both DDPs get the same bucket layout: every cap ``--cap-mb`` (≥ 1 MiB: DDPOptimizer asserts below), graphddp's
 ramps off. Two orders (``--interleave``):
@@ -101,11 +106,11 @@ from graphddp.passes import BucketCaps
 from graphddp.tools.launch import free_port, import_before_init
 
 from .allocator import ALLOCATORS, allocator_env, minor_page_faults
-from .as_ready import AsReady, bucket_layout, ready_order
+from .as_ready import AsReady, BareDDP, bucket_layout, ready_order
 from .interleave import INTERLEAVINGS, graphs_compiled, isolated_model, pass_order, shared_frames
 from .modes import all_reduce_every, dense_bucket_buffers, reduction_ran
 
-EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager")
+EAGER_MODES = ("local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "bare-ddp", "torch-eager", "graphddp-eager")
 COMPILED_MODES = ("local-compiled", "bound-compiled", "bound-backward-compiled", "torch-compiled", "graphddp-compiled",
                   "graphddp-compiled-split")  # fmt: skip
 STACK_SHIFTS = (0, 3, 7)
@@ -113,11 +118,13 @@ STACK_SHIFTS = (0, 3, 7)
 puts a compiled graph's frame (the module's docstring)."""
 MODELS = ("gpt", "mlp")
 """The models ``--model`` names (``OverheadOptions.model``)."""
-LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled", "bound-ready", "bound-ready-torch")
+LINK_MODES = ("bound", "bound-compiled", "bound-backward", "bound-backward-compiled", "bound-ready", "bound-ready-torch", "bare-ddp")
 """The modes that only mean something where there is a link: left out at one rank."""
-AS_READY = {"bound-ready": "graphddp", "bound-ready-torch": "torch"}
-"""The link modes that send each bucket as its gradients become ready (``bench.as_ready``), and whose bucket
-layout they send."""
+AS_READY: dict[str, tuple[str, type[AsReady]]] = {
+    "bound-ready": ("graphddp", AsReady), "bound-ready-torch": ("torch", AsReady), "bare-ddp": ("graphddp", BareDDP),
+}
+"""The link modes that send each bucket as its gradients become ready (``bench.as_ready``): whose bucket layout
+they send, and whether they only send (``AsReady``) or also copy and average (``BareDDP``)."""
 FROM_BACKWARD = ("bound-backward", "bound-backward-compiled")
 """The link modes whose all-reduces start with the backward, not with the step."""
 
@@ -402,7 +409,8 @@ class PreparedMode:
         if name in AS_READY:  # cut over the ready order of a first backward, as both DDPs rebuild theirs
             order = ready_order(step_model, lambda: step_model(x, y).backward())
             step_model.zero_grad(set_to_none=True)
-            as_ready = AsReady(bucket_layout(step_model, order, AS_READY[name], o.cap_mb), o.device)
+            layout, sender = AS_READY[name]
+            as_ready = sender(bucket_layout(step_model, order, layout, o.cap_mb), o.device)
             step, buckets = functools.partial(as_ready.step, step), len(as_ready.buffers)
         elif name in LINK_MODES:
             caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.as_ready import AsReady, bucket_layout, ready_order
+from bench.as_ready import AsReady, BareDDP, bucket_layout, ready_order
 from bench.overhead import OverheadOptions, build_model
 
 
@@ -61,3 +61,28 @@ def test_each_bucket_is_sent_once_its_last_gradient_is_in_and_in_bucket_order(mo
     events.clear()
     as_ready.step(lambda count: model(x).sum().backward())  # every step sends afresh
     assert [e for e in events if e[0] == "send"] == [("send", 0), ("send", 1), ("send", 2)]
+
+
+def test_bare_ddp_copies_each_bucket_in_before_it_is_sent_and_back_after_its_wait(monkeypatch, one_rank_group) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)  # [B, 4]
+    order = ready_order(model, lambda: model(x).sum().backward())
+    expected = [p.grad.clone() for p in order]  # the step's own gradients
+    model.zero_grad(set_to_none=False)  # zeros, accumulated into in place: each .grad keeps its tensor
+    grads = [p.grad for p in order]
+    bare = BareDDP([order[:2], order[2:]])
+    sent = dist.all_reduce
+    seen: list[torch.Tensor] = []
+
+    def sending(buf: torch.Tensor, **kwargs):
+        seen.append(buf.clone())  # what the bucket held when sent: its gradients, copied in and scaled by 1 / 1
+        buf.fill_(1.0)  # what comes back differs from what went out: the result must be copied back
+        return sent(buf, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", sending)
+    bare.step(lambda count: model(x).sum().backward())
+    torch.testing.assert_close(seen[0], torch.cat([g.reshape(-1) for g in expected[:2]]))
+    torch.testing.assert_close(seen[1], torch.cat([g.reshape(-1) for g in expected[2:]]))
+    assert all(p.grad is g for p, g in zip(order, grads))  # copied back into .grad, not re-pointed at the buffer
+    assert all(bool((p.grad == 1.0).all()) for p in order)  # the all-reduce's result

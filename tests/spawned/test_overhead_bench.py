@@ -181,11 +181,11 @@ def test_each_mode_is_measured_against_its_kind_of_baseline_and_pytorch_peer() -
 
 def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_is_a_link() -> None:
     o = OverheadOptions(inners=("inductor",))
-    assert not {"bound", "bound-backward", "bound-ready", "bound-ready-torch", "bound-compiled:inductor",
+    assert not {"bound", "bound-backward", "bound-ready", "bound-ready-torch", "bare-ddp", "bound-compiled:inductor",
                 "bound-backward-compiled:inductor"} & set(o.modes(1))  # fmt: skip
-    assert o.modes(2)[:5] == ["local", "bound", "bound-backward", "bound-ready", "bound-ready-torch"]
+    assert o.modes(2)[:6] == ["local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "bare-ddp"]
     assert {"bound-compiled:inductor", "bound-backward-compiled:inductor"} <= set(o.modes(2))
-    times = {"local": 10, "bound": 13, "bound-backward": 14, "bound-ready": 15, "bound-ready-torch": 14, "torch-eager": 16,
+    times = {"local": 10, "bound": 13, "bound-backward": 14, "bound-ready": 15, "bound-ready-torch": 14, "bare-ddp": 17, "torch-eager": 16,
              "graphddp-eager": 15,
              "local-compiled:inductor": 8, "bound-compiled:inductor": 11, "bound-backward-compiled:inductor": 12,
              "torch-compiled:inductor": 14, "graphddp-compiled:inductor": 12, "graphddp-compiled-split:inductor": 16}  # fmt: skip
@@ -206,6 +206,7 @@ def test_bound_is_a_floor_read_against_pytorchs_added_time_and_only_where_there_
     # Sent as the gradients become ready, in graphddp's buckets and in PyTorch's: against PyTorch's DDP too.
     assert rows["bound-ready"]["added_vs_torch"] == pytest.approx(5 / 6)
     assert rows["bound-ready-torch"]["added_vs_torch"] == pytest.approx(4 / 6)
+    assert rows["bare-ddp"]["added_vs_torch"] == pytest.approx(7 / 6)  # a reference, not a floor: it may lie above
 
 
 @pytest.mark.parametrize("from_backward, expected", [
@@ -291,10 +292,10 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
                  "--warmup", "0", "--interleave", "modes", "--tables", "dense", "--out", str(tmp_path)]) == 0  # fmt: skip
     rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == [
-        "local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "torch-eager", "graphddp-eager",
+        "local", "bound", "bound-backward", "bound-ready", "bound-ready-torch", "bare-ddp", "torch-eager", "graphddp-eager",
     ]  # fmt: skip
     by_mode = {r["mode"]: r for r in rows}
-    for bound in rows[1:5]:
+    for bound in rows[1:6]:
         assert bound["step_s"] > 0 and "added_s" in bound and "added_vs_torch" in bound
     for bound in rows[1:3]:
         assert bound["added_calls"] == 0  # the link beside the step runs no Python in backward
@@ -303,6 +304,8 @@ def test_two_ranks_time_the_bound_beside_the_eager_modes_one_mode_at_a_time(tmp_
     assert by_mode["bound-ready"]["added_calls"] >= by_mode["bound-ready"]["params"]
     assert by_mode["bound-ready"]["buckets"] == by_mode["graphddp-eager"]["buckets"]
     assert by_mode["bound-ready-torch"]["buckets"] == by_mode["torch-eager"]["buckets"]
+    assert by_mode["bare-ddp"]["buckets"] == by_mode["graphddp-eager"]["buckets"]  # graphddp's buckets, copied as it copies
+    assert by_mode["bare-ddp"]["added_calls"] >= by_mode["bare-ddp"]["params"]  # a hook per gradient, as bound-ready
     assert by_mode["graphddp-eager"]["rows"] == []  # every table dense, as asked
 
 
