@@ -22,9 +22,9 @@ are copied into its buffer (one ``_foreach_copy_``) and scaled by ``1 / world si
 wait the averages are copied back into ``.grad`` (one ``_foreach_copy_`` per bucket): graphddp's lean bucket path
 (Note [Lean bucket path] in ``graphddp.runtime.reductions``) without a line of graphddp's bookkeeping (no plan
 agreement, no usage, no checks, no ordering rules beyond bucket order). It averages correctly, so it is a DDP,
-for a static graph with every parameter used: what a DDP written in Python that copies as graphddp copies cannot
-get under on the machine. (PyTorch's C++ Reducer copies each gradient as it arrives, scaling while copying, so for
-it this is a reference, not a floor.)
+for a static graph with every parameter used: a reference for what graphddp's bookkeeping costs. Not a floor: its
+hook per gradient is a Python call where graphddp's steady hooks count in C (Note [Counting without a frame]), and
+PyTorch's C++ Reducer copies each gradient as it arrives, scaling while copying.
 
 Since session 32 the two coincide (ramps off, graphddp closes a bucket once it holds its cap or more, as PyTorch
 does: ``BucketCaps.closes_over_cap``); before, graphddp kept every bucket within its cap and cut 13 buckets of the
