@@ -227,6 +227,11 @@ class OverheadOptions:
             return self.backend
         return "nccl" if self.device == "cuda" else "gloo"
 
+    @property
+    def caps(self) -> BucketCaps:
+        """The caps both DDPs run at, as graphddp's planner takes them: every bucket ``cap_mb``, ramps off."""
+        return BucketCaps.from_mb(self.cap_mb, self.cap_mb, self.cap_mb, ramps=False)
+
     def check_gpus(self, gpus: int) -> None:
         """Raises ``ValueError`` when ``device`` is CUDA and ``gpus`` GPUs cannot hold the ranks: none at all, or
         fewer than the largest world size on NCCL (a GPU per rank)."""
@@ -413,8 +418,7 @@ class PreparedMode:
             as_ready = sender(bucket_layout(step_model, order, layout, o.cap_mb), o.device)
             step, buckets = functools.partial(as_ready.step, step), len(as_ready.buffers)
         elif name in LINK_MODES:
-            caps = BucketCaps.from_mb(o.cap_mb, o.cap_mb, o.cap_mb, ramps=False)  # as the DDP modes run
-            buffers = dense_bucket_buffers(step_model, caps, o.device)
+            buffers = dense_bucket_buffers(step_model, o.caps, o.device)  # at the caps the DDP modes run
             step = functools.partial(link_beside, buffers, step, from_backward=name in FROM_BACKWARD)
             buckets = len(buffers)
         return cls(step, ddp, sum(1 for p in step_model.parameters() if p.requires_grad), buckets)

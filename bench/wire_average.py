@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -39,12 +40,19 @@ from tabulate import tabulate
 from graphddp.tools.launch import free_port, import_before_init
 
 from .interleave import pass_order
-from .overhead import spawn_and_collect
+from .modes import dense_bucket_buffers
+from .overhead import OverheadOptions, build_model, spawn_and_collect
 
-GPT_BUCKETS = (264192, 264320, 264576) * 3 + (532736,)
-"""Elements of each bucket of ``bench.overhead``'s GPT plan (148 tensors at width 128, vocabulary 4096, caps of
-1 MiB): nine of the twelve blocks' parameters, a block and a third each, and the last with the tied table."""
 WAYS = ("sum", "avg")
+
+
+@functools.cache
+def gpt_buckets() -> tuple[int, ...]:
+    """Elements of each bucket of ``bench.overhead``'s GPT plan at its caps, as its ``bound`` modes send them (148
+    tensors at width 128, vocabulary 4096, caps of 1 MiB: nine buckets of a block and a third each, and the last
+    with the tied table): the default ``--sizes``."""
+    o = OverheadOptions()
+    return tuple(buffer.numel() for buffer in dense_bucket_buffers(build_model(o), o.caps))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +61,7 @@ class WireAverageOptions:
 
     world_size: int = 2
     """Ranks (gloo over loopback on the CPU, NCCL on CUDA: a GPU per rank)."""
-    sizes: tuple[int, ...] = GPT_BUCKETS
+    sizes: tuple[int, ...] = dataclasses.field(default_factory=gpt_buckets)
     """Elements of each bucket all-reduced per step, in launch order."""
     dtype: str = "float32"
     """The buckets' dtype (a ``torch`` attribute name)."""
